@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+VENV    := .venv
+PYTHON  := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# torch is pinned to the CPU build that lies on this machine's disk; elsewhere pip picks the matching build.
+TORCH   ?= torch==2.13.0
+ARGS    ?=
+
+.PHONY: setup model serve test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q "$(TORCH)"
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+model: setup
+	$(PYTHON) -m decoding.loading
+
+serve: model
+	$(VENV)/bin/lookahead-server $(ARGS)
+
+test: model
+	$(PYTHON) -m pytest -q $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check decoding server tests
+
+bench: model
+	$(PYTHON) -m decoding.bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

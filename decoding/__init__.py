@@ -1,0 +1,23 @@
+"""Lookahead decoding for transformers causal LMs: pure torch, no HTTP, no asyncio.
+
+The engine knows nothing about tokenization: token ids in, token ids out.
+"""
+
+from decoding.engine import Step, StepStats, generate_autoregressive, generate_lookahead
+from decoding.errors import ContextLengthError, DecodingError, EmptyPromptError, InvalidParameterError, ModelLoadError
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+
+__all__ = [
+    "ContextLengthError",
+    "DecodingError",
+    "EmptyPromptError",
+    "InvalidParameterError",
+    "LookaheadConfig",
+    "ModelLoadError",
+    "SamplingParams",
+    "Step",
+    "StepStats",
+    "StopCriteria",
+    "generate_autoregressive",
+    "generate_lookahead",
+]

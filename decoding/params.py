@@ -1,0 +1,104 @@
+"""Decoding parameters: what to generate, how to pick tokens, and the lookahead window.
+
+Contract: the three dataclasses are immutable plain data that cross the server/decoding boundary.
+``validate()`` raises ``InvalidParameterError`` naming the offending field; the generators call it, so a
+caller can never start a decode with parameters out of range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from decoding.errors import InvalidParameterError
+
+MAX_WINDOW_SIZE = 64
+MAX_NGRAM_SIZE = 16
+MAX_GUESS_SET_SIZE = 64
+MAX_STEP_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Token choice. ``temperature == 0`` means greedy (argmax); ``top_k == 0`` and ``top_p == 1`` disable them."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax."""
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ``InvalidParameterError`` if a field is out of range."""
+        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise InvalidParameterError("temperature", f"temperature must be in [0, 2], got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidParameterError("top_k", f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    """When to stop: after ``max_tokens`` new tokens, or at any token in ``stop_token_ids`` (EOS included).
+
+    A stop token ends the generation with reason ``"stop"`` and is not emitted.
+    """
+
+    max_tokens: int
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def validate(self) -> None:
+        """Raise ``InvalidParameterError`` if ``max_tokens`` is not positive."""
+        if self.max_tokens < 1:
+            raise InvalidParameterError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """The lookahead window and pool.
+
+    - ``window_size`` (W >= 1): columns of the Jacobi window.
+    - ``ngram_size`` (N >= 2): n-gram length; the window has N-1 rows and one step commits at most N tokens.
+    - ``guess_set_size`` (G >= 0): candidates kept per key in the pool, and verified per step.
+    - ``prompt_pool`` / ``output_pool``: also seed the pool with n-grams of the prompt / the generated text.
+    - ``align_window``: after a step that commits ``a`` tokens, shift the window left by ``a - 1`` columns so
+      each guess stays at its position (else it always shifts by one column, as the reference does).
+    """
+
+    window_size: int = 5
+    ngram_size: int = 4
+    guess_set_size: int = 5
+    prompt_pool: bool = True
+    output_pool: bool = True
+    align_window: bool = True
+
+    @property
+    def levels(self) -> int:
+        """Rows of the window: N - 1."""
+        return self.ngram_size - 1
+
+    @property
+    def step_tokens(self) -> int:
+        """Input tokens of a steady-state step: (N-1)·(W+G)."""
+        return self.levels * (self.window_size + self.guess_set_size)
+
+    def validate(self) -> None:
+        """Raise ``InvalidParameterError`` if W, N or G is out of range or the step would be absurdly large."""
+        _check_range("window_size", self.window_size, 1, MAX_WINDOW_SIZE)
+        _check_range("ngram_size", self.ngram_size, 2, MAX_NGRAM_SIZE)
+        _check_range("guess_set_size", self.guess_set_size, 0, MAX_GUESS_SET_SIZE)
+        if self.step_tokens > MAX_STEP_TOKENS:
+            raise InvalidParameterError(
+                "lookahead", f"(N-1)*(W+G) = {self.step_tokens} input tokens per step exceeds {MAX_STEP_TOKENS}"
+            )
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    """Raise ``InvalidParameterError`` unless ``value`` is an int in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidParameterError(name, f"{name} must be an integer in [{low}, {high}], got {value!r}")

@@ -1,0 +1,146 @@
+"""The 2-D Jacobi window and the layout of one lookahead step (token order, positions, attention mask).
+
+Contract: a step's input is ``last`` and the rest of window row 0, then rows 1..L-1 (the lookahead branch,
+``L·W`` tokens), then ``C`` candidates of ``K`` tokens each (the verification branch). ``step_layout``
+returns, for that shape, the position offsets from ``p`` (the position of ``last``), the ``[q, q]`` attention
+mask among the step's tokens, and the rows whose logits are read. Every step token also sees the whole KV
+cache; the caller prepends those columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Tensors describing one step of a given shape; built once per shape and reused.
+
+    - ``offsets`` ``[q]``: position of each input token minus ``p``.
+    - ``visible`` ``[q, q]`` bool: ``visible[i, k]`` is True when token ``i`` attends to token ``k``.
+    - ``logit_rows`` ``[1 + W + C·K]``: the input rows whose logits are read, in this order: ``last``, the
+      bottom window row (W tokens), then every candidate token (candidate-major).
+    """
+
+    offsets: torch.Tensor
+    visible: torch.Tensor
+    logit_rows: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Input tokens of the step (q)."""
+        return self.offsets.numel()
+
+
+@functools.lru_cache(maxsize=256)
+def step_layout(width: int, levels: int, num_candidates: int, candidate_length: int) -> StepLayout:
+    """Layout of a step with an ``levels`` x ``width`` window and ``num_candidates`` candidates (on the CPU).
+
+    Window token (r, j) sits at offset r + j and sees row-0 tokens (0, j') for j' <= j and the tokens (r', j)
+    of its column for 1 <= r' <= r. Candidate token k (1-based) sits at offset k and sees ``last`` and the
+    earlier tokens of its own candidate. Example, W=2, L=2, one candidate of K=2 (indices: window 0..3,
+    candidate 4..5)::
+
+        offsets 0 1 1 2 1 2      visible   0 1 2 3 4 5
+                                      0    x
+                                      1    x x
+                                      2    x   x
+                                      3    x x   x
+                                      4    x       x
+                                      5    x       x x
+    """
+    window_tokens = levels * width
+    total = window_tokens + num_candidates * candidate_length
+    offsets = torch.empty(total, dtype=torch.long)
+    visible = torch.zeros(total, total, dtype=torch.bool)
+    for row in range(levels):
+        for column in range(width):
+            index = row * width + column
+            offsets[index] = row + column
+            visible[index, : column + 1] = True
+            for upper in range(1, row + 1):
+                visible[index, upper * width + column] = True
+    for candidate in range(num_candidates):
+        start = window_tokens + candidate * candidate_length
+        for k in range(candidate_length):
+            offsets[start + k] = k + 1
+            visible[start + k, 0] = True
+            visible[start + k, start : start + k + 1] = True
+    bottom_row = range((levels - 1) * width, levels * width)
+    logit_rows = torch.tensor([0, *bottom_row, *range(window_tokens, total)], dtype=torch.long)
+    return StepLayout(offsets, visible, logit_rows)
+
+
+class Window:
+    """The Jacobi window: up to ``levels`` rows of ``width`` guessed tokens.
+
+    Row r, column j holds a guess for position ``p + r + j``; row 0 column 0 stands for ``last`` and is
+    replaced by it in the step input. The window starts with one row drawn from the context and gains a
+    row per step until it has ``levels`` rows; after that each step drops row 0 (the rows move up one
+    level) and appends the new row read off the bottom row's logits.
+    """
+
+    def __init__(self, width: int, levels: int, filler: Callable[[], int]) -> None:
+        self.width = width
+        self.levels = levels
+        self.filler = filler
+        self.rows: list[list[int]] = [[filler() for _ in range(width)]]
+
+    @property
+    def full(self) -> bool:
+        """True once the window has all its rows, so every column yields a complete n-gram."""
+        return len(self.rows) == self.levels
+
+    def input_tokens(self, last: int) -> list[int]:
+        """The lookahead branch's tokens: ``last``, the rest of row 0, then rows 1.. in order."""
+        tokens = [last, *self.rows[0][1:]]
+        for row in self.rows[1:]:
+            tokens.extend(row)
+        return tokens
+
+    def ngrams(self, new_row: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """For each column j, ``(row0[j], (row1[j], ..., new_row[j]))``: an n-gram on consecutive positions."""
+        if not self.full:
+            return []
+        return [(self.rows[0][j], tuple(row[j] for row in (*self.rows[1:], new_row))) for j in range(self.width)]
+
+    def advance(self, new_row: Sequence[int], committed: int, align: bool) -> None:
+        """Append ``new_row`` (dropping row 0 when full) and re-align after ``committed`` tokens.
+
+        With ``align``, every row shifts left so that column j again guesses position ``p' + r + j`` for the
+        new ``p' = p + committed``; the vacated right-hand columns are refilled from the context.
+        """
+        self.rows.append(list(new_row))
+        moved_up = len(self.rows) > self.levels
+        if moved_up:
+            self.rows.pop(0)
+        shift = committed - 1 if moved_up else committed
+        if align and shift > 0:
+            self.rows = [self._shift(row, shift) for row in self.rows]
+
+    def _shift(self, row: list[int], shift: int) -> list[int]:
+        kept = row[shift:]
+        return kept + [self.filler() for _ in range(self.width - len(kept))]
+
+
+def context_filler(context: list[int], exclude: frozenset[int] = frozenset(), seed: int = 0) -> Callable[[], int]:
+    """A function drawing tokens uniformly from ``context`` (a live list: later appends are seen).
+
+    Tokens in ``exclude`` (EOS and other stop tokens) are never returned: a few redraws, then the most
+    recent context token that is not excluded (or token 0 if there is none).
+    """
+    rng = random.Random(seed)
+
+    def draw() -> int:
+        for _ in range(8):
+            token = context[rng.randrange(len(context))]
+            if token not in exclude:
+                return token
+        return next((token for token in reversed(context) if token not in exclude), 0)
+
+    return draw
