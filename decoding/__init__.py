@@ -3,12 +3,14 @@
 The engine knows nothing about tokenization: token ids in, token ids out.
 """
 
+from decoding.decoder import Decoder, configure_threads
 from decoding.engine import Step, StepStats, generate_autoregressive, generate_lookahead
 from decoding.errors import ContextLengthError, DecodingError, EmptyPromptError, InvalidParameterError, ModelLoadError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 
 __all__ = [
     "ContextLengthError",
+    "Decoder",
     "DecodingError",
     "EmptyPromptError",
     "InvalidParameterError",
@@ -18,6 +20,7 @@ __all__ = [
     "Step",
     "StepStats",
     "StopCriteria",
+    "configure_threads",
     "generate_autoregressive",
     "generate_lookahead",
 ]

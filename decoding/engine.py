@@ -88,6 +88,25 @@ def context_length(model: PreTrainedModel) -> int:
     return int(getattr(config, "max_position_embeddings", 2048))
 
 
+def validate_request(
+    model: PreTrainedModel,
+    prompt_ids: Sequence[int],
+    stop: StopCriteria,
+    sampling: SamplingParams,
+    lookahead: LookaheadConfig | None = None,
+) -> None:
+    """Raise ``InvalidParameterError`` (or a subclass) if the request cannot be decoded; run no forward pass."""
+    stop.validate()
+    sampling.validate()
+    if lookahead is not None:
+        lookahead.validate()
+    if len(prompt_ids) == 0:
+        raise EmptyPromptError()
+    limit = context_length(model)
+    if len(prompt_ids) + stop.max_tokens > limit:
+        raise ContextLengthError(len(prompt_ids), stop.max_tokens, limit)
+
+
 def _start(
     model: PreTrainedModel,
     prompt_ids: Sequence[int],
@@ -96,13 +115,7 @@ def _start(
     step_tokens: int,
 ) -> _Sequence:
     """Validate arguments and allocate the sequence's cache."""
-    stop.validate()
-    sampling.validate()
-    if len(prompt_ids) == 0:
-        raise EmptyPromptError()
-    limit = context_length(model)
-    if len(prompt_ids) + stop.max_tokens > limit:
-        raise ContextLengthError(len(prompt_ids), stop.max_tokens, limit)
+    validate_request(model, prompt_ids, stop, sampling)
     cache = new_cache(model, len(prompt_ids) + stop.max_tokens + step_tokens)
     generator = None
     if not sampling.greedy:
