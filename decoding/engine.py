@@ -227,7 +227,7 @@ class _LookaheadState:
         committed = sequence.accept(verdict.tokens)
         self._commit_cache(position, window_tokens, verdict, len(committed))
         new_row = self._clean_row(predicted[1 : 1 + config.window_size])
-        for key, ngram in self.window.ngrams(new_row):
+        for key, ngram in self.window.ngrams(last, new_row):
             self.pool.add(key, ngram)
         self.window.advance(new_row, len(committed), config.align_window)
         if config.output_pool:

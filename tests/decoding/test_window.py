@@ -1,0 +1,90 @@
+"""Step layout (hand-written masks and positions) and the window's update rules."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from decoding.window import Window, context_filler, step_layout
+
+
+def _grid(rows: list[str]) -> torch.Tensor:
+    return torch.tensor([[char == "x" for char in row] for row in rows])
+
+
+def test_layout_two_by_two_window_with_one_candidate():
+    layout = step_layout(width=2, levels=2, num_candidates=1, candidate_length=2)
+    assert layout.offsets.tolist() == [0, 1, 1, 2, 1, 2]
+    expected = _grid(
+        [
+            "x.....",
+            "xx....",
+            "x.x...",
+            "xx.x..",
+            "x...x.",
+            "x...xx",
+        ]
+    )
+    assert torch.equal(layout.visible, expected)
+    assert layout.logit_rows.tolist() == [0, 2, 3, 4, 5]
+
+
+def test_layout_three_levels_and_two_candidates():
+    layout = step_layout(width=3, levels=3, num_candidates=2, candidate_length=3)
+    # window (r, j) -> index 3r + j at offset r + j; candidates at 9..11 and 12..14
+    assert layout.offsets.tolist() == [0, 1, 2, 1, 2, 3, 2, 3, 4, 1, 2, 3, 1, 2, 3]
+    # token (2, 1) = index 7 sees (0, 0), (0, 1), (1, 1), (2, 1)
+    assert layout.visible[7].nonzero().flatten().tolist() == [0, 1, 4, 7]
+    # token (1, 2) = index 5 sees row 0 up to column 2 and itself
+    assert layout.visible[5].nonzero().flatten().tolist() == [0, 1, 2, 5]
+    # the second candidate's third token sees last and its own first two tokens only
+    assert layout.visible[14].nonzero().flatten().tolist() == [0, 12, 13, 14]
+    assert layout.logit_rows.tolist() == [0, 6, 7, 8, *range(9, 15)]
+
+
+def test_layout_positions_are_one_contiguous_sequence_per_token():
+    """Every token sees exactly one token at each position p..p+offset: a valid sequence."""
+    for width, levels, candidates in itertools.product([1, 2, 4], [1, 2, 4], [0, 1, 3]):
+        layout = step_layout(width, levels, candidates, levels)
+        for index in range(layout.num_tokens):
+            seen = layout.offsets[layout.visible[index]].sort().values.tolist()
+            assert seen == list(range(int(layout.offsets[index]) + 1)), (width, levels, candidates, index)
+
+
+def test_window_fills_one_row_per_step_then_moves_up():
+    counter = itertools.count(100)
+    window = Window(width=3, levels=3, filler=lambda: next(counter))
+    assert window.rows == [[100, 101, 102]]
+    assert window.input_tokens(last=7) == [7, 101, 102]
+    assert window.ngrams(7, [1, 2, 3]) == []
+    window.advance([1, 2, 3], committed=1, align=True)
+    assert window.rows == [[101, 102, 103], [2, 3, 104]]
+    window.advance([4, 5, 6], committed=1, align=False)
+    assert window.full
+    assert window.ngrams(7, [7, 8, 9]) == [(7, (2, 4, 7)), (102, (3, 5, 8)), (103, (104, 6, 9))]
+    window.advance([7, 8, 9], committed=1, align=True)
+    assert window.rows == [[2, 3, 104], [4, 5, 6], [7, 8, 9]]
+
+
+def test_aligned_window_shifts_by_committed_minus_one():
+    counter = itertools.count(100)
+    window = Window(width=3, levels=2, filler=lambda: next(counter))
+    window.advance([1, 2, 3], committed=1, align=True)  # fill: shift by 1
+    window.advance([4, 5, 6], committed=3, align=True)  # full: drop row 0, shift by 2
+    assert window.rows == [[104, 105, 106], [6, 107, 108]]
+
+
+def test_unaligned_window_never_shifts_columns():
+    window = Window(width=2, levels=2, filler=lambda: 9)
+    window.advance([1, 2], committed=3, align=False)
+    window.advance([3, 4], committed=4, align=False)
+    assert window.rows == [[1, 2], [3, 4]]
+
+
+def test_context_filler_skips_excluded_tokens_and_sees_appends():
+    context = [5, 5, 5]
+    draw = context_filler(context, exclude=frozenset({5}))
+    assert draw() == 0  # nothing allowed yet
+    context.append(6)
+    assert {draw() for _ in range(20)} == {6}
