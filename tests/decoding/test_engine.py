@@ -176,7 +176,7 @@ def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
             multi_token_steps += state.step().stats.committed > 1
             reference = _reference_cache(tiny_model, sequence.tokens[:-1])
             assert sequence.cache.length == len(sequence.tokens) - 1
-            for layer, (keys, values, _) in zip(sequence.cache.layers, reference):
+            for layer, (keys, values, _) in zip(sequence.cache.layers, reference, strict=True):
                 torch.testing.assert_close(layer.keys, keys, rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(layer.values, values, rtol=1e-4, atol=1e-5)
     assert multi_token_steps > 0
