@@ -37,11 +37,14 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python3 -m venv /opt/venv
 # torch first, in its own layer: it is by far the largest dependency and changes least often.
 RUN pip install --index-url "${TORCH_INDEX_URL:-$DEFAULT_TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-WORKDIR /src
+# The project is installed in editable mode from /app: server/config.py finds configs/ next to the package
+# (<package>/../configs), which a regular install into site-packages would lose. The runtime copies /app.
+WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY decoding ./decoding
 COPY server ./server
-RUN pip install .
+COPY configs ./configs
+RUN pip install -e .
 
 # ---- runtime ---------------------------------------------------------------------------------------------
 FROM base-${VARIANT} AS runtime
@@ -55,8 +58,8 @@ RUN useradd --system --uid "${UID}" --create-home --home-dir /home/lookahead --s
  && mkdir -p /cache \
  && chown lookahead:lookahead /cache
 COPY --from=builder /opt/venv /opt/venv
+COPY --from=builder /app /app
 WORKDIR /app
-COPY configs ./configs
 USER lookahead
 ARG PRELOAD_MODEL=false
 RUN if [ "${PRELOAD_MODEL}" = "true" ]; then python -m decoding.loading; fi
@@ -66,4 +69,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
 ENTRYPOINT ["lookahead-server"]
+# --device auto picks CUDA when a GPU is visible, else the CPU, and with it the configs/cpu.yaml or cuda.yaml preset.
 CMD ["--host", "0.0.0.0", "--port", "8000", "--device", "auto"]
