@@ -1,0 +1,288 @@
+"""The FastAPI app: a factory, thin routes, and the runtime that boots, serves and drains.
+
+Contract: ``create_app(config, decoder=None, load_decoder=None)`` returns an ASGI app whose lifespan starts the
+worker thread and, in the background, loads the decoder (unless one is injected), publishes the config
+metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and again while draining. Routes
+only parse, authorize and delegate to ``server.serving``; every error goes through ``server.errors``.
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. With ``api_key`` configured, ``/v1/*`` requires
+``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+
+from decoding import Decoder, SamplingParams, StopCriteria, configure_threads
+from server import serving
+from server.config import ServerConfig
+from server.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    ServiceUnavailableError,
+    from_validation_errors,
+    install_error_handlers,
+)
+from server.metrics import Metrics
+from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, protocol_field_names
+from server.scheduler import Handle, Scheduler
+from server.serving import ChatRenderer, CompletionRenderer, Engine, Renderer
+from server.text import TextCodec
+from server.worker import Worker
+
+logger = logging.getLogger("server.app")
+FIELD_NAMES = frozenset(protocol_field_names())
+SSE_PING_SECONDS = 15
+ParsedRequest = TypeVar("ParsedRequest", bound=BaseModel)
+
+
+def load_default_decoder(config: ServerConfig) -> serving.DecoderLike:
+    """Load the configured model with ``decoding.Decoder`` (blocking: run it in a thread)."""
+    return Decoder.load(config.model, device=config.device, dtype=config.dtype)
+
+
+def configure_worker_thread(config: ServerConfig) -> Callable[[], None]:
+    """The worker thread's setup: torch's thread count from the config."""
+
+    def setup() -> None:
+        configure_threads(config.threads)
+
+    return setup
+
+
+class Runtime:
+    """One server instance's state: metrics, worker, scheduler, the decoder once loaded, and readiness.
+
+    ``state`` moves loading -> warming -> ready -> draining (or loading -> failed).
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        decoder: serving.DecoderLike | None = None,
+        load_decoder: Callable[[ServerConfig], serving.DecoderLike] | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
+        self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
+        self.decoder = decoder
+        self.load_decoder = load_decoder or load_default_decoder
+        self.engine: Engine | None = None
+        self.state = "loading"
+        self.created = int(time.time())
+        self._boot_task: asyncio.Task | None = None
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """Start the worker and boot in the background; on shutdown, cancel what is left and stop."""
+        self.worker.start()
+        self._boot_task = asyncio.create_task(self._boot())
+        try:
+            yield
+        finally:
+            if not self._boot_task.done():
+                self._boot_task.cancel()
+            await self.drain(0.0)
+            await asyncio.to_thread(self.worker.stop)
+
+    async def _boot(self) -> None:
+        try:
+            if self.decoder is None:
+                self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
+            engine = Engine(self.config, self.decoder, TextCodec(self.decoder.tokenizer), self.scheduler)
+            self._publish_config(engine)
+            self.state = "warming"
+            if self.config.warmup:
+                await self._warm_up(engine)
+            self.engine = engine
+            if self.state == "warming":
+                self.state = "ready"
+                logger.info("ready: serving %s", self.config.model_name)
+        except Exception:
+            self.state = "failed"
+            logger.exception("startup failed: the server will answer 503")
+
+    def _publish_config(self, engine: Engine) -> None:
+        lookahead = self.config.lookahead
+        self.metrics.set_config(
+            model=self.config.model_name,
+            device=str(engine.decoder.device),
+            dtype=str(engine.decoder.dtype),
+            window_size=lookahead.window_size,
+            ngram_size=lookahead.ngram_size,
+            guess_set_size=lookahead.guess_set_size,
+        )
+
+    async def _warm_up(self, engine: Engine) -> None:
+        """One tiny decode with the default settings (untracked), so the first request pays no warm-up cost."""
+        prompt = engine.codec.encode_text("Hello")
+        settings = self.config.lookahead
+        generation = serving.GenerationPlan(
+            prompt_ids=prompt or [0],
+            stop=StopCriteria(2, frozenset(engine.decoder.eos_token_ids())),
+            sampling=SamplingParams(),
+            lookahead=serving.resolve_lookahead(None, settings),
+            stop_strings=(),
+        )
+        handle = serving.start(engine, generation, tracked=False, force=True)
+        await handle.collect()
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Stop admitting (503 from now on), finish in-flight work for ``grace_seconds``, then cancel it."""
+        if self.state in ("ready", "warming", "loading"):
+            self.state = "draining"
+        await self.scheduler.drain(grace_seconds)
+
+    def require_engine(self) -> Engine:
+        """The engine, or 503 while loading, warming up, draining or after a failed start."""
+        if self.state == "draining":
+            raise ServiceUnavailableError("The server is shutting down; retry on another instance.", reason="draining")
+        if self.state != "ready" or self.engine is None:
+            raise ServiceUnavailableError(f"The server is not ready yet ({self.state}).", reason="not_ready")
+        return self.engine
+
+
+def runtime_of(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+async def require_api_key(request: Request) -> None:
+    """Bearer-token check (constant-time) when an API key is configured."""
+    key = runtime_of(request).config.api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthenticationError("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise AuthenticationError("Incorrect API key provided.")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The JSON body; 413 beyond ``limit`` bytes, 400 when it does not parse."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"The request body exceeds {limit} bytes.")
+    body = bytearray()
+    async for chunk in request.stream():
+        body.extend(chunk)
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"The request body exceeds {limit} bytes.")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"We could not parse the JSON body of your request: {exc}") from exc
+
+
+def parse(model: type[ParsedRequest], body: Any) -> ParsedRequest:
+    """Validate ``body`` against a protocol model; 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors(), FIELD_NAMES) from exc
+
+
+def disconnect_watcher(request: Request) -> Callable[[], Any]:
+    """A coroutine function that returns when the client disconnects (the body has been read already)."""
+
+    async def wait() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    return wait
+
+
+async def respond(request: Request, handle: Handle, renderer: Renderer, stream: bool) -> Response:
+    """A streamed (SSE) or whole JSON response for a submitted request."""
+    if stream:
+        return EventSourceResponse(serving.stream(handle, renderer), sep="\n", ping=SSE_PING_SECONDS)
+    return JSONResponse(await serving.complete(handle, renderer, disconnect_watcher(request)))
+
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    runtime = runtime_of(request)
+    chat = parse(ChatCompletionRequest, await read_json(request, runtime.config.max_request_bytes))
+    model = serving.check_model(runtime.config, chat.model)
+    serving.check_supported(chat)
+    engine = runtime.require_engine()
+    generation = serving.plan(engine, chat, serving.chat_prompt(engine.codec, chat), "messages")
+    handle = serving.start(engine, generation)
+    return await respond(request, handle, ChatRenderer(model, chat.include_usage), bool(chat.stream))
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    runtime = runtime_of(request)
+    completion = parse(CompletionRequest, await read_json(request, runtime.config.max_request_bytes))
+    model = serving.check_model(runtime.config, completion.model)
+    serving.check_supported(completion)
+    engine = runtime.require_engine()
+    generation = serving.plan(engine, completion, serving.completion_prompt(engine.codec, completion), "prompt")
+    handle = serving.start(engine, generation)
+    return await respond(request, handle, CompletionRenderer(model, completion.include_usage), bool(completion.stream))
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    card = ModelCard(id=runtime.config.model_name, created=runtime.created)
+    return ModelList(data=[card]).model_dump(mode="json")
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    if model_id != runtime.config.model_name:
+        raise ModelNotFoundError(model_id)
+    return ModelCard(id=model_id, created=runtime.created).model_dump(mode="json")
+
+
+async def health(request: Request) -> JSONResponse:
+    """200 ``{"status": "ok"}`` once warmed up; 503 with the state (loading, warming, draining, failed)."""
+    state = runtime_of(request).state
+    return JSONResponse({"status": "ok" if state == "ready" else state}, status_code=200 if state == "ready" else 503)
+
+
+async def metrics(request: Request) -> Response:
+    content, content_type = runtime_of(request).metrics.exposition()
+    return Response(content, media_type=content_type)
+
+
+def create_app(
+    config: ServerConfig,
+    decoder: serving.DecoderLike | None = None,
+    load_decoder: Callable[[ServerConfig], serving.DecoderLike] | None = None,
+) -> FastAPI:
+    """Build the app. ``decoder`` injects a loaded decoder; else ``load_decoder(config)`` (default: the real
+    ``decoding.Decoder.load``) runs in a thread after startup."""
+    runtime = Runtime(config, decoder, load_decoder)
+    app = FastAPI(title="lookahead-server", lifespan=runtime.lifespan, docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
+    install_error_handlers(app, FIELD_NAMES, runtime.metrics.reject)
+    app.include_router(router)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app

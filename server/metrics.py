@@ -1,0 +1,172 @@
+"""Every Prometheus collector the server exports, declared here and nowhere else.
+
+Contract: ``Metrics`` owns its own ``CollectorRegistry`` (so tests can build many apps in one process) and is
+fed plain records by the scheduler and the worker: ``StepRecord`` per forward pass, ``RequestRecord`` per
+finished request, plus ``rejected``, ``client_disconnected`` and the queue gauges. It never sees tensors.
+
+Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
+- token and step counters count what requests really produced, cancelled and failed requests included
+  (tokens after a stop string are not produced: they are neither sent nor counted);
+- ``decode_steps_total`` counts forward passes that produced at least one token, the prefill included;
+- ``draft_tokens_total`` counts guessed tokens offered (N-1 for each step that verified at least one
+  candidate) and ``accepted_tokens_total`` the guessed tokens accepted (and kept);
+- per-request histograms (acceptance rate, steps per token, tokens per step, end-to-end latency) observe
+  requests that finished with ``stop`` or ``length`` only: a cancelled request's ratios are partial;
+- ``inter_token_latency_seconds`` is per token: the wall time since the request's previous step (its own
+  forward pass plus the steps of other requests interleaved with it) shared by the tokens the step kept;
+- ``time_to_first_token_seconds`` runs from arrival to the first step that kept a token, so it includes
+  queueing; ``request_queue_time_seconds`` from arrival to the start of the prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "lookahead"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("queue_full", "not_ready", "draining", "invalid_request", "unauthorized", "model_not_found")
+
+# CPU steps take ~50-300 ms and GPU steps ~10-40 ms; SLO edges at 0.1 s, 0.25 s (ITL) and 1 s, 5 s (TTFT).
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1.0, 2.5)
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+TOKENS_PER_STEP_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One forward pass of one request, as the worker saw it."""
+
+    tokens: int  # tokens kept (sent) from this step
+    seconds: float  # the forward pass itself
+    since_previous: float  # wall time since this request's previous step (or since prefill start)
+    offered: int  # guessed tokens offered (N-1 if any candidate was verified, else 0)
+    accepted: int  # guessed tokens accepted and kept
+    accepted_positions: tuple[bool, ...] = ()  # per guessed position 1..N-1: accepted and kept
+    prefill: bool = False
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request's end: why, and its totals."""
+
+    finish_reason: str  # stop | length | abort | error
+    completion_tokens: int
+    steps: int  # forward passes that produced at least one kept token
+    offered: int
+    accepted: int
+    e2e_seconds: float
+
+
+class Metrics:
+    """The collectors, in their own registry, and the methods that feed them."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Completion tokens produced (sent to clients).")
+        self.decode_steps = counter("decode_steps", "Forward passes that produced tokens, prefill included.")
+        self.draft_tokens = counter("draft_tokens", "Guessed tokens offered for verification (N-1 per step).")
+        self.accepted_tokens = counter("accepted_tokens", "Guessed tokens accepted.")
+        self.accepted_per_position = counter(
+            "accepted_tokens_per_position", "Guessed tokens accepted, by position 1..N-1.", ("position",)
+        )
+        self.requests = counter("requests", "Finished requests by finish reason.", ("finish_reason",))
+        self.rejected = counter("requests_rejected", "Requests refused before decoding, by reason.", ("reason",))
+        self.client_disconnects = counter("client_disconnects", "Requests cancelled by a client disconnect.")
+
+        self.acceptance_rate = histogram("acceptance_rate", "Per request: accepted / offered guesses.", RATIO_BUCKETS)
+        self.steps_per_token = histogram(
+            "steps_per_token", "Per request: steps / completion tokens.", RATIO_BUCKETS
+        )
+        self.tokens_per_step = histogram(
+            "tokens_per_step", "Per request: completion tokens / steps.", TOKENS_PER_STEP_BUCKETS
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Per token: step wall time / tokens.", STEP_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to prefill start.", QUEUE_BUCKETS)
+        self.step_duration = histogram("step_duration_seconds", "One forward pass.", STEP_BUCKETS)
+
+        self.running = Gauge(f"{PREFIX}_requests_running", "Requests decoding now.", registry=registry)
+        self.waiting = Gauge(f"{PREFIX}_requests_waiting", "Requests admitted, waiting to run.", registry=registry)
+        self.config = Info(f"{PREFIX}_config", "Model and lookahead configuration.", registry=registry)
+
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+
+    def set_config(self, model: str, device: str, dtype: str, window_size: int, ngram_size: int,
+                   guess_set_size: int) -> None:
+        """Publish ``lookahead_config_info`` and pre-create the per-position series for N-1 positions."""
+        self.config.info({
+            "model": model, "device": device, "dtype": dtype, "window_size": str(window_size),
+            "ngram_size": str(ngram_size), "guess_set_size": str(guess_set_size),
+        })
+        for position in range(1, ngram_size):
+            self.accepted_per_position.labels(position=str(position))
+
+    def request_started(self, prompt_tokens: int, queue_seconds: float) -> None:
+        """A request left the queue and starts its prefill."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.queue_time.observe(queue_seconds)
+
+    def first_token(self, seconds_since_arrival: float) -> None:
+        self.ttft.observe(seconds_since_arrival)
+
+    def step(self, record: StepRecord) -> None:
+        """Count one forward pass."""
+        self.step_duration.observe(record.seconds)
+        self.draft_tokens.inc(record.offered)
+        self.accepted_tokens.inc(record.accepted)
+        for position, accepted in enumerate(record.accepted_positions, start=1):
+            if accepted:
+                self.accepted_per_position.labels(position=str(position)).inc()
+        if record.tokens <= 0:
+            return
+        self.generation_tokens.inc(record.tokens)
+        self.decode_steps.inc()
+        if not record.prefill:
+            per_token = record.since_previous / record.tokens
+            for _ in range(record.tokens):
+                self.itl.observe(per_token)
+
+    def request_finished(self, record: RequestRecord) -> None:
+        """Count a finished request; per-request ratios only for requests that ran to stop or length."""
+        self.requests.labels(finish_reason=record.finish_reason).inc()
+        if record.finish_reason not in ("stop", "length"):
+            return
+        self.e2e.observe(record.e2e_seconds)
+        if record.offered > 0:
+            self.acceptance_rate.observe(record.accepted / record.offered)
+        if record.completion_tokens > 0 and record.steps > 0:
+            self.steps_per_token.observe(record.steps / record.completion_tokens)
+            self.tokens_per_step.observe(record.completion_tokens / record.steps)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
+
+    def client_disconnected(self) -> None:
+        self.client_disconnects.inc()
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

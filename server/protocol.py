@@ -1,0 +1,258 @@
+"""Pydantic mirror of the OpenAI API shapes the server supports, plus its two extensions.
+
+Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields; their
+range checks are the config-independent ones (config-dependent limits such as the lookahead maxima are
+checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes, with one extra
+top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in a stream's usage chunk.
+Extensions: request field ``lookahead`` (``LookaheadRequest``) and ``top_k``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FinishReason = Literal["stop", "length"]
+MAX_STOP_SEQUENCES = 4
+
+
+class StrictModel(BaseModel):
+    """Base of request models: strict types, unknown fields ignored, no NaN or infinity."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class TextContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    """One message. ``developer`` is treated as ``system``; ``content`` may be null only for ``assistant``."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        """The content as one string (text parts joined without separator, as OpenAI does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class LookaheadRequest(StrictModel):
+    """Extension: per-request lookahead settings; each field falls back to the server's configured default."""
+
+    enabled: bool | None = None
+    window_size: int | None = None
+    ngram_size: int | None = None
+    guess_set_size: int | None = None
+
+
+class GenerationFields(StrictModel):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    lookahead: LookaheadRequest | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(not item for item in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stop
+
+    def stop_sequences(self) -> list[str]:
+        """``stop`` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def requested_max_tokens(self) -> int | None:
+        """The completion length the client asked for, if any."""
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class DecodingInfo(BaseModel):
+    """Extension: how the completion was decoded. W/N/G are null for the autoregressive method."""
+
+    method: Literal["lookahead", "autoregressive"]
+    steps: int
+    tokens_per_step: float
+    accepted_tokens: int
+    window_size: int | None
+    ngram_size: int | None
+    guess_set_size: int | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    decoding: DecodingInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    decoding: DecodingInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    decoding: DecodingInfo
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    decoding: DecodingInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lookahead-server"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def chunk_json(chunk: ChatCompletionChunk | CompletionChunk, include_usage: bool) -> str:
+    """Serialize a stream chunk as OpenAI does.
+
+    Deltas drop unset fields (``{"content": "Hi"}``); ``usage`` is present (null until the usage chunk) only
+    when the client asked for it; ``decoding`` appears only in the usage chunk.
+    """
+    data: dict[str, Any] = chunk.model_dump(mode="json")
+    for choice in data["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {key: value for key, value in choice["delta"].items() if value is not None}
+    if not include_usage:
+        data.pop("usage")
+    if data.get("decoding") is None:
+        data.pop("decoding")
+    return _dumps(data)
+
+
+def _dumps(data: dict[str, Any]) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def protocol_field_names() -> set[str]:
+    """Every request field name, nested ones included (to render validation error locations)."""
+    names: set[str] = set()
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextContentPart, StreamOptions,
+                  LookaheadRequest):
+        names.update(model.model_fields)
+    return names

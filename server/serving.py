@@ -1,0 +1,387 @@
+"""OpenAI semantics between the routes and the scheduler: request -> generation plan -> response or stream.
+
+Contract: ``plan_chat`` / ``plan_completion`` check everything that depends on the server (model name,
+unsupported options, lookahead maxima, the context window) and return a ``GenerationPlan``; ``start`` validates
+it with the decoder (which raises before any forward pass) and submits it. ``complete`` waits for the whole
+text, cancelling if the client disconnects; ``stream`` yields the SSE data of OpenAI's chunk sequence: a role
+chunk (chat only), one chunk per step that produced text, a finish chunk, the usage chunk when asked, ``[DONE]``.
+An error after the stream started becomes one ``{"error": ...}`` data event. Both paths concatenate the same
+``Output`` texts, so a stream and a non-stream give the same text.
+
+``max_tokens`` rule: when a request gives none, it is ``min(default_max_tokens, context_length -
+prompt_tokens)``; when it gives one and prompt + max_tokens exceeds the context, the request fails with 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from decoding import LookaheadConfig, SamplingParams, StopCriteria
+from server.config import LookaheadSettings, ServerConfig
+from server.errors import APIError, BadRequestError, ModelNotFoundError, to_api_error
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    DecodingInfo,
+    DeltaMessage,
+    GenerationFields,
+    LookaheadRequest,
+    Usage,
+    chunk_json,
+)
+from server.scheduler import Handle, Scheduler
+from server.text import TemplateError, TextCodec, TextStream
+from server.worker import Output, Summary
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
+LOOKAHEAD_RANGES = {"window_size": 1, "ngram_size": 2, "guess_set_size": 0}  # name -> minimum
+
+
+class DecoderLike(Protocol):
+    """What the server needs from ``decoding.Decoder`` (tests may pass a stub)."""
+
+    tokenizer: Any
+    context_length: int
+    device: str
+    dtype: str
+
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def decode(self, prompt_ids, stop, sampling, lookahead): ...
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """Everything the decoder needs for one request, in its own types."""
+
+    prompt_ids: list[int]
+    stop: StopCriteria
+    sampling: SamplingParams
+    lookahead: LookaheadConfig | None
+    stop_strings: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The loaded pieces a request needs: config, decoder, codec, scheduler."""
+
+    config: ServerConfig
+    decoder: DecoderLike
+    codec: TextCodec
+    scheduler: Scheduler
+
+
+def check_model(config: ServerConfig, model: str | None) -> str:
+    """The served model name; ``ModelNotFoundError`` if the request names another model."""
+    if model is not None and model not in (config.model_name, config.model):
+        raise ModelNotFoundError(model)
+    return config.model_name
+
+
+def check_supported(request: GenerationFields) -> None:
+    """400 for OpenAI options this server does not implement (rather than silently ignoring them)."""
+    if request.n not in (None, 1):
+        raise BadRequestError("n > 1 is not supported; send n = 1 and repeat the request instead.", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name):
+            raise BadRequestError(f"{name} is not supported; send 0 or leave it out.", param=name)
+    if request.logit_bias:
+        raise BadRequestError("logit_bias is not supported; leave it out or send {}.", param="logit_bias")
+    if isinstance(request, ChatCompletionRequest) and (request.logprobs or request.top_logprobs):
+        raise BadRequestError("logprobs are not supported.", param="logprobs")
+    if isinstance(request, CompletionRequest):
+        if request.logprobs is not None:
+            raise BadRequestError("logprobs are not supported.", param="logprobs")
+        if request.echo:
+            raise BadRequestError("echo is not supported.", param="echo")
+        if request.best_of not in (None, 1):
+            raise BadRequestError("best_of > 1 is not supported.", param="best_of")
+        if request.suffix:
+            raise BadRequestError("suffix is not supported.", param="suffix")
+
+
+def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSettings) -> LookaheadConfig | None:
+    """The request's lookahead settings over the configured defaults; ``None`` means autoregressive.
+
+    Each value must lie in ``[minimum, configured maximum]`` (400 naming ``lookahead.<field>`` otherwise).
+    """
+    request = request or LookaheadRequest()
+    values: dict[str, int] = {}
+    for name, low in LOOKAHEAD_RANGES.items():
+        value = getattr(request, name)
+        value = getattr(settings, name) if value is None else value
+        high = getattr(settings, f"max_{name}")
+        if not low <= value <= high:
+            raise BadRequestError(
+                f"lookahead.{name} must be an integer in [{low}, {high}], got {value}", param=f"lookahead.{name}"
+            )
+        values[name] = value
+    enabled = settings.enabled if request.enabled is None else request.enabled
+    return LookaheadConfig(**values) if enabled else None
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_tokens: int, context_length: int, default: int, prompt_param: str
+) -> int:
+    """Apply the max_tokens rule (module docstring); 400 ``context_length_exceeded`` when nothing fits.
+
+    >>> resolve_max_tokens(None, 100, 2048, 512, "messages"), resolve_max_tokens(None, 2000, 2048, 512, "messages")
+    (512, 48)
+    """
+    room = context_length - prompt_tokens
+    if room < 1:
+        raise BadRequestError(
+            f"This model's maximum context length is {context_length} tokens; the prompt has {prompt_tokens} "
+            "tokens, which leaves no room for a completion.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return min(default, room)
+    if requested > room:
+        raise BadRequestError(
+            f"This model's maximum context length is {context_length} tokens; the prompt has {prompt_tokens} "
+            f"tokens and max_tokens is {requested}. Lower max_tokens to at most {room}.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def chat_prompt(codec: TextCodec, request: ChatCompletionRequest) -> list[int]:
+    """Render the conversation with the model's chat template."""
+    messages = [{"role": message.role, "content": message.text()} for message in request.messages]
+    try:
+        return codec.encode_chat(messages)
+    except TemplateError as exc:
+        raise BadRequestError(str(exc), param="messages") from exc
+
+
+def completion_prompt(codec: TextCodec, request: CompletionRequest) -> list[int]:
+    """One prompt: a string, a list holding one string, or a list of token ids (checked against the vocab)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return codec.encode_text(prompt)
+    if prompt and all(isinstance(item, int) for item in prompt):
+        vocab = codec.vocab_size
+        if any(not 0 <= token < vocab for token in prompt):
+            raise BadRequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        return list(prompt)
+    if len(prompt) == 1:
+        return codec.encode_text(prompt[0])
+    raise BadRequestError("exactly one prompt per request is supported", param="prompt")
+
+
+def plan(engine: Engine, request: GenerationFields, prompt_ids: list[int], prompt_param: str) -> GenerationPlan:
+    """Build the decoder's parameters from the request and the config."""
+    if not prompt_ids:
+        raise BadRequestError("the prompt is empty: at least one token is required", param=prompt_param)
+    config = engine.config
+    max_tokens = resolve_max_tokens(
+        request.requested_max_tokens(), len(prompt_ids), engine.decoder.context_length, config.default_max_tokens,
+        prompt_param,
+    )
+    sampling = SamplingParams(
+        temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        seed=request.seed,
+    )
+    return GenerationPlan(
+        prompt_ids=prompt_ids,
+        stop=StopCriteria(max_tokens, frozenset(engine.decoder.eos_token_ids())),
+        sampling=sampling,
+        lookahead=resolve_lookahead(request.lookahead, config.lookahead),
+        stop_strings=tuple(request.stop_sequences()),
+    )
+
+
+def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, force: bool = False) -> Handle:
+    """Validate with the decoder (400 on bad parameters) and submit to the scheduler (429 / 503 when refused)."""
+    steps = engine.decoder.decode(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
+    text = TextStream(engine.codec.decode, generation.stop_strings)
+    return engine.scheduler.submit(
+        steps, text, len(generation.prompt_ids), generation.lookahead, tracked=tracked, force=force
+    )
+
+
+def usage_of(summary: Summary) -> Usage:
+    return Usage(
+        prompt_tokens=summary.prompt_tokens,
+        completion_tokens=summary.completion_tokens,
+        total_tokens=summary.prompt_tokens + summary.completion_tokens,
+    )
+
+
+def decoding_of(summary: Summary) -> DecodingInfo:
+    """The ``decoding`` extension object."""
+    lookahead = summary.lookahead
+    return DecodingInfo(
+        method="lookahead" if lookahead is not None else "autoregressive",
+        steps=summary.steps,
+        tokens_per_step=round(summary.completion_tokens / summary.steps, 4) if summary.steps else 0.0,
+        accepted_tokens=summary.accepted,
+        window_size=lookahead.window_size if lookahead else None,
+        ngram_size=lookahead.ngram_size if lookahead else None,
+        guess_set_size=lookahead.guess_set_size if lookahead else None,
+    )
+
+
+class Renderer(Protocol):
+    """Builds one endpoint's response and chunks."""
+
+    def response(self, text: str, last: Output) -> dict[str, Any]: ...
+
+    def opening(self) -> str | None: ...
+
+    def content(self, text: str) -> str: ...
+
+    def finish(self, reason: str) -> str: ...
+
+    def usage(self, summary: Summary) -> str: ...
+
+
+class ChatRenderer:
+    """``chat.completion`` and ``chat.completion.chunk`` objects."""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+
+    def response(self, text: str, last: Output) -> dict[str, Any]:
+        assert last.summary is not None and last.finish_reason is not None
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
+            usage=usage_of(last.summary),
+            decoding=decoding_of(last.summary),
+        ).model_dump(mode="json")
+
+    def _chunk(self, choices: list[ChatChunkChoice], summary: Summary | None = None) -> str:
+        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
+        if summary is not None:
+            chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
+        return chunk_json(chunk, self.include_usage)
+
+    def opening(self) -> str | None:
+        return self._chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+
+    def content(self, text: str) -> str:
+        return self._chunk([ChatChunkChoice(delta=DeltaMessage(content=text))])
+
+    def finish(self, reason: str) -> str:
+        return self._chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)])
+
+    def usage(self, summary: Summary) -> str:
+        return self._chunk([], summary)
+
+
+class CompletionRenderer:
+    """``text_completion`` objects, whole and chunked."""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+
+    def response(self, text: str, last: Output) -> dict[str, Any]:
+        assert last.summary is not None and last.finish_reason is not None
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+            usage=usage_of(last.summary),
+            decoding=decoding_of(last.summary),
+        ).model_dump(mode="json")
+
+    def _chunk(self, choices: list[CompletionChoice], summary: Summary | None = None) -> str:
+        chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
+        if summary is not None:
+            chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
+        return chunk_json(chunk, self.include_usage)
+
+    def opening(self) -> str | None:
+        return None
+
+    def content(self, text: str) -> str:
+        return self._chunk([CompletionChoice(text=text)])
+
+    def finish(self, reason: str) -> str:
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+
+    def usage(self, summary: Summary) -> str:
+        return self._chunk([], summary)
+
+
+async def stream(handle: Handle, renderer: Renderer) -> AsyncIterator[str]:
+    """SSE data strings for one streamed request; cancels the request if the client goes away."""
+    try:
+        opening = renderer.opening()
+        if opening is not None:
+            yield opening
+        async for output in handle:
+            if output.text:
+                yield renderer.content(output.text)
+            if output.finish_reason is not None:
+                yield renderer.finish(output.finish_reason)
+                if renderer.include_usage and output.summary is not None:
+                    yield renderer.usage(output.summary)
+        yield "[DONE]"
+    except Exception as exc:  # after the 200 went out, an error can only be an event
+        yield _json(to_api_error(exc).body())
+    finally:
+        handle.cancel()
+
+
+async def complete(
+    handle: Handle, renderer: Renderer, disconnected: Callable[[], Awaitable[None]]
+) -> dict[str, Any]:
+    """The whole response; if ``disconnected`` returns first, cancel the request and raise ``ClientGone``."""
+    result = asyncio.ensure_future(handle.collect())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if result in done:
+            text, last = result.result()
+            return renderer.response(text, last)
+        handle.cancel()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not result.done():
+            result.cancel()
+        handle.cancel()
+
+
+class ClientGone(APIError):
+    """The client disconnected before its response was ready (nobody will read this error)."""
+
+    status = 499
+    type = "client_closed_request"
+
+    def __init__(self) -> None:
+        super().__init__("client disconnected")
+
+
+def _json(data: dict[str, Any]) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))

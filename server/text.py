@@ -1,0 +1,176 @@
+"""Text on both sides of the decoder: chat templates in, incremental detokenization and stop strings out.
+
+Contract:
+- ``TextCodec`` wraps the Hugging Face tokenizer behind a lock (the event loop encodes while the worker
+  thread decodes) and deals only in lists of ints and strings.
+- ``IncrementalDetokenizer`` turns token ids, fed one at a time, into text pieces whose concatenation equals
+  ``decode(all ids)``; a piece never ends inside a multi-byte character (text ending in U+FFFD is held back
+  until the character completes, or until ``flush``).
+- ``StopMatcher`` cuts text at the first stop string, matching across piece boundaries: it holds back any
+  tail that could still become a stop string and never returns the stop string itself.
+- ``TextStream`` combines both per request and reports how many tokens were kept; streaming and
+  non-streaming responses concatenate the same pieces, so their text is identical by construction.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+REPLACEMENT_CHARACTER = "\ufffd"
+ROLE_ALIASES = {"developer": "system"}
+
+
+class TemplateError(ValueError):
+    """The tokenizer cannot render the conversation (no chat template, or the template rejected it)."""
+
+
+class TextCodec:
+    """Thread-safe encode/decode on top of a Hugging Face tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Render ``[{"role", "content"}]`` with the chat template (generation prompt added) and tokenize it.
+
+        ``developer`` becomes ``system``. Raises ``TemplateError`` when the model has no chat template.
+        """
+        conversation = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": m["content"]} for m in messages]
+        with self._lock:
+            if not getattr(self._tokenizer, "chat_template", None):
+                raise TemplateError("this model has no chat template; use /v1/completions")
+            try:
+                text = self._tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # jinja raises TemplateError subclasses with the template's own message
+                raise TemplateError(f"the chat template rejected the messages: {exc}") from exc
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Tokenize a raw prompt (special tokens such as BOS added as the tokenizer does by default)."""
+        with self._lock:
+            return list(self._tokenizer.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids to text, special tokens skipped."""
+        with self._lock:
+            return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Stable text pieces from a growing token list, in O(1) decode work per token.
+
+    It decodes a short window ``ids[prefix:]`` and emits what extends ``decode(ids[prefix:read])``; ``prefix``
+    and ``read`` move forward only when the text is stable. Example with a tokenizer where "é" is split into
+    two byte tokens 101 and 102: ``add(100) -> "caf"``, ``add(101) -> ""`` (would end in U+FFFD),
+    ``add(102) -> "é"``.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly stable text (maybe empty)."""
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Return everything still held back (an incomplete character comes out as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith(REPLACEMENT_CHARACTER) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
+
+
+class StopMatcher:
+    """Cut streamed text at the first stop string.
+
+    ``feed`` returns ``(safe_text, matched)``. With stops ``["###"]``: ``feed("a#") -> ("a", False)`` (the
+    ``#`` might start a stop), ``feed("#x") -> ("##x", False)``, ``feed("##") -> ("", False)`` ... and once
+    ``###`` appears, the text before it comes out with ``matched=True``.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [stop for stop in stops if stop]
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add ``text``; return the part that can no longer be (the start of) a stop string, and a match flag."""
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        hits = [index for index in (buffer.find(stop) for stop in self._stops) if index >= 0]
+        if hits:
+            self._held = ""
+            return buffer[: min(hits)], True
+        keep = self._partial_match_length(buffer)
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        """Release the held-back tail (the generation ended without completing a stop string)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_match_length(self, buffer: str) -> int:
+        """Length of the longest suffix of ``buffer`` that is a proper prefix of some stop string."""
+        longest = min(len(buffer), max(len(stop) for stop in self._stops) - 1)
+        for length in range(longest, 0, -1):
+            tail = buffer[-length:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return length
+        return 0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What one decoding step adds: text safe to send, tokens kept (cut after a stop string), stop flag."""
+
+    text: str
+    tokens: int
+    stopped: bool
+
+
+class TextStream:
+    """Per-request text pipeline: token ids in, text pieces out, cut at stop strings."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = ()) -> None:
+        self._detokenizer = IncrementalDetokenizer(decode)
+        self._matcher = StopMatcher(stops)
+        self.stopped = False
+
+    def feed(self, token_ids: Sequence[int]) -> TextDelta:
+        """Consume one step's tokens in order; stop at the token that completes a stop string."""
+        pieces: list[str] = []
+        for count, token_id in enumerate(token_ids, start=1):
+            text, matched = self._matcher.feed(self._detokenizer.add(token_id))
+            pieces.append(text)
+            if matched:
+                self.stopped = True
+                return TextDelta("".join(pieces), count, True)
+        return TextDelta("".join(pieces), len(token_ids), False)
+
+    def finish(self) -> str:
+        """The held-back text at the end of a generation (nothing after a stop string matched)."""
+        if self.stopped:
+            return ""
+        text, matched = self._matcher.feed(self._detokenizer.flush())
+        if matched:
+            self.stopped = True
+            return text
+        return text + self._matcher.flush()
