@@ -7,13 +7,17 @@ Contract: every fixture reads files from the repository (no Docker, no network, 
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.deploy import dockerfile, exported_metrics
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

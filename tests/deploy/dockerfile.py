@@ -13,6 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+VARIANTS = ("cpu", "cuda")  # values of the Dockerfile's VARIANT build argument
 _FROM = re.compile(r"^(?:--\S+\s+)*(?P<image>\S+)(?:\s+AS\s+(?P<name>\S+))?\s*$", re.IGNORECASE)
 _VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
 
@@ -55,7 +56,7 @@ def read_instructions(text: str) -> list[Instruction]:
         if keyword == "FROM":
             index += 1
             match = _FROM.match(args)
-            stage = (match.group("name") if match and match.group("name") else str(index))
+            stage = match.group("name") if match and match.group("name") else str(index)
         instructions.append(Instruction(keyword, args, stage, number))
     return instructions
 
@@ -132,3 +133,39 @@ def ignored(path: str, patterns: list[str]) -> bool:
 def read_dockerignore(text: str) -> list[str]:
     """The patterns of a ``.dockerignore`` file, comments and blank lines dropped."""
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def final_stage(instructions: list[Instruction]) -> str:
+    """The name of the last stage (what ``docker build`` produces without --target)."""
+    return [instruction.stage for instruction in instructions if instruction.keyword == "FROM"][-1]
+
+
+def only(instructions: list[Instruction], keyword: str, stage: str) -> Instruction:
+    """The last ``keyword`` instruction of ``stage`` (Docker keeps only the last ENTRYPOINT, CMD, ...)."""
+    found = [i for i in instructions if i.keyword == keyword and i.stage == stage]
+    assert found, f"no {keyword} in stage {stage}"
+    return found[-1]
+
+
+def runtime_env(instructions: list[Instruction]) -> dict[str, str]:
+    """ENV of the final stage, including what its base stage set."""
+    stage = final_stage(instructions)
+    base = from_image(only(instructions, "FROM", stage))
+    values = {}
+    for variant in VARIANTS:
+        values |= env_values(instructions, base.replace("${VARIANT}", variant))
+    return values | env_values(instructions, stage)
+
+
+def exposed_port(instructions: list[Instruction]) -> int:
+    """The single TCP port the image exposes."""
+    ports = only(instructions, "EXPOSE", final_stage(instructions)).args.split()
+    assert len(ports) == 1
+    return int(ports[0].removesuffix("/tcp"))
+
+
+def cli_argv(instructions: list[Instruction]) -> list[str]:
+    """What the container runs by default: ENTRYPOINT followed by CMD."""
+    stage = final_stage(instructions)
+    entrypoint = exec_form(only(instructions, "ENTRYPOINT", stage).args)
+    return entrypoint + exec_form(only(instructions, "CMD", stage).args)

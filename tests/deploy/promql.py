@@ -29,8 +29,9 @@ FUNCTIONS = frozenset(
     time timestamp vector year
     """.split()
 )
-AGGREGATIONS = frozenset("avg bottomk count count_values group limit_ratio limitk max min quantile stddev stdvar "
-                         "sum topk".split())
+AGGREGATIONS = frozenset(
+    "avg bottomk count count_values group limit_ratio limitk max min quantile stddev stdvar sum topk".split()
+)
 KEYWORDS = frozenset("and atan2 bool by group_left group_right ignoring inf nan offset on or unless without".split())
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')

@@ -22,13 +22,34 @@ from tests.deploy.exported_metrics import Family, sample_index
 
 # The series issue 4 requires, as Prometheus stores them.
 ISSUE_4_SERIES = [
-    *(f"lookahead_{name}_total" for name in (
-        "prompt_tokens", "generation_tokens", "decode_steps", "draft_tokens", "accepted_tokens",
-        "accepted_tokens_per_position", "requests", "requests_rejected", "client_disconnects")),
-    *(f"lookahead_{name}_{suffix}" for name in (
-        "acceptance_rate", "steps_per_token", "tokens_per_step", "time_to_first_token_seconds",
-        "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-        "step_duration_seconds") for suffix in ("bucket", "sum", "count")),
+    *(
+        f"lookahead_{name}_total"
+        for name in (
+            "prompt_tokens",
+            "generation_tokens",
+            "decode_steps",
+            "draft_tokens",
+            "accepted_tokens",
+            "accepted_tokens_per_position",
+            "requests",
+            "requests_rejected",
+            "client_disconnects",
+        )
+    ),
+    *(
+        f"lookahead_{name}_{suffix}"
+        for name in (
+            "acceptance_rate",
+            "steps_per_token",
+            "tokens_per_step",
+            "time_to_first_token_seconds",
+            "inter_token_latency_seconds",
+            "e2e_request_latency_seconds",
+            "request_queue_time_seconds",
+            "step_duration_seconds",
+        )
+        for suffix in ("bucket", "sum", "count")
+    ),
     "lookahead_requests_running",
     "lookahead_requests_waiting",
     "lookahead_config_info",
@@ -126,16 +147,27 @@ TOPICS = [
     Topic("e2e latency p50/p90/p99", TIMESERIES, has_quantiles("lookahead_e2e_request_latency_seconds")),
     Topic("queue time", TIMESERIES, has_quantiles("lookahead_request_queue_time_seconds")),
     Topic("step duration", TIMESERIES, has_quantiles("lookahead_step_duration_seconds")),
-    Topic("acceptance rate over time", TIMESERIES, either(
-        uses("lookahead_accepted_tokens_total", "lookahead_draft_tokens_total"),
-        uses("lookahead_acceptance_rate_sum", "lookahead_acceptance_rate_count"))),
-    Topic("steps per token over time", TIMESERIES, either(
-        uses("lookahead_steps_per_token_sum", "lookahead_steps_per_token_count"),
-        uses("lookahead_decode_steps_total", "lookahead_generation_tokens_total"))),
+    Topic(
+        "acceptance rate over time",
+        TIMESERIES,
+        either(
+            uses("lookahead_accepted_tokens_total", "lookahead_draft_tokens_total"),
+            uses("lookahead_acceptance_rate_sum", "lookahead_acceptance_rate_count"),
+        ),
+    ),
+    Topic(
+        "steps per token over time",
+        TIMESERIES,
+        either(
+            uses("lookahead_steps_per_token_sum", "lookahead_steps_per_token_count"),
+            uses("lookahead_decode_steps_total", "lookahead_generation_tokens_total"),
+        ),
+    ),
     Topic("acceptance rate distribution", ("heatmap",), uses("lookahead_acceptance_rate_bucket")),
     Topic("steps per token distribution", ("heatmap",), uses("lookahead_steps_per_token_bucket")),
-    Topic("acceptance by position", ("bargauge",),
-          grouped_by("lookahead_accepted_tokens_per_position_total", "position")),
+    Topic(
+        "acceptance by position", ("bargauge",), grouped_by("lookahead_accepted_tokens_per_position_total", "position")
+    ),
     Topic("requests running", ("timeseries", "stat"), uses("lookahead_requests_running")),
     Topic("requests waiting", ("timeseries", "stat"), uses("lookahead_requests_waiting")),
     Topic("requests rejected by reason", TIMESERIES, grouped_by("lookahead_requests_rejected_total", "reason")),
@@ -243,7 +275,8 @@ def test_dashboard_layout(dashboard: dict) -> None:
     for panel in panels:
         grid = panel["gridPos"]
         assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        columns, rows = range(grid["x"], grid["x"] + grid["w"]), range(grid["y"], grid["y"] + grid["h"])
+        area = {(x, y) for x in columns for y in rows}
         assert not area & cells, f"{panel['title']} overlaps another panel"
         cells |= area
     assert {panel["type"] for panel in panels} >= {"timeseries", "stat", "heatmap", "bargauge"}
