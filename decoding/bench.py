@@ -413,16 +413,18 @@ def total_rows(summaries: Sequence[MethodSummary]) -> list[list[str]]:
     ]
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table, first column left-aligned, the others right-aligned."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """A plain-text table; the first ``left`` columns are left-aligned, the others right-aligned."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
-        padded = [cell.rjust(width) for cell, width in zip(cells, widths, strict=True)]
-        padded[0] = cells[0].ljust(widths[0])
+        padded = [
+            cell.ljust(width) if index < left else cell.rjust(width)
+            for index, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ]
         return "  ".join(padded).rstrip()
 
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(row) for row in rows)])
+    return "\n".join([line(headers), line(["-" * width for width in widths]), *(line(row) for row in rows)])
 
 
 def machine_description(device: torch.device) -> str:
@@ -621,8 +623,20 @@ def _benchmark_lines(
     ]
 
 
+def to_json(payload: Mapping[str, object]) -> str:
+    """``payload`` as indented JSON, except that each element of ``runs`` stays on one line."""
+    parts = []
+    for key, value in payload.items():
+        if key == "runs" and isinstance(value, list):
+            body = "[\n" + ",\n".join("    " + json.dumps(item) for item in value) + "\n  ]" if value else "[]"
+        else:
+            body = json.dumps(value, indent=2).replace("\n", "\n  ")
+        parts.append(f"  {json.dumps(key)}: {body}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
 def _write_json(path: str, payload: Mapping[str, object]) -> None:
-    Path(path).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    Path(path).write_text(to_json(payload), encoding="utf-8")
     print(f"wrote {path}")
 
 
@@ -640,10 +654,10 @@ def run_decode_benchmark(args: argparse.Namespace, loaded: LoadedModel) -> dict[
     progress = _print_progress(len(prompts) * len(methods))
     runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress)
     summaries = summarize(runs)
-    print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(runs)))
+    print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(runs), left=2))
     print("\ntotal\n" + format_table(TOTAL_HEADERS, total_rows(summaries)), flush=True)
     return {
-        "config": {**vars(args), **env, "lookahead": asdict(config), "eos_token_ids": sorted(eos)},
+        "config": {**vars(args), "environment": env, "lookahead": asdict(config), "eos_token_ids": sorted(eos)},
         "runs": [asdict(run) for run in runs],
         "summary": {"methods": [asdict(summary) for summary in summaries]},
     }
@@ -655,8 +669,8 @@ def run_step_cost(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, ob
     line = f"step cost: one forward of k new tokens over a KV cache of {args.context} tokens, median of {args.repeats}"
     print(_header(env, [line + " after 1 warm-up"]), flush=True)
     results = measure_step_cost(loaded.model, args.context, STEP_COST_KS, args.repeats)
-    print("\n" + format_table(STEP_COST_HEADERS, step_cost_rows(results)), flush=True)
-    return {"config": {**vars(args), **env}, "step_cost": [asdict(result) for result in results]}
+    print("\n" + format_table(STEP_COST_HEADERS, step_cost_rows(results), left=0), flush=True)
+    return {"config": {**vars(args), "environment": env}, "step_cost": [asdict(result) for result in results]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -671,6 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     configure_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
     try:
         loaded = load_model(args.model, args.device, args.dtype)
         payload = run_step_cost(args, loaded) if args.step_cost else run_decode_benchmark(args, loaded)
