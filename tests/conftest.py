@@ -8,6 +8,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 TINY_VOCAB = 64
 
+# One intra-op thread: on this 2-core machine a second OpenMP thread competing with the server under test (or
+# anything else) makes forwards erratic; one thread is the stable setting (see shared/docs/cpu-notes.md).
+torch.set_num_threads(1)
+
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer LLaMA with a 64-token vocabulary, random but seeded weights, in eval mode."""
