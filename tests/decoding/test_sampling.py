@@ -120,7 +120,9 @@ def test_seed_reproduces_the_output(tiny_model, lookahead):
     def run(seed: int) -> list[int]:
         sampling = SamplingParams(temperature=1.0, seed=seed)
         if lookahead:
-            steps = generate_lookahead(tiny_model, [1, 2, 3, 1, 2], StopCriteria(30), sampling, LookaheadConfig(3, 3, 3))
+            steps = generate_lookahead(
+                tiny_model, [1, 2, 3, 1, 2], StopCriteria(30), sampling, LookaheadConfig(3, 3, 3)
+            )
         else:
             steps = generate_autoregressive(tiny_model, [1, 2, 3, 1, 2], StopCriteria(30), sampling)
         return [token for step in steps for token in step.token_ids]
