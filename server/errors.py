@@ -130,7 +130,7 @@ def from_validation_errors(errors: Sequence[dict[str, Any]], field_names: Iterab
     """A 400 naming the first failing field (pydantic or FastAPI validation errors)."""
     if not errors:
         return BadRequestError("invalid request")
-    first = errors[0]
+    first = _most_specific(errors)
     param = validation_param(first.get("loc", ()), field_names)
     message = first.get("msg", "invalid value")
     if first.get("type") == "missing":
@@ -138,6 +138,14 @@ def from_validation_errors(errors: Sequence[dict[str, Any]], field_names: Iterab
     if param:
         message = f"{param}: {message}"
     return BadRequestError(message, param=param)
+
+
+def _most_specific(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Among the errors of the first failing field, the deepest one (for a union such as ``str | list[Part]``,
+    the branch that got furthest names the real problem)."""
+    field = tuple(errors[0].get("loc", ()))[:1]
+    same_field = [error for error in errors if tuple(error.get("loc", ()))[:1] == field]
+    return max(same_field, key=lambda error: len(error.get("loc", ())))
 
 
 def to_api_error(exc: BaseException, field_names: Iterable[str] = ()) -> APIError:

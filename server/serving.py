@@ -215,7 +215,13 @@ def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, forc
     steps = engine.decoder.decode(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
     text = TextStream(engine.codec.decode, generation.stop_strings)
     return engine.scheduler.submit(
-        steps, text, len(generation.prompt_ids), generation.lookahead, tracked=tracked, force=force
+        steps,
+        text,
+        len(generation.prompt_ids),
+        generation.lookahead,
+        max_tokens=generation.stop.max_tokens,
+        tracked=tracked,
+        force=force,
     )
 
 

@@ -156,6 +156,8 @@ class TextStream:
 
     def feed(self, token_ids: Sequence[int]) -> TextDelta:
         """Consume one step's tokens in order; stop at the token that completes a stop string."""
+        if self.stopped:
+            return TextDelta("", 0, True)
         pieces: list[str] = []
         for count, token_id in enumerate(token_ids, start=1):
             text, matched = self._matcher.feed(self._detokenizer.add(token_id))

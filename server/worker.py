@@ -81,6 +81,7 @@ class Job:
     lookahead: LookaheadConfig | None
     post: Callable[[Output | BaseException], None]
     metrics: Metrics | None = None  # None: not counted (the warm-up request)
+    max_tokens: int | None = None
     arrived: float = field(default_factory=time.perf_counter)
     tally: Tally = field(default_factory=Tally)
     cancel_requested: bool = False
@@ -88,6 +89,7 @@ class Job:
     started: float | None = None
     last_step: float = 0.0
     first_token_seen: bool = False
+    step_count: int = 0
     done: bool = False
 
     def summary(self) -> Summary:
@@ -119,12 +121,13 @@ class Worker:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Jobs holding a running slot and not finished."""
+        return sum(1 for job in self._running if not job.done)
 
     @property
     def busy(self) -> bool:
         """True while any job is waiting or running."""
-        return bool(self._waiting or self._running)
+        return bool(self._waiting) or self.running > 0
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
@@ -169,7 +172,7 @@ class Worker:
 
     def _publish_queue(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_queue(len(self._running), len(self._waiting))
+            self.metrics.set_queue(self.running, len(self._waiting))
 
     def _run(self) -> None:
         if self._thread_setup is not None:
@@ -207,10 +210,19 @@ class Worker:
             step = next(job.steps)
             self._consume(job, step)
         except StopIteration:
-            self._finish(job, "error", error=GenerationEnded("the decoder stopped without a finish reason"))
+            self._end_of_steps(job)
         except Exception as exc:
             logger.exception("generation failed")
             self._finish(job, "error", error=exc)
+
+    def _end_of_steps(self, job: Job) -> None:
+        """The generator ended without a finish reason on its last step: infer it (length if max_tokens is
+        reached, else a stop token), or fail the job if it never produced a step."""
+        if not job.step_count:
+            self._finish(job, "error", error=GenerationEnded("the decoder stopped without producing a step"))
+            return
+        reason = "length" if job.max_tokens is not None and job.tally.completion_tokens >= job.max_tokens else "stop"
+        self._finish(job, reason, output=Output(job.text.finish(), reason, job.summary()))
 
     def _begin(self, job: Job) -> None:
         job.started = job.last_step = time.perf_counter()
@@ -220,6 +232,7 @@ class Worker:
     def _consume(self, job: Job, step: Step) -> None:
         """Turn one step into text, count it, post it; finish the job on its last step."""
         now = time.perf_counter()
+        job.step_count += 1
         delta = job.text.feed(step.token_ids)
         finish_reason = "stop" if delta.stopped else step.finish_reason
         accepted = min(step.stats.accepted, delta.tokens)
@@ -255,16 +268,17 @@ class Worker:
             if job.done:
                 return
             job.done = True
+            self._publish_queue()
         try:
             close = getattr(job.steps, "close", None)
             if close is not None:
                 close()
         except Exception:
             logger.exception("closing a step generator failed")
-        job.post(output if output is not None else error or RequestCancelled(reason))
-        if job.metrics is not None:
+        if job.metrics is not None:  # counted before the client can see its response
             t = job.tally
             elapsed = time.perf_counter() - job.arrived
             job.metrics.request_finished(
                 RequestRecord(reason, t.completion_tokens, t.steps, t.offered, t.accepted, elapsed)
             )
+        job.post(output if output is not None else error or RequestCancelled(reason))

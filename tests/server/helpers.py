@@ -1,0 +1,140 @@
+"""Test helpers: run an app with its lifespan in-process, a scripted stand-in decoder, raw ASGI calls.
+
+``ScriptedDecoder`` replays token-id steps chosen by the prompt's text (through the real tokenizer), so
+scheduler and HTTP tests control timing (gates), failures and token accounting exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from decoding import Step, StepStats
+from decoding.errors import InvalidParameterError
+from server.app import create_app
+from server.config import ServerConfig
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def running_app(
+    config: ServerConfig, decoder: Any = None, load_decoder: Any = None, wait_ready: bool = True,
+    raise_app_exceptions: bool = True,
+) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """Create the app, run its lifespan, and yield it with an in-process client."""
+    app = create_app(config, decoder=decoder, load_decoder=load_decoder)
+    async with app.router.lifespan_context(app):
+        if wait_ready:
+            await wait_for(lambda: app.state.runtime.state == "ready", what="ready")
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=120) as client:
+            yield app, client
+
+
+def sse_events(body: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    return [line[len("data: "):] for line in body.splitlines() if line.startswith("data: ")]
+
+
+def scrape(app: Any) -> dict[str, float]:
+    """Every sample of the app's registry as ``name{label="v",...}`` -> value (labels sorted)."""
+    content, _ = app.state.runtime.metrics.exposition()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(content.decode()):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+@dataclass
+class Script:
+    """What the scripted decoder does for one prompt: steps of token ids, then a finish reason."""
+
+    steps: list[list[int]]
+    finish_reason: str = "length"
+    fail_at: int | None = None  # raise RuntimeError instead of producing this step
+    gate: threading.Event | None = None  # every step waits for this event
+    offered: int = 3
+    accepted_per_step: int = 0
+
+
+@dataclass
+class ScriptedDecoder:
+    """A stand-in for ``decoding.Decoder``: ``script_for(prompt_text)`` decides the steps."""
+
+    tokenizer: Any
+    script_for: Callable[[str], Script]
+    context_length: int = 8192
+    device: str = "cpu"
+    dtype: str = "float32"
+    step_log: list[tuple[str, int]] = field(default_factory=list)  # (prompt text, step index) in run order
+    closed: list[str] = field(default_factory=list)
+    raise_on_decode: Exception | None = None
+
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({self.tokenizer.eos_token_id})
+
+    def decode(self, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any) -> Any:
+        if self.raise_on_decode is not None:
+            raise self.raise_on_decode
+        if stop.max_tokens < 1:
+            raise InvalidParameterError("max_tokens", "max_tokens must be >= 1")
+        text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+        return self._steps(text, self.script_for(text), stop.max_tokens)
+
+    def _steps(self, text: str, script: Script, max_tokens: int):
+        produced = 0
+        try:
+            for index, token_ids in enumerate(script.steps):
+                if script.gate is not None:
+                    script.gate.wait(30)
+                if script.fail_at == index:
+                    raise RuntimeError("scripted failure")
+                self.step_log.append((text, index))
+                token_ids = token_ids[: max_tokens - produced]
+                produced += len(token_ids)
+                last = index == len(script.steps) - 1 or produced >= max_tokens
+                accepted = min(script.accepted_per_step, max(len(token_ids) - 1, 0))
+                stats = StepStats(
+                    input_tokens=1, committed=len(token_ids), offered=0 if index == 0 else script.offered,
+                    accepted=0 if index == 0 else accepted,
+                    accepted_per_position=() if index == 0 else tuple(k < accepted for k in range(script.offered)),
+                    seconds=0.001, prefill=index == 0,
+                )
+                reason = ("length" if produced >= max_tokens else script.finish_reason) if last else None
+                yield Step(list(token_ids), stats, reason)
+                if last:
+                    return
+        finally:
+            self.closed.append(text)
+
+
+def token_steps(tokenizer: Any, pieces: Sequence[str]) -> list[list[int]]:
+    """One step per text piece, each the piece's token ids."""
+    return [tokenizer.encode(piece, add_special_tokens=False) for piece in pieces]
+
+
+def chat_body(content: str, **fields: Any) -> dict[str, Any]:
+    return {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}], **fields}
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data)

@@ -1,0 +1,170 @@
+"""Every error the API can return: status, OpenAI envelope, param and code. Never a 422, never a stray 500."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import make_config
+from tests.server.helpers import chat_body, running_app, scrape
+
+pytestmark = pytest.mark.real_model
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+async def app_client(decoder):
+    async with running_app(make_config(max_request_bytes=4096), decoder) as (app, client):
+        yield app, client
+
+
+@pytest.fixture
+def client(app_client):
+    return app_client[1]
+
+
+def assert_error(response, status: int, param=None, code=None, error_type="invalid_request_error"):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error.keys() == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == error_type
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+async def test_invalid_json(client):
+    response = await client.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert_error(response, 400)
+
+
+async def test_body_must_be_an_object(client):
+    assert_error(await client.post(CHAT, json=[1, 2]), 400)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"max_tokens": 8.5}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"stream": "yes"}, "stream"),
+        ({"seed": "1"}, "seed"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
+        ({"lookahead": {"window_size": 999}}, "lookahead.window_size"),
+        ({"lookahead": {"ngram_size": 1}}, "lookahead.ngram_size"),
+        ({"lookahead": {"guess_set_size": -1}}, "lookahead.guess_set_size"),
+        ({"lookahead": {"window_size": "3"}}, "lookahead.window_size"),
+        ({"lookahead": {"enabled": "no"}}, "lookahead.enabled"),
+        ({"n": 2}, "n"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"logprobs": True}, "logprobs"),
+        ({"max_tokens": 8192}, "max_tokens"),
+    ],
+)
+async def test_bad_generation_fields(client, fields, param):
+    assert_error(await client.post(CHAT, json=chat_body("Hi", **fields)), 400, param=param)
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        (None, "messages"),
+        ([], "messages"),
+        ("hello", "messages"),
+        ([{"role": "wizard", "content": "Hi"}], "messages[0].role"),
+        ([{"content": "Hi"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0]"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type"),
+    ],
+)
+async def test_bad_messages(client, messages, param):
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2}
+    if messages is not None:
+        body["messages"] = messages
+    assert_error(await client.post(CHAT, json=body), 400, param=param)
+
+
+async def test_context_length_exceeded(client):
+    error = assert_error(await client.post(CHAT, json=chat_body("Hi", max_tokens=8190)), 400, param="max_tokens")
+    assert error["code"] == "context_length_exceeded" and "8192" in error["message"]
+
+
+async def test_prompt_alone_over_the_context(decoder):
+    async with running_app(make_config(), decoder) as (_, client):
+        response = await client.post("/v1/completions", json={"prompt": list(range(100, 100 + 8192)), "max_tokens": 1})
+        assert_error(response, 400, param="prompt", code="context_length_exceeded")
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({}, "prompt"),
+    ],
+)
+async def test_bad_completion_requests(client, fields, param):
+    assert_error(await client.post("/v1/completions", json={"max_tokens": 2, **fields}), 400, param=param)
+
+
+async def test_unknown_model_is_404(client):
+    error = assert_error(await client.post(CHAT, json={**chat_body("Hi"), "model": "gpt-4o"}), 404, param="model")
+    assert error["code"] == "model_not_found"
+    response = await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert_error(response, 404, param="model", code="model_not_found")
+
+
+async def test_body_too_large(client):
+    body = chat_body("x" * 5000, max_tokens=2)
+    assert_error(await client.post(CHAT, json=body), 413, code="request_too_large")
+
+
+async def test_unknown_route_and_method_use_the_envelope(client):
+    assert_error(await client.get("/v1/nothing"), 404)
+    assert_error(await client.get(CHAT), 405)
+
+
+async def test_rejections_are_counted(app_client):
+    app, client = app_client
+    await client.post(CHAT, json=chat_body("Hi", temperature=3))
+    await client.post(CHAT, json={**chat_body("Hi"), "model": "other"})
+    samples = scrape(app)
+    assert samples['lookahead_requests_rejected_total{reason="invalid_request"}'] == 1
+    assert samples['lookahead_requests_rejected_total{reason="model_not_found"}'] == 1
+    assert samples['lookahead_requests_total{finish_reason="error"}'] == 0
+
+
+async def test_api_key(decoder):
+    async with running_app(make_config(api_key="s3cret"), decoder) as (_, client):
+        missing = await client.get("/v1/models")
+        assert_error(missing, 401, code="invalid_api_key")
+        wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert_error(wrong, 401, code="invalid_api_key")
+        basic = await client.get("/v1/models", headers={"Authorization": "Basic s3cret"})
+        assert_error(basic, 401, code="invalid_api_key")
+        chat = await client.post(CHAT, json=chat_body("Hi", max_tokens=2))
+        assert_error(chat, 401, code="invalid_api_key")
+        ok = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 200
