@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decoding import LookaheadConfig, SamplingParams, StopCriteria
+from decoding import InvalidParameterError, LookaheadConfig, SamplingParams, StopCriteria
 from server.config import LookaheadSettings, ServerConfig
-from server.errors import APIError, BadRequestError, ModelNotFoundError, to_api_error
+from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -47,6 +48,7 @@ from server.scheduler import Handle, Scheduler
 from server.text import TemplateError, TextCodec, TextStream
 from server.worker import Output, Summary
 
+logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
 LOOKAHEAD_RANGES = {"window_size": 1, "ngram_size": 2, "guess_set_size": 0}  # name -> minimum
 
@@ -212,7 +214,15 @@ def plan(engine: Engine, request: GenerationFields, prompt_ids: list[int], promp
 
 def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, force: bool = False) -> Handle:
     """Validate with the decoder (400 on bad parameters) and submit to the scheduler (429 / 503 when refused)."""
-    steps = engine.decoder.decode(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
+    try:
+        steps = engine.decoder.decode(
+            generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead
+        )
+    except InvalidParameterError:
+        raise
+    except Exception as exc:
+        logger.exception("the decoder refused a request")
+        raise InternalError("The server had an error while processing your request.") from exc
     text = TextStream(engine.codec.decode, generation.stop_strings)
     return engine.scheduler.submit(
         steps,
@@ -368,7 +378,10 @@ async def complete(
     try:
         done, _ = await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if result in done:
-            text, last = result.result()
+            try:
+                text, last = result.result()
+            except Exception as exc:  # the generation failed (already logged by the worker)
+                raise to_api_error(exc) from exc
             return renderer.response(text, last)
         handle.cancel()
         raise ClientGone()

@@ -72,6 +72,8 @@ class Script:
     finish_reason: str = "length"
     fail_at: int | None = None  # raise RuntimeError instead of producing this step
     gate: threading.Event | None = None  # every step waits for this event
+    gate_steps: tuple[int, ...] | None = None  # only these steps wait (None: all)
+    delay: float = 0.0  # seconds each step takes (a simulated forward pass)
     offered: int = 3
     accepted_per_step: int = 0
 
@@ -104,8 +106,10 @@ class ScriptedDecoder:
         produced = 0
         try:
             for index, token_ids in enumerate(script.steps):
-                if script.gate is not None:
+                if script.gate is not None and (script.gate_steps is None or index in script.gate_steps):
                     script.gate.wait(30)
+                if script.delay:
+                    time.sleep(script.delay)
                 if script.fail_at == index:
                     raise RuntimeError("scripted failure")
                 self.step_log.append((text, index))
@@ -130,6 +134,42 @@ class ScriptedDecoder:
 def token_steps(tokenizer: Any, pieces: Sequence[str]) -> list[list[int]]:
     """One step per text piece, each the piece's token ids."""
     return [tokenizer.encode(piece, add_special_tokens=False) for piece in pieces]
+
+
+async def asgi_post(
+    app: Any, path: str, body: dict[str, Any], disconnect: asyncio.Event,
+    on_send: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """POST straight through ASGI; the client "disconnects" when ``disconnect`` is set. Returns sent messages.
+
+    (httpx's ASGITransport buffers whole responses and cannot disconnect mid-request.)
+    """
+    payload = json.dumps(body).encode()
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    messages: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+        if on_send is not None:
+            on_send(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        "client": ("127.0.0.1", 1234), "server": ("testserver", 80), "state": {},
+    }
+    await app(scope, receive, send)
+    return messages
 
 
 def chat_body(content: str, **fields: Any) -> dict[str, Any]:

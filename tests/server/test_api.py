@@ -141,7 +141,10 @@ async def test_content_parts_and_developer_role(client):
         {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]},
     ]
     plain = chat_body("", **GREEDY)
-    plain["messages"] = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Say hello."}]
+    plain["messages"] = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Say hello."},
+    ]
     a = (await client.post("/v1/chat/completions", json=parts)).json()
     b = (await client.post("/v1/chat/completions", json=plain)).json()
     assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
@@ -158,7 +161,8 @@ async def test_unknown_fields_are_ignored_and_model_may_be_omitted(client):
 async def test_max_tokens_clamped_to_the_context_when_omitted(decoder):
     """No max_tokens: min(default_max_tokens, context - prompt)."""
     async with running_app(make_config(default_max_tokens=3), decoder) as (_, client):
-        data = (await client.post("/v1/chat/completions", json=chat_body("Tell me a long story.", temperature=0))).json()
+        body = chat_body("Tell me a long story.", temperature=0)
+        data = (await client.post("/v1/chat/completions", json=body)).json()
         assert data["usage"]["completion_tokens"] == 3 and data["choices"][0]["finish_reason"] == "length"
 
 
