@@ -35,8 +35,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
-# torch first, in its own layer: it is by far the largest dependency and changes least often.
-RUN pip install --index-url "${TORCH_INDEX_URL:-$DEFAULT_TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# torch first, in its own layer: it is by far the largest dependency and changes least often. PyPI stays an
+# extra index for torch's own dependencies; on the CPU index "2.13.0+cpu" outranks PyPI's CUDA "2.13.0".
+RUN pip install --index-url "${TORCH_INDEX_URL:-$DEFAULT_TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple \
+        "torch==${TORCH_VERSION}"
 # The project is installed in editable mode from /app: server/config.py finds configs/ next to the package
 # (<package>/../configs), which a regular install into site-packages would lose. The runtime copies /app.
 WORKDIR /app
@@ -54,7 +56,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     LOOKAHEAD_CACHE=/cache \
     HF_HOME=/cache/huggingface
-RUN useradd --system --uid "${UID}" --create-home --home-dir /home/lookahead --shell /usr/sbin/nologin lookahead \
+RUN useradd --uid "${UID}" --create-home --home-dir /home/lookahead --shell /usr/sbin/nologin lookahead \
  && mkdir -p /cache \
  && chown lookahead:lookahead /cache
 COPY --from=builder /opt/venv /opt/venv
