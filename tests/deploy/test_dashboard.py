@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.deploy import promql
+from tests.deploy.conftest import ROOT
 from tests.deploy.exported_metrics import Family, sample_index
 
 # The series issue 4 requires, as Prometheus stores them.
@@ -77,6 +78,12 @@ def metric_problems(queries: list[tuple[str, str]], exported: dict[str, Family])
                 if families and not any(family.has_label(label) for family in families):
                     problems.append(f"{owner}: no metric in {expr!r} has the label {label!r}")
     return problems
+
+
+def readme_queries() -> list[tuple[str, str]]:
+    """("README", expr) for each line of the README's ```promql blocks."""
+    blocks = re.findall(r"```promql\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    return [("README", line.strip()) for block in blocks for line in block.splitlines() if line.strip()]
 
 
 def panel_exprs(panel: dict) -> list[str]:
@@ -188,6 +195,14 @@ def test_every_dashboard_expression_names_exported_metrics(dashboard: dict, expo
     """No panel or variable queries a metric, function or label the server does not have."""
     queries = list(promql.dashboard_queries(dashboard))
     assert len(queries) >= 20
+    assert metric_problems(queries, exported) == []
+
+
+def test_readme_promql_names_exported_metrics(exported: dict[str, Family]) -> None:
+    """The Observability section's PromQL (acceptance rate, steps per token) queries real series."""
+    queries = readme_queries()
+    named = {name for _, expr in queries for name in promql.parse(expr).metrics}
+    assert {"lookahead_accepted_tokens_total", "lookahead_draft_tokens_total", "lookahead_decode_steps_total"} <= named
     assert metric_problems(queries, exported) == []
 
 

@@ -28,7 +28,7 @@ import yaml
 
 from tests.deploy import promql
 from tests.deploy.conftest import ROOT
-from tests.deploy.test_dashboard import ISSUE_4_SERIES
+from tests.deploy.test_dashboard import ISSUE_4_SERIES, readme_queries
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -235,3 +235,8 @@ def test_every_dashboard_query_evaluates(prometheus: str, dashboard: dict) -> No
         if not query(prometheus, promql.substitute_grafana_variables(expr)):
             empty.append(f"{owner}: {expr}")
     assert empty == [], json.dumps(empty, indent=1)
+
+
+def test_readme_queries_evaluate(prometheus: str) -> None:
+    """The README's PromQL runs on the real Prometheus and returns data."""
+    assert [expr for _, expr in readme_queries() if not query(prometheus, expr)] == []
