@@ -50,13 +50,14 @@ RUN pip install -e .
 
 # ---- runtime ---------------------------------------------------------------------------------------------
 FROM base-${VARIANT} AS runtime
-ARG UID=10001
+# Not "UID": bash keeps a read-only UID of its own.
+ARG APP_UID=10001
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     LOOKAHEAD_CACHE=/cache \
     HF_HOME=/cache/huggingface
-RUN useradd --uid "${UID}" --create-home --home-dir /home/lookahead --shell /usr/sbin/nologin lookahead \
+RUN useradd --uid "${APP_UID}" --create-home --home-dir /home/lookahead --shell /usr/sbin/nologin lookahead \
  && mkdir -p /cache \
  && chown lookahead:lookahead /cache
 COPY --from=builder /opt/venv /opt/venv
@@ -68,6 +69,7 @@ RUN if [ "${PRELOAD_MODEL}" = "true" ]; then python -m decoding.loading; fi
 VOLUME ["/cache"]
 EXPOSE 8000
 # /health answers 200 once the model is loaded and warmed; the first start may download and convert it.
+# The probe assumes the default port: if you change --port, override the healthcheck too.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
 ENTRYPOINT ["lookahead-server"]
