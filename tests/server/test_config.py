@@ -1,0 +1,123 @@
+"""Config layering (defaults < default.yaml < device preset < --config < flags) and the CLI's parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from server import cli
+from server.config import CONFIG_DIR, ConfigError, ServerConfig, load_config, merge, read_yaml
+
+
+def test_shipped_configs_are_valid():
+    names = sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
+    assert {"default", "cpu", "cuda"} <= set(names)
+    for name in names:
+        assert isinstance(load_config(name), ServerConfig)
+
+
+def test_default_file_matches_the_field_defaults():
+    """configs/default.yaml documents the defaults: it must not drift from the code."""
+    assert load_config() == ServerConfig()
+
+
+def test_presets():
+    cpu = load_config(device_preset="cpu")
+    cuda = load_config(device_preset="cuda")
+    assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (2, 4, 4)
+    assert (cuda.lookahead.window_size, cuda.lookahead.ngram_size, cuda.lookahead.guess_set_size) == (15, 5, 15)
+    assert cpu.device == "cpu" and cuda.device == "cuda" and cuda.dtype == "bfloat16"
+
+
+def test_layers_in_order(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("port: 9000\nlookahead:\n  window_size: 5\n")
+    config = load_config(str(path), {"port": 9100, "lookahead": {"ngram_size": 3, "guess_set_size": None}},
+                         device_preset="cuda")
+    assert config.port == 9100  # flag beats file
+    assert config.lookahead.window_size == 5  # file beats default
+    assert config.lookahead.ngram_size == 3
+    assert config.lookahead.guess_set_size == 4  # a None flag does not override; an explicit --config skips the preset
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("prot: 9000\n", "prot"),
+        ("port: nine\n", "port"),
+        ("lookahead:\n  window_size: 0\n", "lookahead.window_size"),
+        ("lookahead:\n  window_size: 20\n", "max_window_size"),
+        ("- a list\n", "mapping"),
+    ],
+)
+def test_bad_config_files(tmp_path, text, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(str(path))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no-such-config")
+
+
+def test_merge_is_deep():
+    assert merge({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 9}}) == {"a": {"b": 9, "c": 2}, "d": 3}
+
+
+def test_model_name():
+    assert ServerConfig().model_name == "SmolLM2-135M-Instruct"
+    assert ServerConfig(model="/models/llama-3/").model_name == "llama-3"
+    assert ServerConfig(model="org/repo", served_model_name="x").model_name == "x"
+
+
+def parse(argv):
+    return cli.build_parser().parse_args(argv)
+
+
+def test_cli_flags_override_config(monkeypatch):
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    args = parse(["serve", "--config", "cuda", "--port", "8123", "--window-size", "7", "--no-lookahead",
+                  "--max-running", "2", "--served-model-name", "smol"])
+    config = cli.build_config(args)
+    assert config.port == 8123 and config.max_running == 2 and config.model_name == "smol"
+    assert config.lookahead.window_size == 7 and config.lookahead.ngram_size == 5  # from configs/cuda.yaml
+    assert config.lookahead.enabled is False
+    assert config.api_key is None
+
+
+def test_cli_api_key_from_environment(monkeypatch):
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
+    assert cli.build_config(parse(["serve"])).api_key == "from-env"
+    assert cli.build_config(parse(["serve", "--api-key", "flag"])).api_key == "flag"
+
+
+def test_cli_defaults_to_serve(monkeypatch):
+    seen = {}
+
+    def fake_serve(args):
+        seen["port"] = args.port
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "serve", (cli.COMMANDS["serve"][0], cli.add_serve_flags, fake_serve))
+    assert cli.main(["--port", "8001"]) == 0 and seen["port"] == 8001
+    assert cli.main([]) == 0 and seen["port"] is None
+    assert cli.main(["serve", "--port", "8002"]) == 0 and seen["port"] == 8002
+
+
+def test_cli_bad_config_exits_2(capsys):
+    assert cli.main(["--config", "no-such-config"]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_device_preset_names():
+    assert cli.device_preset("cuda:1") == "cuda"
+    assert cli.device_preset("cpu") == "cpu"
+
+
+def test_read_yaml_of_an_empty_file(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert read_yaml(path) == {}
