@@ -22,22 +22,24 @@ FROM ${PYTHON_IMAGE} AS base-cpu
 ENV DEFAULT_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM ${CUDA_IMAGE} AS base-cuda
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 ENV DEFAULT_TORCH_INDEX_URL=https://pypi.org/simple
 
 # ---- builder: a self-contained virtual environment in /opt/venv -----------------------------------------
+# hadolint ignore=DL3006
 FROM base-${VARIANT} AS builder
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
-RUN python3 -m venv /opt/venv
 # torch first, in its own layer: it is by far the largest dependency and changes least often. PyPI stays an
 # extra index for torch's own dependencies; on the CPU index "2.13.0+cpu" outranks PyPI's CUDA "2.13.0".
-RUN pip install --index-url "${TORCH_INDEX_URL:-$DEFAULT_TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple \
+RUN python3 -m venv /opt/venv \
+ && pip install --index-url "${TORCH_INDEX_URL:-$DEFAULT_TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple \
         "torch==${TORCH_VERSION}"
 # The project is installed in editable mode from /app: server/config.py finds configs/ next to the package
 # (<package>/../configs), which a regular install into site-packages would lose. The runtime copies /app.
@@ -49,6 +51,7 @@ COPY configs ./configs
 RUN pip install -e .
 
 # ---- runtime ---------------------------------------------------------------------------------------------
+# hadolint ignore=DL3006
 FROM base-${VARIANT} AS runtime
 # Not "UID": bash keeps a read-only UID of its own.
 ARG APP_UID=10001
@@ -57,13 +60,15 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     LOOKAHEAD_CACHE=/cache \
     HF_HOME=/cache/huggingface
-RUN useradd --uid "${APP_UID}" --create-home --home-dir /home/lookahead --shell /usr/sbin/nologin lookahead \
+RUN groupadd --gid "${APP_UID}" lookahead \
+ && useradd --uid "${APP_UID}" --gid "${APP_UID}" --create-home --home-dir /home/lookahead --shell /usr/sbin/nologin lookahead \
  && mkdir -p /cache \
  && chown lookahead:lookahead /cache
 COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder /app /app
 WORKDIR /app
-USER lookahead
+# Numeric, so that orchestrators can verify it is not root (Kubernetes' runAsNonRoot).
+USER ${APP_UID}:${APP_UID}
 ARG PRELOAD_MODEL=false
 RUN if [ "${PRELOAD_MODEL}" = "true" ]; then python -m decoding.loading; fi
 VOLUME ["/cache"]

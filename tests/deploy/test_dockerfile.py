@@ -53,12 +53,15 @@ def test_torch_pin_matches_the_project(instructions: list[Instruction], pyprojec
 
 
 def test_the_runtime_runs_as_a_non_root_user(instructions: list[Instruction]) -> None:
-    """The final stage switches to a named, non-root user before the entrypoint."""
+    """The final stage switches to a numeric non-root uid:gid, created by useradd, before the entrypoint."""
     stage = dockerfile.final_stage(instructions)
     user = dockerfile.only(instructions, "USER", stage)
-    assert user.args.split(":")[0] not in ("root", "0")
+    uid, _, gid = dockerfile.expand(user.args, dockerfile.arg_defaults(instructions, stage)).partition(":")
+    assert uid.isdigit() and int(uid) >= 1000 and gid.isdigit()
     assert user.line < dockerfile.only(instructions, "ENTRYPOINT", stage).line
-    assert any(i.keyword == "RUN" and "useradd" in i.args and user.args in i.args for i in instructions)
+    user_variable = user.args.partition(":")[0].strip("${}")
+    creates = [i.args for i in instructions if i.stage == stage and i.keyword == "RUN" and "useradd" in i.args]
+    assert creates and re.search(rf"useradd --uid \"?\$\{{{user_variable}\}}", creates[0])
 
 
 def test_entrypoint_is_the_console_script(instructions: list[Instruction], pyproject: dict) -> None:
