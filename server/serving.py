@@ -1,8 +1,9 @@
 """OpenAI semantics between the routes and the scheduler: request -> generation plan -> response or stream.
 
-Contract: ``plan_chat`` / ``plan_completion`` check everything that depends on the server (model name,
-unsupported options, lookahead maxima, the context window) and return a ``GenerationPlan``; ``start`` validates
-it with the decoder (which raises before any forward pass) and submits it. ``complete`` waits for the whole
+Contract: ``check_model``, ``check_supported``, ``chat_prompt`` / ``completion_prompt`` and ``plan`` check
+everything that depends on the server (model name, unsupported options, lookahead maxima, the context window)
+and build a ``GenerationPlan``; ``start`` validates it with the decoder (which raises before any forward pass)
+and submits it. ``complete`` waits for the whole
 text, cancelling if the client disconnects; ``stream`` yields the SSE data of OpenAI's chunk sequence: a role
 chunk (chat only), one chunk per step that produced text, a finish chunk, the usage chunk when asked, ``[DONE]``.
 An error after the stream started becomes one ``{"error": ...}`` data event. Both paths concatenate the same
@@ -19,11 +20,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decoding import InvalidParameterError, LookaheadConfig, SamplingParams, StopCriteria
+from decoding import InvalidParameterError, LookaheadConfig, SamplingParams, Step, StopCriteria
 from server.config import LookaheadSettings, ServerConfig
 from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
 from server.protocol import (
@@ -63,7 +64,13 @@ class DecoderLike(Protocol):
 
     def eos_token_ids(self) -> frozenset[int]: ...
 
-    def decode(self, prompt_ids, stop, sampling, lookahead): ...
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        stop: StopCriteria,
+        sampling: SamplingParams,
+        lookahead: LookaheadConfig | None,
+    ) -> Iterator[Step]: ...
 
 
 @dataclass(frozen=True)
@@ -260,6 +267,8 @@ def decoding_of(summary: Summary) -> DecodingInfo:
 class Renderer(Protocol):
     """Builds one endpoint's response and chunks."""
 
+    include_usage: bool
+
     def response(self, text: str, last: Output) -> dict[str, Any]: ...
 
     def opening(self) -> str | None: ...
@@ -271,14 +280,22 @@ class Renderer(Protocol):
     def usage(self, summary: Summary) -> str: ...
 
 
-class ChatRenderer:
-    """``chat.completion`` and ``chat.completion.chunk`` objects."""
+class _Identity:
+    """The id, creation time and model name shared by every chunk of one response."""
+
+    id_prefix = ""
 
     def __init__(self, model: str, include_usage: bool) -> None:
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+
+
+class ChatRenderer(_Identity):
+    """``chat.completion`` and ``chat.completion.chunk`` objects."""
+
+    id_prefix = "chatcmpl-"
 
     def response(self, text: str, last: Output) -> dict[str, Any]:
         assert last.summary is not None and last.finish_reason is not None
@@ -310,14 +327,10 @@ class ChatRenderer:
         return self._chunk([], summary)
 
 
-class CompletionRenderer:
+class CompletionRenderer(_Identity):
     """``text_completion`` objects, whole and chunked."""
 
-    def __init__(self, model: str, include_usage: bool) -> None:
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = model
-        self.include_usage = include_usage
+    id_prefix = "cmpl-"
 
     def response(self, text: str, last: Output) -> dict[str, Any]:
         assert last.summary is not None and last.finish_reason is not None
