@@ -7,6 +7,8 @@ directory the dashboard JSON is mounted into; every bind mount exists and every 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -112,6 +114,16 @@ def test_prometheus_scrapes_the_server_service(compose: dict, prometheus_config:
     assert int(port) in published(compose["services"]["server"])
     assert job.get("metrics_path", "/metrics") == "/metrics"
     assert job.get("scrape_interval", prometheus_config.get("global", {}).get("scrape_interval")) == "5s"
+
+
+def test_promtool_accepts_the_prometheus_config() -> None:
+    """Prometheus' own checker (promtool check config) accepts docker/prometheus.yml."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus); prometheus.yml syntax not checked")
+    command = [promtool, "check", "config", str(DOCKER / "prometheus.yml")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_prometheus_mounts_its_config(compose: dict) -> None:
