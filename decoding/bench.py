@@ -543,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prompt-pool", action="store_true", help="do not seed the pool from the prompt")
     parser.add_argument("--no-output-pool", action="store_true", help="do not add n-grams of the output to the pool")
     parser.add_argument("--no-align-window", action="store_true", help="always shift the window by one column")
+    parser.add_argument("--lazy-window", action="store_true", help="plain one-token steps when no candidate exists")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="default model name, local directory or hub id")
@@ -566,6 +567,7 @@ def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
         prompt_pool=not args.no_prompt_pool,
         output_pool=not args.no_output_pool,
         align_window=not args.no_align_window,
+        lazy_window=args.lazy_window,
     )
     config.validate()
     return config

@@ -214,22 +214,29 @@ class _LookaheadState:
         last = sequence.tokens[-1]
         position = len(sequence.tokens) - 1
         candidates = self.pool.candidates(last, config.guess_set_size)
-        layout = step_layout(config.window_size, len(self.window.rows), len(candidates), config.levels)
-        tokens = self.window.input_tokens(last) + [token for candidate in candidates for token in candidate]
+        run_window = bool(candidates) or not config.lazy_window
+        if run_window:
+            width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
+        else:
+            width, levels, tokens = 1, 1, [last]
+        layout = step_layout(width, levels, len(candidates), config.levels)
+        tokens += [token for candidate in candidates for token in candidate]
         logits = self._forward(tokens, layout, position)
-        window_tokens = len(self.window.rows) * config.window_size
 
         def candidate_row(candidate: int, k: int) -> int:
-            return 1 + config.window_size + candidate * config.levels + k
+            return 1 + width + candidate * config.levels + k
 
         predicted = logits.argmax(dim=-1).tolist()
         verdict = self._verify(logits, predicted, candidates, candidate_row)
         committed = sequence.accept(verdict.tokens)
-        self._commit_cache(position, window_tokens, verdict, len(committed))
-        new_row = self._clean_row(predicted[1 : 1 + config.window_size])
-        for key, ngram in self.window.ngrams(last, new_row):
-            self.pool.add(key, ngram)
-        self.window.advance(new_row, len(committed), config.align_window)
+        self._commit_cache(position, levels * width, verdict, len(committed))
+        if run_window:
+            new_row = self._clean_row(predicted[1 : 1 + width])
+            for key, ngram in self.window.ngrams(last, new_row):
+                self.pool.add(key, ngram)
+            self.window.advance(new_row, len(committed), config.align_window)
+        else:
+            self.window.skip(len(committed), config.align_window)
         if config.output_pool:
             self.scanned = self.pool.add_sequence(sequence.tokens, self.scanned)
         accepted = min(verdict.num_accepted, len(committed))

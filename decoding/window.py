@@ -128,6 +128,11 @@ class Window:
         if align and shift > 0:
             self.rows = [self._shift(row, shift) for row in self.rows]
 
+    def skip(self, committed: int, align: bool) -> None:
+        """Account for a step that did not run the window: re-align after ``committed`` tokens, no new row."""
+        if align and committed > 0:
+            self.rows = [self._shift(row, committed) for row in self.rows]
+
     def _shift(self, row: list[int], shift: int) -> list[int]:
         kept = row[shift:]
         return kept + [self.filler() for _ in range(self.width - len(kept))]

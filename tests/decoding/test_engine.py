@@ -47,8 +47,10 @@ def test_lookahead_equals_greedy_over_grid(tiny_model, window_size, ngram_size, 
         LookaheadConfig(3, 4, 3, align_window=False),
         LookaheadConfig(7, 5, 7),
         LookaheadConfig(1, 2, 0),
+        LookaheadConfig(2, 4, 2, lazy_window=True),
+        LookaheadConfig(3, 3, 3, lazy_window=True, align_window=False),
     ],
-    ids=["no-context-pool", "unaligned", "7-5-7", "degenerate"],
+    ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned"],
 )
 def test_lookahead_equals_greedy_for_variants(tiny_model, config):
     stop = StopCriteria(max_tokens=60)
@@ -111,6 +113,17 @@ def test_some_guesses_accepted_when_a_candidate_diverges_midway():
     assert (last.offered, last.accepted, last.committed) == (3, 2, 3)
     assert last.accepted_per_position == (True, True, False)
     assert [step.stats.offered for step in steps[:-1]] == [0, 0, 0]
+
+
+def test_lazy_window_runs_one_token_steps_without_candidates():
+    model = StubLM(vocab_size=64, next_token=lambda token: (token + 1) % 64)
+    prompt = [3, 4, 5, 6, 9, 20]  # the pool knows 3 -> (4, 5), 4 -> (5, 6) only
+    config = LookaheadConfig(window_size=4, ngram_size=3, guess_set_size=2, lazy_window=True, output_pool=False)
+    steps = list(generate_lookahead(model, prompt, StopCriteria(max_tokens=8), lookahead=config))
+    assert tokens_of(steps) == list(range(21, 29))
+    assert [step.stats.input_tokens for step in steps[1:]] == [1] * 7
+    with_candidates = list(generate_lookahead(model, [3, 4, 5, 6, 2], StopCriteria(max_tokens=3), lookahead=config))
+    assert [step.stats.input_tokens for step in with_candidates[1:]] == [4 + 2]  # row 0 plus one candidate
 
 
 def test_eos_inside_an_accepted_run_stops_there():
