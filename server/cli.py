@@ -100,6 +100,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_runtime = drain
         self._grace = grace
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
         self._drain_task: asyncio.Task | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -108,16 +109,16 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: drain in the background. Second: stop now. Never re-raised, so the exit status is 0."""
-        if self._drain_task is not None or self._loop is None:
+        if self._draining or self._loop is None:
             self.should_exit = True
             self.force_exit = sig == signal.SIGINT
             return
+        self._draining = True
         logger.info("signal %s: draining for up to %.0f s; send it again to stop now", sig, self._grace)
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
-        if self._drain_task is None:
-            self._drain_task = asyncio.ensure_future(self._drain())
+        self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
         await self._drain_runtime(self._grace)
