@@ -165,7 +165,8 @@ def generate_autoregressive(
             input_ids=input_ids, position_ids=position_ids, past_key_values=sequence.cache, use_cache=True
         ).logits
         committed = sequence.accept([_choose(logits[0, -1], sampling, sequence.generator)])
-        yield Step(committed, StepStats(1, len(committed), seconds=time.perf_counter() - started))
+        stats = StepStats(1, len(committed), seconds=time.perf_counter() - started)
+        yield Step(committed, stats, sequence.finish_reason)
 
 
 @torch.inference_mode()

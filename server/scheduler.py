@@ -84,7 +84,6 @@ class Scheduler:
         text: TextStream,
         prompt_tokens: int,
         lookahead: LookaheadConfig | None,
-        max_tokens: int | None = None,
         tracked: bool = True,
         force: bool = False,
     ) -> Handle:
@@ -109,7 +108,7 @@ class Scheduler:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        job = Job(steps, text, prompt_tokens, lookahead, post, self.metrics if tracked else None, max_tokens)
+        job = Job(steps, text, prompt_tokens, lookahead, post, self.metrics if tracked else None)
         handle = Handle(job, queue, self)
         self.worker.submit(job)
         return handle

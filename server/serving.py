@@ -236,7 +236,6 @@ def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, forc
         text,
         len(generation.prompt_ids),
         generation.lookahead,
-        max_tokens=generation.stop.max_tokens,
         tracked=tracked,
         force=force,
     )

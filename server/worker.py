@@ -81,7 +81,6 @@ class Job:
     lookahead: LookaheadConfig | None
     post: Callable[[Output | BaseException], None]
     metrics: Metrics | None = None  # None: not counted (the warm-up request)
-    max_tokens: int | None = None
     arrived: float = field(default_factory=time.perf_counter)
     tally: Tally = field(default_factory=Tally)
     cancel_requested: bool = False
@@ -216,13 +215,8 @@ class Worker:
             self._finish(job, "error", error=exc)
 
     def _end_of_steps(self, job: Job) -> None:
-        """The generator ended without a finish reason on its last step: infer it (length if max_tokens is
-        reached, else a stop token), or fail the job if it never produced a step."""
-        if not job.step_count:
-            self._finish(job, "error", error=GenerationEnded("the decoder stopped without producing a step"))
-            return
-        reason = "length" if job.max_tokens is not None and job.tally.completion_tokens >= job.max_tokens else "stop"
-        self._finish(job, reason, output=Output(job.text.finish(), reason, job.summary()))
+        """The generator ended without a step carrying a finish reason: a decoder contract violation."""
+        self._finish(job, "error", error=GenerationEnded("the decoder stopped without a finish reason"))
 
     def _begin(self, job: Job) -> None:
         job.started = job.last_step = time.perf_counter()

@@ -148,6 +148,14 @@ def test_max_tokens_inside_an_accepted_run_stops_there():
     assert all(step.finish_reason is None for step in steps[:-1])
 
 
+@pytest.mark.parametrize("generate", [generate_autoregressive, generate_lookahead])
+def test_only_the_last_step_carries_a_finish_reason(tiny_model, generate):
+    reference = greedy(tiny_model, PROMPTS[0], StopCriteria(30))
+    for stop, reason in [(StopCriteria(12), "length"), (StopCriteria(30, frozenset({reference[9]})), "stop")]:
+        steps = list(generate(tiny_model, PROMPTS[0], stop))
+        assert [step.finish_reason for step in steps] == [None] * (len(steps) - 1) + [reason]
+
+
 def test_stop_on_the_prefill_token_emits_nothing(tiny_model):
     first = greedy(tiny_model, PROMPTS[0], StopCriteria(1))[0]
     for generate in (generate_autoregressive, generate_lookahead):
