@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 ARGS    ?=
 
-.PHONY: setup model serve test lint bench clean
+.PHONY: setup model tools serve test lint bench clean
 
 setup: $(STAMP)
 
@@ -20,10 +20,16 @@ $(STAMP): pyproject.toml
 model: setup
 	$(PYTHON) -m decoding.loading
 
+# Prometheus for tests/deploy/test_prometheus_integration.py; without it that test skips with the reason.
+tools:
+	@command -v prometheus >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
+	  >/dev/null 2>&1 || echo "prometheus unavailable: its integration test will skip"
+
 serve: model
 	$(VENV)/bin/lookahead-server $(ARGS)
 
-test: model
+test: model tools
 	$(PYTHON) -m pytest -q $(ARGS)
 
 lint: setup
