@@ -188,6 +188,10 @@ def generate_lookahead(
         yield decoder.step()
 
 
+PROBE_INTERVAL = 8
+ACCEPT_SMOOTHING = 0.3
+
+
 class _LookaheadState:
     """Window, pool and buffers of one lookahead decode; ``step()`` runs one forward pass."""
 
@@ -207,6 +211,8 @@ class _LookaheadState:
         if lookahead.prompt_pool:
             self.scanned = self.pool.add_sequence(sequence.tokens[: sequence.prompt_length])
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
+        self.expected_accept = float(lookahead.levels)
+        self.steps_since_probe = 0
 
     def step(self) -> Step:
         """One forward pass: build the input, run the model, verify, commit, update window and pool."""
@@ -215,7 +221,9 @@ class _LookaheadState:
         last = sequence.tokens[-1]
         position = len(sequence.tokens) - 1
         candidates = self.pool.candidates(last, config.guess_set_size)
-        run_window = bool(candidates) or not config.lazy_window
+        paying = self._verifying_pays()
+        candidates = candidates if paying else []
+        run_window = bool(candidates) or (paying and not config.lazy_window)
         if run_window:
             width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
         else:
@@ -241,6 +249,8 @@ class _LookaheadState:
         if config.output_pool:
             self.scanned = self.pool.add_sequence(sequence.tokens, self.scanned)
         accepted = min(verdict.num_accepted, len(committed))
+        if candidates:
+            self.expected_accept += ACCEPT_SMOOTHING * (verdict.num_accepted - self.expected_accept)
         stats = StepStats(
             input_tokens=len(tokens),
             committed=len(committed),
@@ -250,6 +260,16 @@ class _LookaheadState:
             seconds=time.perf_counter() - started,
         )
         return Step(committed, stats, sequence.finish_reason)
+
+    def _verifying_pays(self) -> bool:
+        """False while this sequence's mean accepted guesses is below ``break_even`` (except for a probe)."""
+        if self.expected_accept >= self.config.break_even:
+            return True
+        self.steps_since_probe += 1
+        if self.steps_since_probe < PROBE_INTERVAL:
+            return False
+        self.steps_since_probe = 0
+        return True
 
     def _forward(self, tokens: list[int], layout: StepLayout, position: int) -> torch.Tensor:
         """Run the model over the step's tokens; return the kept logits ``[rows, vocab]``."""

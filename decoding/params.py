@@ -71,6 +71,10 @@ class LookaheadConfig:
     - ``lazy_window``: run the Jacobi window only on steps that also verify candidates; a step whose
       ``last`` has no candidate in the pool is a plain one-token step. Pays where any multi-token forward
       costs much more than a one-token one (CPUs: ~1.5x already at 2 tokens), not on GPUs.
+    - ``break_even``: accepted guesses per verifying step below which verifying loses to a plain one-token
+      step (the multi-token step's cost ratio minus one: ~0.5 on a 2-core CPU, ~0 on a GPU). While a
+      sequence's running mean of accepted guesses is below it, steps are plain one-token steps, with a
+      verifying probe every ``PROBE_INTERVAL`` steps. ``0`` never falls back. Greedy output is unchanged.
     """
 
     window_size: int = 5
@@ -80,6 +84,7 @@ class LookaheadConfig:
     output_pool: bool = True
     align_window: bool = True
     lazy_window: bool = False
+    break_even: float = 0.0
 
     @property
     def levels(self) -> int:
@@ -96,6 +101,8 @@ class LookaheadConfig:
         _check_range("window_size", self.window_size, 1, MAX_WINDOW_SIZE)
         _check_range("ngram_size", self.ngram_size, 2, MAX_NGRAM_SIZE)
         _check_range("guess_set_size", self.guess_set_size, 0, MAX_GUESS_SET_SIZE)
+        if not math.isfinite(self.break_even) or not 0.0 <= self.break_even <= self.levels:
+            raise InvalidParameterError("break_even", f"break_even must be in [0, N-1], got {self.break_even}")
         if self.step_tokens > MAX_STEP_TOKENS:
             raise InvalidParameterError(
                 "lookahead", f"(N-1)*(W+G) = {self.step_tokens} input tokens per step exceeds {MAX_STEP_TOKENS}"

@@ -49,8 +49,10 @@ def test_lookahead_equals_greedy_over_grid(tiny_model, window_size, ngram_size, 
         LookaheadConfig(1, 2, 0),
         LookaheadConfig(2, 4, 2, lazy_window=True),
         LookaheadConfig(3, 3, 3, lazy_window=True, align_window=False),
+        LookaheadConfig(2, 4, 3, lazy_window=True, break_even=1.5),
+        LookaheadConfig(3, 4, 3, break_even=2.5),
     ],
-    ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned"],
+    ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned", "gated-lazy", "gated"],
 )
 def test_lookahead_equals_greedy_for_variants(tiny_model, config):
     stop = StopCriteria(max_tokens=60)
@@ -124,6 +126,26 @@ def test_lazy_window_runs_one_token_steps_without_candidates():
     assert [step.stats.input_tokens for step in steps[1:]] == [1] * 7
     with_candidates = list(generate_lookahead(model, [3, 4, 5, 6, 2], StopCriteria(max_tokens=3), lookahead=config))
     assert [step.stats.input_tokens for step in with_candidates[1:]] == [4 + 2]  # row 0 plus one candidate
+
+
+def test_low_acceptance_falls_back_to_plain_steps_with_periodic_probes():
+    model = StubLM(vocab_size=64, next_token=lambda token: (token + 1) % 64)
+    prompt = [*range(0, 64, 2), 1]  # every even key proposes a wrong continuation; the model counts 2, 3, 4...
+    config = LookaheadConfig(1, 3, 2, output_pool=False, lazy_window=True, break_even=0.5)
+    steps = list(generate_lookahead(model, prompt, StopCriteria(max_tokens=40), lookahead=config))
+    assert tokens_of(steps) == list(range(2, 42))
+    verifying = [index for index, step in enumerate(steps) if step.stats.offered]
+    assert 3 <= len(verifying) <= 8, verifying  # a few verifying steps, then only probes
+    assert sum(step.stats.input_tokens == 1 for step in steps[1:]) >= 30
+    ungated = list(
+        generate_lookahead(
+            model,
+            prompt,
+            StopCriteria(max_tokens=40),
+            lookahead=config.__class__(1, 3, 2, output_pool=False, lazy_window=True),
+        )
+    )
+    assert sum(bool(step.stats.offered) for step in ungated) >= 15
 
 
 def test_eos_inside_an_accepted_run_stops_there():
@@ -211,6 +233,7 @@ def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
         (LookaheadConfig(guess_set_size=-1), "guess_set_size"),
         (LookaheadConfig(window_size=1000), "window_size"),
         (LookaheadConfig(window_size=64, ngram_size=16, guess_set_size=64), "lookahead"),
+        (LookaheadConfig(break_even=-1.0), "break_even"),
     ],
 )
 def test_bad_lookahead_arguments_raise_typed_errors(tiny_model, config, param):
