@@ -155,18 +155,25 @@ def generate_autoregressive(
     sequence = _start(model, prompt_ids, stop, sampling, step_tokens=1)
     step = _prefill(model, sequence, sampling)
     yield step
-    device = model.device
     while sequence.finish_reason is None:
-        started = time.perf_counter()
-        position = len(sequence.tokens) - 1
-        input_ids = torch.tensor([[sequence.tokens[-1]]], device=device)
-        position_ids = torch.tensor([[position]], device=device)
-        logits = model(
-            input_ids=input_ids, position_ids=position_ids, past_key_values=sequence.cache, use_cache=True
-        ).logits
-        committed = sequence.accept([_choose(logits[0, -1], sampling, sequence.generator)])
-        stats = StepStats(1, len(committed), seconds=time.perf_counter() - started)
-        yield Step(committed, stats, sequence.finish_reason)
+        yield _single_step(model, sequence, sampling)
+
+
+def _single_step(model: PreTrainedModel, sequence: _Sequence, sampling: SamplingParams) -> Step:
+    """One plain forward over ``last``: commit one token (or stop), leaving ``last``'s KV in the cache."""
+    started = time.perf_counter()
+    device = model.device
+    position = len(sequence.tokens) - 1
+    input_ids = torch.tensor([[sequence.tokens[-1]]], device=device)
+    position_ids = torch.tensor([[position]], device=device)
+    logits = model(
+        input_ids=input_ids, position_ids=position_ids, past_key_values=sequence.cache, use_cache=True
+    ).logits
+    committed = sequence.accept([_choose(logits[0, -1], sampling, sequence.generator)])
+    if not committed:
+        sequence.cache.commit(position, [])
+    stats = StepStats(1, len(committed), seconds=time.perf_counter() - started)
+    return Step(committed, stats, sequence.finish_reason)
 
 
 @torch.inference_mode()
@@ -223,11 +230,9 @@ class _LookaheadState:
         candidates = self.pool.candidates(last, config.guess_set_size)
         paying = self._verifying_pays()
         candidates = candidates if paying else []
-        run_window = bool(candidates) or (paying and not config.lazy_window)
-        if run_window:
-            width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
-        else:
-            width, levels, tokens = 1, 1, [last]
+        if not candidates and (config.lazy_window or not paying):
+            return self._single_step()
+        width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
         layout = step_layout(width, levels, len(candidates), config.levels)
         tokens += [token for candidate in candidates for token in candidate]
         logits = self._forward(tokens, layout, position)
@@ -239,15 +244,11 @@ class _LookaheadState:
         verdict = self._verify(logits, predicted, candidates, candidate_row)
         committed = sequence.accept(verdict.tokens)
         self._commit_cache(position, levels * width, verdict, len(committed))
-        if run_window:
-            new_row = self._clean_row(predicted[1 : 1 + width])
-            for key, ngram in self.window.ngrams(last, new_row):
-                self.pool.add(key, ngram)
-            self.window.advance(new_row, len(committed), config.align_window)
-        else:
-            self.window.skip(len(committed), config.align_window)
-        if config.output_pool:
-            self.scanned = self.pool.add_sequence(sequence.tokens, self.scanned)
+        new_row = self._clean_row(predicted[1 : 1 + width])
+        for key, ngram in self.window.ngrams(last, new_row):
+            self.pool.add(key, ngram)
+        self.window.advance(new_row, len(committed), config.align_window)
+        self._scan_output()
         accepted = min(verdict.num_accepted, len(committed))
         if candidates:
             self.expected_accept += ACCEPT_SMOOTHING * (verdict.num_accepted - self.expected_accept)
@@ -260,6 +261,18 @@ class _LookaheadState:
             seconds=time.perf_counter() - started,
         )
         return Step(committed, stats, sequence.finish_reason)
+
+    def _single_step(self) -> Step:
+        """A plain one-token step (no candidate worth verifying): the window only re-aligns."""
+        step = _single_step(self.model, self.sequence, self.sampling)
+        self.window.skip(step.stats.committed, self.config.align_window)
+        self._scan_output()
+        return step
+
+    def _scan_output(self) -> None:
+        """Insert the n-grams completed by newly committed tokens (when the output pool is on)."""
+        if self.config.output_pool:
+            self.scanned = self.pool.add_sequence(self.sequence.tokens, self.scanned)
 
     def _verifying_pays(self) -> bool:
         """False while this sequence's mean accepted guesses is below ``break_even`` (except for a probe)."""

@@ -35,6 +35,10 @@ class LookaheadSettings(BaseModel):
     max_window_size: int = Field(16, ge=1)
     max_ngram_size: int = Field(8, ge=2)
     max_guess_set_size: int = Field(16, ge=0)
+    lazy_window: bool = Field(False, description="plain one-token steps when the pool has no candidate")
+    break_even: float = Field(
+        0.0, ge=0.0, description="accepted guesses per verifying step below which to fall back to one-token steps"
+    )
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> LookaheadSettings:

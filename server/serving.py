@@ -126,6 +126,8 @@ def check_supported(request: GenerationFields) -> None:
 def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSettings) -> LookaheadConfig | None:
     """The request's lookahead settings over the configured defaults; ``None`` means autoregressive.
 
+    The server-wide step policy (``lazy_window``, ``break_even``, capped at N-1) comes from the config.
+
     Each value must lie in ``[minimum, configured maximum]`` (400 naming ``lookahead.<field>`` otherwise).
     """
     request = request or LookaheadRequest()
@@ -140,7 +142,10 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
             )
         values[name] = value
     enabled = settings.enabled if request.enabled is None else request.enabled
-    return LookaheadConfig(**values) if enabled else None
+    if not enabled:
+        return None
+    break_even = min(settings.break_even, values["ngram_size"] - 1)
+    return LookaheadConfig(**values, lazy_window=settings.lazy_window, break_even=break_even)
 
 
 def resolve_max_tokens(
