@@ -5,8 +5,9 @@ worker thread and, in the background, loads the decoder (unless one is injected)
 metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and again while draining. Routes
 only parse, authorize and delegate to ``server.serving``; every error goes through ``server.errors``.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. With ``api_key`` configured, ``/v1/*`` requires
-``Authorization: Bearer <key>``.
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and the playground page: ``GET /`` and
+``GET /static/*`` (``server/static``). With ``api_key`` configured, ``/v1/*`` requires
+``Authorization: Bearer <key>``; the page itself is public and asks for the key.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
@@ -47,6 +50,7 @@ from server.worker import Worker
 logger = logging.getLogger("server.app")
 FIELD_NAMES = frozenset(protocol_field_names())
 SSE_PING_SECONDS = 15
+STATIC_DIR = Path(__file__).parent / "static"
 ParsedRequest = TypeVar("ParsedRequest", bound=BaseModel)
 
 
@@ -230,7 +234,8 @@ async def chat_completions(request: Request) -> Response:
     engine = runtime.require_engine()
     generation = serving.plan(engine, chat, serving.chat_prompt(engine.codec, chat), "messages")
     handle = serving.start(engine, generation)
-    return await respond(request, handle, ChatRenderer(model, chat.include_usage), bool(chat.stream))
+    renderer = ChatRenderer(model, chat.include_usage, chat.include_steps)
+    return await respond(request, handle, renderer, bool(chat.stream))
 
 
 @router.post("/completions")
@@ -242,7 +247,8 @@ async def completions(request: Request) -> Response:
     engine = runtime.require_engine()
     generation = serving.plan(engine, completion, serving.completion_prompt(engine.codec, completion), "prompt")
     handle = serving.start(engine, generation)
-    return await respond(request, handle, CompletionRenderer(model, completion.include_usage), bool(completion.stream))
+    renderer = CompletionRenderer(model, completion.include_usage, completion.include_steps)
+    return await respond(request, handle, renderer, bool(completion.stream))
 
 
 @router.get("/models")
@@ -271,6 +277,11 @@ async def metrics(request: Request) -> Response:
     return Response(content, media_type=content_type)
 
 
+async def playground() -> FileResponse:
+    """The chat page (``server/static/index.html``); it loads ``/static/app.js`` and ``/static/style.css``."""
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+
 def create_app(
     config: ServerConfig,
     decoder: serving.DecoderLike | None = None,
@@ -285,4 +296,6 @@ def create_app(
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/", playground, methods=["GET"], include_in_schema=False)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -22,6 +22,7 @@ from typing import Any
 
 import uvicorn
 
+from server.chat_client import add_chat_flags, chat
 from server.config import ConfigError, ServerConfig, load_config
 
 API_KEY_ENV = "LOOKAHEAD_API_KEY"
@@ -158,6 +159,8 @@ def serve(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "serve": ("run the OpenAI-compatible server (the default command)", add_serve_flags, serve),
+    "chat": ("chat in the terminal with a running server (or --serve one), multi-token steps coloured",
+             add_chat_flags, chat),
 }
 
 

@@ -4,7 +4,8 @@ Contract: request models are strict (``"8"`` where an int belongs fails) and ign
 range checks are the config-independent ones (config-dependent limits such as the lookahead maxima are
 checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes, with one extra
 top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in a stream's usage chunk.
-Extensions: request field ``lookahead`` (``LookaheadRequest``) and ``top_k``.
+Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k`` and ``stream_steps``; with
+``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class GenerationFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     lookahead: LookaheadRequest | None = None
+    stream_steps: bool | None = False
 
     @field_validator("stop")
     @classmethod
@@ -106,6 +108,11 @@ class GenerationFields(StrictModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_steps(self) -> bool:
+        """Extension: stream chunks carry the ``step`` object."""
+        return bool(self.stream and self.stream_steps)
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -140,9 +147,22 @@ class DecodingInfo(BaseModel):
     steps: int
     tokens_per_step: float
     accepted_tokens: int
+    offered_tokens: int
     window_size: int | None
     ngram_size: int | None
     guess_set_size: int | None
+
+
+class StepInfo(BaseModel):
+    """Extension (``stream_steps``): the tokens behind one stream chunk's text, accepted and offered guesses.
+
+    Normally one decoding step's counts; tokens whose text was held back count in the next chunk with text or
+    in the finish chunk, so the ``tokens`` of a stream's chunks add up to ``usage.completion_tokens``.
+    """
+
+    tokens: int
+    accepted: int
+    offered: int
 
 
 class AssistantMessage(BaseModel):
@@ -187,6 +207,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     decoding: DecodingInfo | None = None
+    step: StepInfo | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -214,6 +235,7 @@ class CompletionChunk(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     decoding: DecodingInfo | None = None
+    step: StepInfo | None = None
 
 
 class ModelCard(BaseModel):
@@ -232,7 +254,7 @@ def chunk_json(chunk: ChatCompletionChunk | CompletionChunk, include_usage: bool
     """Serialize a stream chunk as OpenAI does.
 
     Deltas drop unset fields (``{"content": "Hi"}``); ``usage`` is present (null until the usage chunk) only
-    when the client asked for it; ``decoding`` appears only in the usage chunk.
+    when the client asked for it; ``decoding`` appears only in the usage chunk, ``step`` only when set.
     """
     data: dict[str, Any] = chunk.model_dump(mode="json")
     for choice in data["choices"]:
@@ -240,8 +262,9 @@ def chunk_json(chunk: ChatCompletionChunk | CompletionChunk, include_usage: bool
             choice["delta"] = {key: value for key, value in choice["delta"].items() if value is not None}
     if not include_usage:
         data.pop("usage")
-    if data.get("decoding") is None:
-        data.pop("decoding")
+    for extension in ("decoding", "step"):
+        if data.get(extension) is None:
+            data.pop(extension)
     return _dumps(data)
 
 

@@ -5,7 +5,8 @@ everything that depends on the server (model name, unsupported options, lookahea
 and build a ``GenerationPlan``; ``start`` validates it with the decoder (which raises before any forward pass)
 and submits it. ``complete`` waits for the whole
 text, cancelling if the client disconnects; ``stream`` yields the SSE data of OpenAI's chunk sequence: a role
-chunk (chat only), one chunk per step that produced text, a finish chunk, the usage chunk when asked, ``[DONE]``.
+chunk (chat only), one chunk per step that produced text, a finish chunk, the usage chunk when asked, ``[DONE]``;
+with ``stream_steps`` the content and finish chunks carry a ``step`` object (``step_of``).
 An error after the stream started becomes one ``{"error": ...}`` data event. Both paths concatenate the same
 ``Output`` texts, so a stream and a non-stream give the same text.
 
@@ -42,6 +43,7 @@ from server.protocol import (
     DeltaMessage,
     GenerationFields,
     LookaheadRequest,
+    StepInfo,
     Usage,
     chunk_json,
 )
@@ -262,14 +264,20 @@ def decoding_of(summary: Summary) -> DecodingInfo:
         steps=summary.steps,
         tokens_per_step=round(summary.completion_tokens / summary.steps, 4) if summary.steps else 0.0,
         accepted_tokens=summary.accepted,
+        offered_tokens=summary.offered,
         window_size=lookahead.window_size if lookahead else None,
         ngram_size=lookahead.ngram_size if lookahead else None,
         guess_set_size=lookahead.guess_set_size if lookahead else None,
     )
 
 
+def step_of(output: Output) -> StepInfo:
+    """The ``step`` extension object of the chunk that carries ``output``'s text."""
+    return StepInfo(tokens=output.tokens, accepted=output.accepted, offered=output.offered)
+
+
 class Renderer(Protocol):
-    """Builds one endpoint's response and chunks."""
+    """Builds one endpoint's response and chunks; ``step`` objects are dropped unless ``include_steps``."""
 
     include_usage: bool
 
@@ -277,9 +285,9 @@ class Renderer(Protocol):
 
     def opening(self) -> str | None: ...
 
-    def content(self, text: str) -> str: ...
+    def content(self, text: str, step: StepInfo | None = None) -> str: ...
 
-    def finish(self, reason: str) -> str: ...
+    def finish(self, reason: str, step: StepInfo | None = None) -> str: ...
 
     def usage(self, summary: Summary) -> str: ...
 
@@ -289,11 +297,12 @@ class _Identity:
 
     id_prefix = ""
 
-    def __init__(self, model: str, include_usage: bool) -> None:
+    def __init__(self, model: str, include_usage: bool, include_steps: bool = False) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.include_steps = include_steps
 
 
 class ChatRenderer(_Identity):
@@ -312,20 +321,24 @@ class ChatRenderer(_Identity):
             decoding=decoding_of(last.summary),
         ).model_dump(mode="json")
 
-    def _chunk(self, choices: list[ChatChunkChoice], summary: Summary | None = None) -> str:
+    def _chunk(
+        self, choices: list[ChatChunkChoice], summary: Summary | None = None, step: StepInfo | None = None
+    ) -> str:
         chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
         if summary is not None:
             chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
+        if self.include_steps:
+            chunk.step = step
         return chunk_json(chunk, self.include_usage)
 
     def opening(self) -> str | None:
         return self._chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
 
-    def content(self, text: str) -> str:
-        return self._chunk([ChatChunkChoice(delta=DeltaMessage(content=text))])
+    def content(self, text: str, step: StepInfo | None = None) -> str:
+        return self._chunk([ChatChunkChoice(delta=DeltaMessage(content=text))], step=step)
 
-    def finish(self, reason: str) -> str:
-        return self._chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)])
+    def finish(self, reason: str, step: StepInfo | None = None) -> str:
+        return self._chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)], step=step)
 
     def usage(self, summary: Summary) -> str:
         return self._chunk([], summary)
@@ -347,20 +360,24 @@ class CompletionRenderer(_Identity):
             decoding=decoding_of(last.summary),
         ).model_dump(mode="json")
 
-    def _chunk(self, choices: list[CompletionChoice], summary: Summary | None = None) -> str:
+    def _chunk(
+        self, choices: list[CompletionChoice], summary: Summary | None = None, step: StepInfo | None = None
+    ) -> str:
         chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
         if summary is not None:
             chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
+        if self.include_steps:
+            chunk.step = step
         return chunk_json(chunk, self.include_usage)
 
     def opening(self) -> str | None:
         return None
 
-    def content(self, text: str) -> str:
-        return self._chunk([CompletionChoice(text=text)])
+    def content(self, text: str, step: StepInfo | None = None) -> str:
+        return self._chunk([CompletionChoice(text=text)], step=step)
 
-    def finish(self, reason: str) -> str:
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+    def finish(self, reason: str, step: StepInfo | None = None) -> str:
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)], step=step)
 
     def usage(self, summary: Summary) -> str:
         return self._chunk([], summary)
@@ -374,9 +391,10 @@ async def stream(handle: Handle, renderer: Renderer) -> AsyncIterator[str]:
             yield opening
         async for output in handle:
             if output.text:
-                yield renderer.content(output.text)
+                yield renderer.content(output.text, step_of(output))
             if output.finish_reason is not None:
-                yield renderer.finish(output.finish_reason)
+                leftover = output if not output.text else Output("")  # counts not yet carried by a chunk
+                yield renderer.finish(output.finish_reason, step_of(leftover))
                 if renderer.include_usage and output.summary is not None:
                     yield renderer.usage(output.summary)
         yield "[DONE]"

@@ -48,11 +48,19 @@ class Summary:
 
 @dataclass(frozen=True)
 class Output:
-    """Text produced by one step; the last output of a request has ``finish_reason`` and ``summary``."""
+    """Text produced by one step; the last output of a request has ``finish_reason`` and ``summary``.
+
+    ``tokens``, ``accepted`` and ``offered`` count what the steps since the previous output committed,
+    accepted from guesses and offered for verification: normally one step's, more when a step's text was
+    held back (an incomplete character, a possible stop-string prefix, EOS), so they add up to the totals.
+    """
 
     text: str
     finish_reason: str | None = None
     summary: Summary | None = None
+    tokens: int = 0
+    accepted: int = 0
+    offered: int = 0
 
 
 @dataclass
@@ -90,10 +98,19 @@ class Job:
     first_token_seen: bool = False
     step_count: int = 0
     done: bool = False
+    reported: Tally = field(default_factory=Tally)  # the tally as of the last posted output
 
     def summary(self) -> Summary:
         t = self.tally
         return Summary(self.prompt_tokens, t.completion_tokens, t.steps, t.offered, t.accepted, self.lookahead)
+
+    def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
+        """An output carrying the counts tallied since the previous one."""
+        t, r = self.tally, self.reported
+        output = Output(text, finish_reason, summary, t.completion_tokens - r.completion_tokens,
+                        t.accepted - r.accepted, t.offered - r.offered)
+        self.reported = Tally(t.completion_tokens, t.steps, t.offered, t.accepted)
+        return output
 
 
 class Worker:
@@ -249,9 +266,9 @@ class Worker:
         job.first_token_seen = job.first_token_seen or delta.tokens > 0
         if finish_reason is None:
             if delta.text:
-                job.post(Output(delta.text))
+                job.post(job.output(delta.text))
             return
-        final = Output(delta.text + job.text.finish(), finish_reason, job.summary())
+        final = job.output(delta.text + job.text.finish(), finish_reason, job.summary())
         self._finish(job, finish_reason, output=final)
 
     def _finish(
