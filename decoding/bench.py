@@ -544,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-output-pool", action="store_true", help="do not add n-grams of the output to the pool")
     parser.add_argument("--no-align-window", action="store_true", help="always shift the window by one column")
     parser.add_argument("--lazy-window", action="store_true", help="plain one-token steps when no candidate exists")
+    parser.add_argument("--break-even", type=float, default=0.0, help="fall back to one-token steps below this")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="default model name, local directory or hub id")
@@ -568,6 +569,7 @@ def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
         output_pool=not args.no_output_pool,
         align_window=not args.no_align_window,
         lazy_window=args.lazy_window,
+        break_even=args.break_even,
     )
     config.validate()
     return config
@@ -621,7 +623,8 @@ def _benchmark_lines(
     return [
         f"prompts: {source} x {count} | max tokens {max_tokens} | methods {', '.join(methods)}",
         f"lookahead: W={config.window_size} N={config.ngram_size} G={config.guess_set_size} | prompt pool "
-        f"{config.prompt_pool} | output pool {config.output_pool} | align window {config.align_window}",
+        f"{config.prompt_pool} | output pool {config.output_pool} | align window {config.align_window} | "
+        f"lazy window {config.lazy_window} | break-even {config.break_even}",
     ]
 
 

@@ -23,7 +23,9 @@ def test_default_file_matches_the_field_defaults():
 def test_presets():
     cpu = load_config(device_preset="cpu")
     cuda = load_config(device_preset="cuda")
-    assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (2, 4, 4)
+    assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (1, 5, 3)
+    assert cpu.lookahead.lazy_window and cpu.lookahead.break_even == 0.5
+    assert not cuda.lookahead.lazy_window and cuda.lookahead.break_even == 0.0
     assert (cuda.lookahead.window_size, cuda.lookahead.ngram_size, cuda.lookahead.guess_set_size) == (15, 5, 15)
     assert cpu.device == "cpu" and cuda.device == "cuda" and cuda.dtype == "bfloat16"
 
