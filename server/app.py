@@ -6,15 +6,15 @@ metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and a
 only parse, authorize and delegate to ``server.serving``; every error goes through ``server.errors``.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and the playground page: ``GET /`` and
-``GET /static/*`` (``server/static``). With ``api_key`` configured, ``/v1/*`` requires
-``Authorization: Bearer <key>``; the page itself is public and asks for the key.
+``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
+requires ``Authorization: Bearer <key>`` (``server.auth``), and so do ``/health`` and ``/metrics`` with
+``protect_health`` / ``protect_metrics``; the page itself is public and asks for the key. ``/openapi.json``
+describes the real bodies (``server.openapi``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,9 +30,10 @@ from sse_starlette import EventSourceResponse
 
 from decoding import Decoder, SamplingParams, StopCriteria, configure_threads
 from server import serving
+from server.auth import KeyChecker, load_api_keys
+from server.body import decode_json
 from server.config import ServerConfig
 from server.errors import (
-    AuthenticationError,
     BadRequestError,
     ModelNotFoundError,
     PayloadTooLargeError,
@@ -41,6 +42,7 @@ from server.errors import (
     install_error_handlers,
 )
 from server.metrics import Metrics
+from server.openapi import install_openapi
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, protocol_field_names
 from server.scheduler import Handle, Scheduler
 from server.serving import ChatRenderer, CompletionRenderer, Engine, Renderer
@@ -81,6 +83,7 @@ class Runtime:
         load_decoder: Callable[[ServerConfig], serving.DecoderLike] | None = None,
     ) -> None:
         self.config = config
+        self.keys = KeyChecker(load_api_keys(config))
         self.metrics = Metrics()
         self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
         self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
@@ -166,19 +169,12 @@ def runtime_of(request: Request) -> Runtime:
 
 
 async def require_api_key(request: Request) -> None:
-    """Bearer-token check (constant-time) when an API key is configured."""
-    key = runtime_of(request).config.api_key
-    if not key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise AuthenticationError("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
-    if not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise AuthenticationError("Incorrect API key provided.")
+    """Bearer-token check (constant-time, ``server.auth``) when API keys are configured."""
+    runtime_of(request).keys.check(request.headers.get("authorization"))
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The JSON body; 413 beyond ``limit`` bytes, 400 when it does not parse."""
+    """The JSON body; 413 beyond ``limit`` bytes, 400 when it is not UTF-8 JSON text (``server.body``)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"The request body exceeds {limit} bytes.")
@@ -187,10 +183,7 @@ async def read_json(request: Request, limit: int) -> Any:
         body.extend(chunk)
         if len(body) > limit:
             raise PayloadTooLargeError(f"The request body exceeds {limit} bytes.")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"We could not parse the JSON body of your request: {exc}") from exc
+    return decode_json(bytes(body))
 
 
 def parse(model: type[ParsedRequest], body: Any) -> ParsedRequest:
@@ -294,8 +287,10 @@ def create_app(
     app.state.runtime = runtime
     install_error_handlers(app, FIELD_NAMES, runtime.metrics.reject)
     app.include_router(router)
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
+    guard = [Depends(require_api_key)]
+    app.add_api_route("/health", health, methods=["GET"], dependencies=guard if config.protect_health else None)
+    app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=guard if config.protect_metrics else None)
+    install_openapi(app, config, protected=runtime.keys.enabled)
     app.add_api_route("/", playground, methods=["GET"], include_in_schema=False)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -37,6 +37,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model: the embedded default SmolLM2-135M-Instruct, a directory or hub id")
     parser.add_argument("--served-model-name", help="the name clients send as 'model'")
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (or set ${API_KEY_ENV})")
+    parser.add_argument("--api-keys-file", help="accept any key in this file (one per line, # comments)")
+    parser.add_argument("--protect-health", action=argparse.BooleanOptionalAction, default=None,
+                        help="with keys: /health requires one too (default: open)")
+    parser.add_argument("--protect-metrics", action=argparse.BooleanOptionalAction, default=None,
+                        help="with keys: /metrics requires one too (default: open)")
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--threads", type=int, help="torch intra-op threads (0: torch's default)")
@@ -65,7 +70,8 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return {
         "host": args.host, "port": args.port, "model": args.model, "served_model_name": args.served_model_name,
-        "api_key": api_key, "device": args.device, "dtype": args.dtype, "threads": args.threads,
+        "api_key": api_key, "api_keys_file": args.api_keys_file, "protect_health": args.protect_health,
+        "protect_metrics": args.protect_metrics, "device": args.device, "dtype": args.dtype, "threads": args.threads,
         "max_running": args.max_running, "max_queue": args.max_queue, "default_max_tokens": args.default_max_tokens,
         "max_request_bytes": args.max_request_bytes, "drain_grace_seconds": args.drain_grace_seconds,
         "warmup": args.warmup, "log_level": args.log_level,
@@ -129,12 +135,17 @@ class DrainingServer(uvicorn.Server):
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until drained."""
+    from server.auth import load_api_keys
+
     try:
         config = build_config(args)
+        keys = load_api_keys(config)  # an unreadable or empty keys file stops here, before the model loads
     except ConfigError as exc:
         print(f"lookahead-server: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (config.protect_health or config.protect_metrics) and not keys:
+        logger.warning("--protect-health / --protect-metrics have no effect without --api-key or --api-keys-file")
     from decoding import Decoder, ModelLoadError, configure_threads
     from server.app import create_app
 

@@ -58,6 +58,9 @@ class ServerConfig(BaseModel):
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None
     api_key: str | None = None
+    api_keys_file: str | None = Field(None, description="a file of API keys, one per line (# comments)")
+    protect_health: bool = Field(False, description="/health requires a key too (when keys are configured)")
+    protect_metrics: bool = Field(False, description="/metrics requires a key too (when keys are configured)")
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     threads: int = Field(1, ge=0, description="torch intra-op threads; 0 keeps torch's default")

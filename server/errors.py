@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.errors import ContextLengthError, InvalidParameterError
 
@@ -164,6 +165,7 @@ def to_api_error(exc: BaseException, field_names: Iterable[str] = ()) -> APIErro
         error = APIError(str(exc.detail))
         error.status = exc.status_code
         error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error.headers = dict(exc.headers) if exc.headers else None  # e.g. 405's Allow
         return error
     return InternalError("The server had an error while processing your request.")
 
@@ -173,19 +175,54 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+class InternalErrorMiddleware:
+    """Turn an exception no handler took into the 500 envelope, logged once, on a connection that stays usable.
+
+    (Starlette's own ``Exception`` handler answers and then re-raises, so uvicorn logs the error a second time and
+    closes the connection under a keep-alive client.) Once a response has started, nothing can be sent any more:
+    the exception is re-raised for the server to close the connection.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            error = to_api_error(exc)
+            if isinstance(error, InternalError):
+                logger.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            if started:
+                raise
+            await error_response(error)(scope, receive, send)
+
+
 def install_error_handlers(
     app: FastAPI, field_names: Iterable[str] = (), on_reject: Callable[[str], None] | None = None
 ) -> None:
-    """Route every exception the app can raise through ``to_api_error``; report refusals to ``on_reject``."""
+    """Route every exception the app can raise through ``to_api_error``; report refusals to ``on_reject``.
+
+    Typed errors go through exception handlers; anything else reaches ``InternalErrorMiddleware``.
+    """
     names = frozenset(field_names)
 
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         error = to_api_error(exc, names)
-        if isinstance(error, InternalError) and not isinstance(exc, APIError):
-            logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         if error.reject_reason is not None and on_reject is not None:
             on_reject(error.reject_reason)
         return error_response(error)
 
-    for exc_type in (APIError, RequestValidationError, StarletteHTTPException, InvalidParameterError, Exception):
+    for exc_type in (APIError, RequestValidationError, StarletteHTTPException, InvalidParameterError):
         app.add_exception_handler(exc_type, handle)
+    app.add_middleware(InternalErrorMiddleware)

@@ -73,7 +73,7 @@ class GenerationFields(StrictModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI (and torch) take it
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
     stream: bool | None = False

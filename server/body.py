@@ -1,0 +1,78 @@
+"""Request bodies: bytes in, a JSON value out, or a 400 that says why.
+
+Contract: ``decode_json(body)`` accepts exactly UTF-8 JSON (a leading UTF-8 byte-order mark is ignored, as RFC 8259
+allows) and raises ``BadRequestError`` for anything else: bytes that are not UTF-8 (UTF-16 included), invalid JSON,
+the non-standard constants ``NaN``, ``Infinity`` and ``-Infinity``, nesting deeper than the parser can follow, and
+strings holding a lone surrogate (``"\\ud800"`` is valid JSON syntax but no Unicode text; the tokenizer cannot
+encode it). It never raises anything else, so a hostile body can only ever cost a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NoReturn
+
+from server.errors import BadRequestError
+
+PARSE_PREFIX = "We could not parse the JSON body of your request"
+
+
+def decode_json(body: bytes) -> Any:
+    """Parse a request body (see the module docstring for what is refused)."""
+    try:
+        text = body.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(f"{PARSE_PREFIX}: the body is not UTF-8 ({exc.reason} at byte {exc.start}).") from exc
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise BadRequestError(f"{PARSE_PREFIX}: it is nested too deeply.") from exc
+    except ValueError as exc:
+        raise BadRequestError(f"{PARSE_PREFIX}: {exc}") from exc
+    where = lone_surrogate_path(data)
+    if where is not None:
+        raise BadRequestError(
+            f"The request body holds a lone UTF-16 surrogate in {where}: strings must be valid Unicode.",
+            param=where or None,
+        )
+    return data
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def lone_surrogate_path(data: Any) -> str | None:
+    """The path of a string (value or key) holding a lone surrogate, ``None`` when there is none.
+
+    Iterative, so it follows any depth the JSON parser produced. ``""`` is the top-level value itself.
+
+    >>> lone_surrogate_path({"messages": [{"content": "ok"}, {"content": "\\ud800"}]})
+    'messages[1].content'
+    >>> lone_surrogate_path({"stop": ["\\U0001F600"]}) is None
+    True
+    """
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else str(key)
+                if _has_surrogate(key):
+                    return child
+                pending.append((child, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{index}]", item) for index, item in enumerate(value))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    """True if ``text`` cannot be encoded as UTF-8 (only lone surrogates make a Python str unencodable)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -1,0 +1,237 @@
+"""The OpenAPI document (``GET /openapi.json``): the real request and response bodies of every route.
+
+Contract: ``install_openapi(app, config)`` replaces FastAPI's generator with ``openapi_document``, built once.
+The routes parse their bodies themselves (so that every failure becomes an OpenAI envelope), which leaves FastAPI
+nothing to infer; this module fills in, per route, the request body (the ``server.protocol`` model's JSON schema),
+the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every error status the route can answer with
+``ErrorResponse``. The request schemas state what the server really accepts: the validators' limits (at most 4
+non-empty stop strings, an int64 seed), the options only accepted at their neutral value (``n`` = 1, zero
+penalties, no ``logit_bias``, no logprobs, no echo/best_of/suffix), the served model names and the configured
+lookahead maxima (``lookahead`` extension). What no schema can say (``prompt + max_tokens`` within the model's
+context, content required except for ``assistant`` messages) stays a 400 at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from server.config import ServerConfig
+from server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+REF = "#/components/schemas/{model}"
+NULLABLE_BOOL_FALSE = {"anyOf": [{"type": "boolean", "const": False}, {"type": "null"}]}
+SERVICE_STATUSES = ("500", "503")
+DESCRIPTION = (
+    "OpenAI-compatible completions decoded with lookahead decoding. Extensions: the request field `lookahead` "
+    "(per-request W/N/G within the server's maxima), `top_k`, and the response object `decoding`."
+)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope: every 4xx and 5xx body."""
+
+    error: ErrorDetail
+
+
+class HealthStatus(BaseModel):
+    """``{"status": "ok"}`` when ready; otherwise the state: loading, warming, draining or failed."""
+
+    status: str
+
+
+ERROR_DESCRIPTIONS = {
+    "400": "Invalid request: bad JSON, wrong types, out-of-range values, context length exceeded.",
+    "401": "Missing or wrong API key (when the server has keys).",
+    "404": "Unknown model.",
+    "413": "Request body over the configured limit.",
+    "429": "Queue full; retry after Retry-After seconds.",
+    "500": "The generation failed (this request only).",
+    "503": "Loading, warming up or draining; retry after Retry-After seconds.",
+}
+
+
+def nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` or null, defaulting to null (the shape pydantic gives ``X | None = None``)."""
+    return {"anyOf": [schema, {"type": "null"}], "default": None}
+
+
+def generation_overrides(config: ServerConfig) -> dict[str, dict[str, Any]]:
+    """Property schemas shared by both request models that the pydantic schema alone gets too loose."""
+    served = sorted({config.model_name, config.model})
+    return {
+        "model": nullable({"type": "string", "enum": served}),
+        "stop": nullable({"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+        ]}),
+        "seed": nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
+        "n": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+        "presence_penalty": nullable({"type": "number", "minimum": 0, "maximum": 0}),
+        "frequency_penalty": nullable({"type": "number", "minimum": 0, "maximum": 0}),
+        "logit_bias": nullable({"type": "object", "maxProperties": 0}),
+    }
+
+
+def lookahead_schema(config: ServerConfig) -> dict[str, Any]:
+    """The ``lookahead`` extension with this server's maxima."""
+    settings = config.lookahead
+    bounds = {
+        "window_size": (1, settings.max_window_size),
+        "ngram_size": (2, settings.max_ngram_size),
+        "guess_set_size": (0, settings.max_guess_set_size),
+    }
+    properties: dict[str, Any] = {"enabled": nullable({"type": "boolean"})}
+    for name, (low, high) in bounds.items():
+        properties[name] = nullable({"type": "integer", "minimum": low, "maximum": high})
+    return {
+        "type": "object",
+        "title": "LookaheadRequest",
+        "description": "Extension: per-request lookahead settings; each field left out takes the server default.",
+        "properties": properties,
+    }
+
+
+def request_overrides(config: ServerConfig) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per request model: the property schemas that replace pydantic's."""
+    shared = generation_overrides(config)
+    return {
+        "ChatCompletionRequest": {
+            **shared,
+            "logprobs": NULLABLE_BOOL_FALSE,
+            "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 0}),
+        },
+        "CompletionRequest": {
+            **shared,
+            "logprobs": {"type": "null", "default": None},
+            "echo": NULLABLE_BOOL_FALSE,
+            "best_of": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+            "suffix": nullable({"type": "string", "maxLength": 0}),
+        },
+    }
+
+
+def component_schemas(config: ServerConfig) -> dict[str, Any]:
+    """Every body model as a named component, request schemas tightened to what the server accepts."""
+    requests = [(model, "validation") for model in (ChatCompletionRequest, CompletionRequest)]
+    responses = [
+        (model, "serialization")
+        for model in (ChatCompletion, Completion, ModelList, ModelCard, ErrorResponse, HealthStatus)
+    ]
+    _, bundle = models_json_schema([*requests, *responses], ref_template=REF)
+    schemas: dict[str, Any] = bundle["$defs"]
+    for name, overrides in request_overrides(config).items():
+        schemas[name]["properties"].update(overrides)
+    schemas["LookaheadRequest"] = lookahead_schema(config)
+    return schemas
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(model=name)}
+
+
+def json_content(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": ref(name)}}
+
+
+def error_responses(statuses: tuple[str, ...]) -> dict[str, Any]:
+    """The envelope for each status, with ``Retry-After`` where the server sends it."""
+    responses: dict[str, Any] = {}
+    for status in statuses:
+        response: dict[str, Any] = {"description": ERROR_DESCRIPTIONS[status], "content": json_content("ErrorResponse")}
+        if status in ("429", "503"):
+            response["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+        responses[status] = response
+    return responses
+
+
+def generation_operation(request: str, response: str, auth: tuple[str, ...]) -> dict[str, Any]:
+    """The request body and responses of one POST generation route."""
+    return {
+        "requestBody": {"required": True, "content": json_content(request)},
+        "responses": {
+            "200": {
+                "description": f"A {response} object, or with stream: true its chunks as server-sent events.",
+                "content": {**json_content(response), "text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **error_responses(("400", *auth, "404", "413", "429", *SERVICE_STATUSES)),
+        },
+    }
+
+
+def operations(config: ServerConfig, protected: bool) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (path, method): the parts of the operation this module owns."""
+    auth = ("401",) if protected else ()
+    guard_health = ("401",) if protected and config.protect_health else ()
+    guard_metrics = ("401",) if protected and config.protect_metrics else ()
+    return {
+        ("/v1/chat/completions", "post"): generation_operation("ChatCompletionRequest", "ChatCompletion", auth),
+        ("/v1/completions", "post"): generation_operation("CompletionRequest", "Completion", auth),
+        ("/v1/models", "get"): {
+            "responses": {"200": {"description": "The served model.", "content": json_content("ModelList")},
+                          **error_responses(auth)},
+        },
+        ("/v1/models/{model_id}", "get"): {
+            "responses": {"200": {"description": "The served model.", "content": json_content("ModelCard")},
+                          **error_responses((*auth, "404"))},
+        },
+        ("/health", "get"): {
+            "responses": {
+                "200": {"description": "Ready.", "content": json_content("HealthStatus")},
+                "503": {"description": "Not ready, or draining.", "content": json_content("HealthStatus")},
+                **error_responses(guard_health),
+            },
+        },
+        ("/metrics", "get"): {
+            "responses": {
+                "200": {"description": "Prometheus text exposition.",
+                        "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **error_responses(guard_metrics),
+            },
+        },
+    }
+
+
+def openapi_document(app: FastAPI, config: ServerConfig, protected: bool) -> dict[str, Any]:
+    """FastAPI's document for ``app`` with the bodies and statuses of ``operations``; bearer auth on ``/v1/*``
+    (and ``/health`` or ``/metrics`` when protected) when ``protected`` (the server has API keys)."""
+    document = get_openapi(title=app.title, version=app.version, description=DESCRIPTION, routes=app.routes)
+    components = document.setdefault("components", {})
+    components["schemas"] = component_schemas(config)
+    if protected:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for (path, method), parts in operations(config, protected).items():
+        operation = document["paths"][path][method]
+        operation.update(parts)
+        if "401" in parts["responses"]:
+            operation["security"] = [{"bearer": []}]
+    return document
+
+
+def install_openapi(app: FastAPI, config: ServerConfig, protected: bool) -> None:
+    """Serve ``openapi_document`` at ``/openapi.json`` (built on first use, then cached)."""
+
+    def cached() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, config, protected)
+        return app.openapi_schema
+
+    app.openapi = cached  # type: ignore[method-assign]
