@@ -24,6 +24,7 @@ import uvicorn
 
 from server.chat_client import add_chat_flags, chat
 from server.config import ConfigError, ServerConfig, load_config
+from server.tuning import add_tune_flags, tune_command
 
 API_KEY_ENV = "LOOKAHEAD_API_KEY"
 logger = logging.getLogger("server.cli")
@@ -172,6 +173,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "serve": ("run the OpenAI-compatible server (the default command)", add_serve_flags, serve),
     "chat": ("chat in the terminal with a running server (or --serve one), multi-token steps coloured",
              add_chat_flags, chat),
+    "tune": ("measure this device and write configs/tuned-<device>.yaml (W/N/G and step policy)",
+             add_tune_flags, tune_command),
 }
 
 

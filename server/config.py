@@ -2,7 +2,8 @@
 
 Contract: ``load_config(path, overrides, device_preset=...)`` returns a validated, immutable ``ServerConfig``.
 Layers, later wins: field defaults < ``configs/default.yaml`` < the device preset (``configs/cpu.yaml`` or
-``configs/cuda.yaml``, only when no ``--config`` is given) < the ``--config`` file < flags. Unknown keys in a
+``configs/cuda.yaml``, then ``configs/tuned-<device>.yaml`` written by ``lookahead-server tune`` if present;
+only when no ``--config`` is given) < the ``--config`` file < flags. Unknown keys in a
 YAML file are an error (a typo must not be silently ignored). Nothing here imports torch: the caller resolves
 ``device: auto`` and passes the preset name in.
 """
@@ -122,8 +123,10 @@ def layered_settings(path: str | None, overrides: dict[str, Any], device_preset:
     default_file = CONFIG_DIR / "default.yaml"
     if default_file.exists():
         settings = read_yaml(default_file)
-    if path is None and device_preset is not None and (CONFIG_DIR / f"{device_preset}.yaml").exists():
-        settings = merge(settings, read_yaml(CONFIG_DIR / f"{device_preset}.yaml"))
+    if path is None and device_preset is not None:
+        for preset in (f"{device_preset}.yaml", f"tuned-{device_preset}.yaml"):
+            if (CONFIG_DIR / preset).exists():
+                settings = merge(settings, read_yaml(CONFIG_DIR / preset))
     if path is not None:
         settings = merge(settings, read_yaml(resolve_config_path(path)))
     return merge(settings, overrides)

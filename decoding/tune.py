@@ -1,0 +1,176 @@
+"""The tuner: choose W, N, G and the step policy for the loaded model on this device, by measurement.
+
+Contract: ``tune(model, prompts, stop_token_ids)`` returns a ``TuneResult``:
+
+1. it measures the step-cost curve (one forward of k tokens over a KV cache, ``decoding.bench``);
+2. it derives the step policy from the curve: when a 2-8-token forward costs clearly more than a one-token
+   forward (CPUs), steps without candidates are plain one-token steps (``lazy_window``) and a request falls
+   back to one-token steps while it accepts fewer guesses than ``break_even = cost(8) / cost(1) - 1``;
+3. for each (W, N, G) of a grid suited to that curve it runs greedy lookahead over the prompts and records
+   every step's input size and committed tokens (a greedy trajectory does not depend on the hardware), and
+   predicts the decode time from the curve;
+4. it confirms the best prediction with a timed, interleaved run against the greedy loop on the same
+   prompts: that measured speedup is what the result reports.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from decoding.bench import StepCost, measure_step_cost
+from decoding.engine import generate_autoregressive, generate_lookahead
+from decoding.params import LookaheadConfig, StopCriteria
+
+CPU_GRID = ((1, 3, 2), (1, 4, 2), (1, 5, 3), (1, 6, 2), (2, 4, 2), (2, 5, 3), (3, 4, 3), (4, 5, 4))
+GPU_GRID = ((5, 4, 5), (7, 5, 7), (10, 5, 10), (15, 5, 15), (15, 6, 15), (20, 6, 20))
+COSTLY_RATIO = 1.2
+COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (W, N, G) setting: its greedy trajectory summed up, and the time the cost curve predicts."""
+
+    config: LookaheadConfig
+    tokens: int
+    steps: int
+    predicted_ms: float
+    predicted_speedup: float
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The measured curve, every candidate, and the chosen setting with its measured speedup."""
+
+    step_cost: list[StepCost]
+    candidates: list[Candidate]
+    best: LookaheadConfig
+    greedy_seconds: float
+    lookahead_seconds: float
+    tokens: int
+
+    @property
+    def measured_speedup(self) -> float:
+        return self.greedy_seconds / self.lookahead_seconds if self.lookahead_seconds else 0.0
+
+
+def cost_function(step_cost: Sequence[StepCost]) -> Callable[[int], float]:
+    """Milliseconds of a forward over k tokens, interpolated linearly on the measured curve (clamped)."""
+    ks = [row.k for row in step_cost]
+    ms = [row.ms_last_logits for row in step_cost]
+
+    def cost(k: int) -> float:
+        if k <= ks[0]:
+            return ms[0]
+        if k >= ks[-1]:
+            return ms[-1] * k / ks[-1]
+        index = bisect.bisect_left(ks, k)
+        low, high = ks[index - 1], ks[index]
+        return ms[index - 1] + (ms[index] - ms[index - 1]) * (k - low) / (high - low)
+
+    return cost
+
+
+def step_policy(cost: Callable[[int], float]) -> tuple[bool, float]:
+    """``(lazy_window, break_even)`` for a cost curve: lazy and gated where multi-token forwards are costly.
+
+    >>> step_policy(lambda k: 1.0 if k == 1 else 1.5)
+    (True, 0.5)
+    >>> step_policy(lambda k: 1.0)
+    (False, 0.0)
+    """
+    ratio = cost(8) / cost(1)
+    if ratio < COSTLY_RATIO:
+        return False, 0.0
+    return True, round(min(ratio - 1.0, 2.0), 2)
+
+
+def trajectory(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: LookaheadConfig, stop: StopCriteria
+) -> list[tuple[int, int]]:
+    """``(input_tokens, committed)`` of every decode step (prefill excluded) over all prompts, greedy."""
+    steps = []
+    for prompt in prompts:
+        for step in generate_lookahead(model, prompt, stop, lookahead=config):
+            if not step.stats.prefill:
+                steps.append((step.stats.input_tokens, step.stats.committed))
+    return steps
+
+
+def evaluate(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    config: LookaheadConfig,
+    stop: StopCriteria,
+    cost: Callable[[int], float],
+) -> Candidate:
+    """Predict ``config``'s decode time from its trajectory; greedy would take one cost(1) per token."""
+    steps = trajectory(model, prompts, config, stop)
+    tokens = sum(committed for _, committed in steps)
+    predicted = sum(cost(inputs) for inputs, _ in steps)
+    greedy = tokens * cost(1)
+    return Candidate(config, tokens, len(steps), predicted, greedy / predicted if predicted else 0.0)
+
+
+def timed_comparison(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: LookaheadConfig, stop: StopCriteria
+) -> tuple[float, float, int]:
+    """Seconds of the greedy loop and of lookahead over the prompts, interleaved; and tokens generated."""
+    greedy_seconds = lookahead_seconds = 0.0
+    tokens = 0
+    for prompt in prompts:
+        started = time.perf_counter()
+        reference = [token for step in generate_autoregressive(model, prompt, stop) for token in step.token_ids]
+        greedy_seconds += time.perf_counter() - started
+        started = time.perf_counter()
+        output = [
+            token for step in generate_lookahead(model, prompt, stop, lookahead=config) for token in step.token_ids
+        ]
+        lookahead_seconds += time.perf_counter() - started
+        if output != reference:
+            raise RuntimeError(f"lookahead diverged from greedy with {config}: a decoder bug")
+        tokens += len(output)
+    return greedy_seconds, lookahead_seconds, tokens
+
+
+@torch.inference_mode()
+def tune(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    stop_token_ids: frozenset[int],
+    max_tokens: int = 96,
+    grid: Sequence[tuple[int, int, int]] | None = None,
+    report: Callable[[str], None] = lambda line: None,
+) -> TuneResult:
+    """Measure, search and confirm (see the module docstring). ``report`` receives progress lines."""
+    step_cost = measure_step_cost(model, ks=COST_KS, repeats=5)
+    cost = cost_function(step_cost)
+    lazy, break_even = step_policy(cost)
+    report(f"step cost: k=1 {cost(1):.1f} ms, k=8 {cost(8):.1f} ms -> lazy_window={lazy}, break_even={break_even}")
+    if grid is None:
+        grid = CPU_GRID if lazy else GPU_GRID
+    stop = StopCriteria(max_tokens, stop_token_ids)
+    candidates = []
+    for window_size, ngram_size, guess_set_size in grid:
+        config = LookaheadConfig(
+            window_size, ngram_size, guess_set_size, lazy_window=lazy, break_even=min(break_even, ngram_size - 1)
+        )
+        candidate = evaluate(model, prompts, config, stop, cost)
+        candidates.append(candidate)
+        report(
+            f"W={window_size} N={ngram_size} G={guess_set_size}: {candidate.tokens_per_step:.2f} tokens/step, "
+            f"predicted {candidate.predicted_speedup:.2f}x greedy"
+        )
+    best = max(candidates, key=lambda candidate: candidate.predicted_speedup).config
+    greedy_seconds, lookahead_seconds, tokens = timed_comparison(model, prompts, best, stop)
+    return TuneResult(step_cost, candidates, best, greedy_seconds, lookahead_seconds, tokens)

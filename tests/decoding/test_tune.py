@@ -1,0 +1,50 @@
+"""The tuner: cost interpolation, step policy, and a whole search on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoding.bench import StepCost
+from decoding.params import LookaheadConfig, StopCriteria
+from decoding.tune import cost_function, evaluate, step_policy, trajectory, tune
+
+
+def test_cost_function_interpolates_and_extrapolates():
+    cost = cost_function([StepCost(1, 10.0, 12.0), StepCost(2, 15.0, 18.0), StepCost(8, 18.0, 25.0)])
+    assert cost(1) == 10.0 and cost(2) == 15.0
+    assert cost(5) == pytest.approx(16.5)
+    assert cost(16) == pytest.approx(36.0)
+
+
+@pytest.mark.parametrize(
+    "costs, expected",
+    [
+        ({1: 70.0, 8: 105.0}, (True, 0.5)),
+        ({1: 10.0, 8: 10.5}, (False, 0.0)),
+        ({1: 10.0, 8: 50.0}, (True, 2.0)),
+    ],
+)
+def test_step_policy_from_the_cost_ratio(costs, expected):
+    assert step_policy(lambda k: costs[1] if k == 1 else costs[8]) == expected
+
+
+def test_evaluate_sums_the_trajectory(tiny_model):
+    prompts = [[1, 5, 7, 9, 5, 7, 9, 5, 7], [3, 4, 3, 4, 3]]
+    config = LookaheadConfig(2, 4, 3)
+    stop = StopCriteria(20)
+    steps = trajectory(tiny_model, prompts, config, stop)
+    assert sum(committed for _, committed in steps) == 2 * (20 - 1)  # the prefill's token is excluded
+    candidate = evaluate(tiny_model, prompts, config, stop, cost=lambda k: 1.0 if k == 1 else 2.0)
+    assert candidate.tokens == 38 and candidate.steps == len(steps)
+    assert candidate.predicted_ms == sum(1.0 if inputs == 1 else 2.0 for inputs, _ in steps)
+    assert candidate.predicted_speedup == pytest.approx(38 / candidate.predicted_ms)
+
+
+def test_tune_picks_the_best_predicted_setting_and_measures_it(tiny_model):
+    lines = []
+    result = tune(tiny_model, [[1, 5, 7, 9, 5, 7, 9, 5, 7]], frozenset(), 16, [(1, 3, 2), (3, 4, 3)], lines.append)
+    assert len(result.candidates) == 2 and len(lines) == 3
+    best = max(result.candidates, key=lambda candidate: candidate.predicted_speedup)
+    assert result.best == best.config
+    assert result.tokens == 16 and result.greedy_seconds > 0 and result.lookahead_seconds > 0
+    assert [row.k for row in result.step_cost][:2] == [1, 2]
