@@ -19,6 +19,8 @@ import torch
 
 from decoding.params import SamplingParams
 
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -33,8 +35,12 @@ def warp(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """Probabilities ``[rows, vocab]`` (float32) after temperature, top-k and top-p.
 
     top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (at least one token).
+    Any valid temperature and top-p give a distribution, even denormals such as 5e-324, which float32 rounds
+    to 0: scores are shifted so that the best is 0 before dividing (no inf - inf), and the best token always
+    survives top-p.
     """
-    scores = logits.float() / sampling.temperature
+    scores = logits.float()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / max(sampling.temperature, FLOAT32_TINY)
     vocab = scores.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
@@ -43,7 +49,9 @@ def warp(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
         sorted_probs = sorted_scores.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_scores = sorted_scores.masked_fill(mass_before >= sampling.top_p, float("-inf"))
+        remove = mass_before >= sampling.top_p
+        remove[..., 0] = False
+        sorted_scores = sorted_scores.masked_fill(remove, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
     return scores.softmax(dim=-1)
 
