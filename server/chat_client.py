@@ -49,7 +49,8 @@ def add_chat_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-lookahead", action="store_true", help="decode with the plain autoregressive loop")
     parser.add_argument("--no-color", action="store_true", help="no ANSI colours (also off when not a terminal)")
     parser.add_argument("--serve", action="store_true", help="start a local server first, stop it at exit")
-    parser.add_argument("--server-args", default="", help="extra flags for --serve, e.g. '--window-size 3'")
+    parser.add_argument("--server-args", default="",
+                        help="extra flags for --serve, e.g. --server-args='--window-size 3'")
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------
@@ -133,6 +134,7 @@ class Answer:
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
     stopped: bool = False
+    method: str = ""  # as requested; the usage chunk's decoding.method replaces it
 
     def add_step(self, step: dict[str, int]) -> None:
         """Count one chunk's ``step`` object."""
@@ -170,8 +172,9 @@ def stats_line(answer: Answer) -> str:
     parts.append(f"{answer.tokens / answer.steps:.2f} tokens/step" if answer.steps else "- tokens/step")
     parts.append(f"acceptance {answer.accepted / answer.offered:.0%}" if answer.offered else "acceptance -")
     parts.append(f"{answer.tokens / seconds:.1f} tok/s")
-    if answer.decoding.get("method"):
-        parts.append(answer.decoding["method"])
+    method = answer.decoding.get("method") or answer.method
+    if method:
+        parts.append(method)
     if answer.stopped:
         parts.append("stopped")
     elif answer.finish_reason == "length":
@@ -181,7 +184,7 @@ def stats_line(answer: Answer) -> str:
 
 def stream_answer(base_url: str, api_key: str | None, body: dict[str, Any], out: TextIO, color: bool) -> Answer:
     """Send one request and print the answer as it streams; Ctrl-C closes the connection and keeps the part."""
-    answer = Answer()
+    answer = Answer(method="lookahead" if body["lookahead"]["enabled"] else "autoregressive")
     response = None
     try:
         response = open_request(f"{base_url}/v1/chat/completions", api_key, body)
@@ -318,18 +321,17 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, api_key: str | None) -> tuple[subprocess.Popen, str, str]:
-    """Start ``python -m server`` on a free local port; wait until ready. Returns (process, url, log path)."""
+    """Start ``python -m server`` on a free local port (not waiting for it). Returns (process, url, log path)."""
     port = free_port()
     command = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)]
     if api_key:
         command += ["--api-key", api_key]
     command += shlex.split(args.server_args)
-    log = tempfile.NamedTemporaryFile("w", prefix="lookahead-chat-server-", suffix=".log", delete=False)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               start_new_session=True)  # Ctrl-C in the chat must not reach the server
+    with tempfile.NamedTemporaryFile("w", prefix="lookahead-chat-server-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)  # Ctrl-C in the chat must not reach the server
     url = f"http://127.0.0.1:{port}"
     print(f"starting a local server on {url} (log: {log.name}) ...", file=sys.stderr, flush=True)
-    wait_until_ready(process, url, log.name)
     return process, url, log.name
 
 
@@ -349,16 +351,17 @@ def wait_until_ready(process: subprocess.Popen, url: str, log_path: str, timeout
     raise ClientError(f"the server was not ready within {timeout:.0f} s; see {log_path}")
 
 
-def stop_server(process: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGTERM (the server drains), then kill if it lingers."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def stop_server(process: subprocess.Popen, log_path: str, timeout: float = 30) -> None:
+    """SIGTERM (the server drains), then kill if it lingers; the log is removed after a clean exit."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if process.returncode == 0:
+        os.unlink(log_path)
 
 
 # ---- the command ------------------------------------------------------------------------------------------
@@ -373,11 +376,12 @@ def chat(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-    process = None
+    process, log_path = None, ""
     try:
         base_url = args.url.rstrip("/")
         if args.serve:
-            process, base_url, _ = start_server(args, api_key)
+            process, base_url, log_path = start_server(args, api_key)
+            wait_until_ready(process, base_url, log_path)
         models = server_models(base_url, api_key)
         print(f"connected to {base_url} ({', '.join(models)}). {HELP}", flush=True)
         print(legend(color), end="", flush=True)
@@ -389,4 +393,4 @@ def chat(args: argparse.Namespace) -> int:
         return 130
     finally:
         if process is not None:
-            stop_server(process)
+            stop_server(process, log_path)

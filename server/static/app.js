@@ -44,12 +44,13 @@ function errorMessage(status, body) {
 
 // ---- server state -------------------------------------------------------------------------------------
 
+// Resolves once /health answers 200, or 401 (a protected /health: the models request then asks for the key).
 async function waitForHealth() {
   for (;;) {
     try {
-      const response = await fetch("health", { cache: "no-store" });
+      const response = await fetch("health", { headers: headers(), cache: "no-store" });
+      if (response.ok || response.status === 401) return;
       const body = await response.json();
-      if (response.ok) return;
       setStatus(`server ${body.status}…`, "warn");
     } catch (error) {
       setStatus("server unreachable, retrying…", "error");
@@ -131,7 +132,8 @@ class AnswerView {
   constructor(parent, label) {
     this.root = element("article", "answer");
     this.root.setAttribute("aria-label", label ? `Answer: ${label}` : "Answer");
-    if (label) this.root.append(element("h3", "answer-label", label));
+    this.label = element("h3", "answer-label", label || "");
+    if (label) this.root.append(this.label);
     this.text = element("div", "answer-text");
     this.stats = element("p", "stats");
     this.root.append(this.text, this.stats);
@@ -158,13 +160,21 @@ class AnswerView {
   handle(chunk) {
     if (chunk.step) this.countStep(chunk.step);
     if (chunk.usage) this.usage = chunk.usage;
-    if (chunk.decoding) this.decoding = chunk.decoding;
+    if (chunk.decoding) this.showDecoding(chunk.decoding);
     const choice = chunk.choices && chunk.choices[0];
     if (!choice) return this.renderStats();
     if (choice.finish_reason) this.finishReason = choice.finish_reason;
     const text = choice.delta && choice.delta.content;
     if (text) this.appendText(text, chunk.step);
     else this.renderStats();
+  }
+
+  // The usage chunk's decoding object: keep it, and name the W/N/G actually used in the label.
+  showDecoding(decoding) {
+    this.decoding = decoding;
+    if (decoding.method === "lookahead" && this.label.textContent.startsWith("lookahead")) {
+      this.label.textContent = `lookahead W${decoding.window_size} N${decoding.ngram_size} G${decoding.guess_set_size}`;
+    }
   }
 
   countStep(step) {
@@ -282,11 +292,6 @@ function addTurn(userText, compare) {
   return answers;
 }
 
-function lookaheadLabel() {
-  const values = ["window-size", "ngram-size", "guess-set-size"].map((id) => $(id).value.trim() || "·");
-  return `lookahead W${values[0]} N${values[1]} G${values[2]}`;
-}
-
 function comparison(fast, slow) {
   const a = fast.numbers();
   const b = slow.numbers();
@@ -307,7 +312,7 @@ async function send(text) {
   setRunning(true);
   let kept;
   if (compare) {
-    const fast = new AnswerView(answers, lookaheadLabel());
+    const fast = new AnswerView(answers, "lookahead");
     const slow = new AnswerView(answers, "plain (lookahead off)");
     await streamAnswer(fast, requestBody(messages, true));
     if (state.stopped) slow.finish("skipped");
