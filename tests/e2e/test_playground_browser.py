@@ -29,7 +29,7 @@ DRIVERS = ("chromedriver",)
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--window-size=1280,900")
-CHAT_PROMPT = "Write an HTML page with a table of the planets and their order from the sun."
+CHAT_PROMPT = "Write a JSON list of five fruits, each with a name and a color."
 COMPARE_PROMPT = "Repeat the word hello ten times."
 LONG_PROMPT = "Write a long story about a dragon who learns to paint."
 
@@ -134,7 +134,7 @@ def test_chat_compare_and_stop_in_the_browser(browser, server, shots):
     set_field(driver, "api-key", API_KEY)
     wait_until(lambda: by_id(driver, "server-status").text.startswith("ready"), 30, "models to load")
     assert by_id(driver, "model").get_attribute("value") == "SmolLM2-135M-Instruct"
-    set_field(driver, "max-tokens", "80")
+    set_field(driver, "max-tokens", "100")
 
     # Shift+Enter is a new line, not a send.
     from selenium.webdriver.common.keys import Keys
@@ -156,9 +156,9 @@ def check_chat(driver: Any, shots: Path) -> None:
                "the answer to start streaming")
     answer = answers(driver)[0]
     wait_until(lambda: answer.get_attribute("data-state") == "done", 120, "the answer to finish")
-    assert "<table>" in answer.text or "table" in answer.text.lower()
+    assert "name" in answer.text and "color" in answer.text
     tokens, steps = int(stat(answer, "tokens")), int(stat(answer, "steps"))
-    assert 1 <= steps < tokens <= 80
+    assert 1 <= steps < tokens <= 100
     assert float(stat(answer, "tokens/step")) > 1.0 and stat(answer, "acceptance").endswith("%")
     assert float(stat(answer, "tok/s")) > 0
     multi = select_all(driver, ".answer .step.s2, .answer .step.s3, .answer .step.s4, .answer .step.s5")
