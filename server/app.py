@@ -155,6 +155,10 @@ class Runtime:
             self.state = "draining"
         await self.scheduler.drain(grace_seconds)
 
+    def vocab_size(self) -> int | None:
+        """The loaded model's vocabulary size; ``None`` until the model is loaded."""
+        return self.engine.codec.vocab_size if self.engine is not None else None
+
     def require_engine(self) -> Engine:
         """The engine, or 503 while loading, warming up, draining or after a failed start."""
         if self.state == "draining":
@@ -290,7 +294,7 @@ def create_app(
     guard = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"], dependencies=guard if config.protect_health else None)
     app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=guard if config.protect_metrics else None)
-    install_openapi(app, config, protected=runtime.keys.enabled)
+    install_openapi(app, config, runtime.keys.enabled, runtime.vocab_size)
     app.add_api_route("/", playground, methods=["GET"], include_in_schema=False)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

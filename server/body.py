@@ -31,11 +31,17 @@ def decode_json(body: bytes) -> Any:
         raise BadRequestError(f"{PARSE_PREFIX}: {exc}") from exc
     where = lone_surrogate_path(data)
     if where is not None:
+        where = printable(where)  # the path may hold the surrogate itself (a key): never echo it raw
         raise BadRequestError(
-            f"The request body holds a lone UTF-16 surrogate in {where}: strings must be valid Unicode.",
+            f"The request body holds a lone UTF-16 surrogate in {where or 'the body'}: strings must be valid Unicode.",
             param=where or None,
         )
     return data
+
+
+def printable(text: str) -> str:
+    """``text`` with lone surrogates written as escapes (``\\ud800``), so that it can be encoded as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _refuse_constant(name: str) -> NoReturn:

@@ -7,12 +7,14 @@ the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every error st
 ``ErrorResponse``. The request schemas state what the server really accepts: the validators' limits (at most 4
 non-empty stop strings, an int64 seed), the options only accepted at their neutral value (``n`` = 1, zero
 penalties, no ``logit_bias``, no logprobs, no echo/best_of/suffix), the served model names and the configured
-lookahead maxima (``lookahead`` extension). What no schema can say (``prompt + max_tokens`` within the model's
-context, content required except for ``assistant`` messages) stays a 400 at run time.
+lookahead maxima (``lookahead`` extension), non-empty prompts (token ids below the vocabulary size once the model
+is loaded), content required except in ``assistant`` messages. What no schema can say (``prompt + max_tokens``
+within the model's context, a text that tokenizes to nothing) stays a 400 at run time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -110,7 +112,38 @@ def lookahead_schema(config: ServerConfig) -> dict[str, Any]:
     }
 
 
-def request_overrides(config: ServerConfig) -> dict[str, dict[str, dict[str, Any]]]:
+def prompt_schema(vocab_size: int | None) -> dict[str, Any]:
+    """One prompt: a non-empty string, a list holding one, or token ids (below the vocabulary size once known)."""
+    token = {"type": "integer", "minimum": 0}
+    if vocab_size is not None:
+        token["maximum"] = vocab_size - 1
+    return {"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": token, "minItems": 1},
+    ]}
+
+
+def chat_message_schema(pydantic_schema: dict[str, Any]) -> dict[str, Any]:
+    """``ChatMessage`` split by role: content is required (not null) except in ``assistant`` messages."""
+    properties = pydantic_schema["properties"]
+    content = {"anyOf": [branch for branch in properties["content"]["anyOf"] if branch != {"type": "null"}]}
+    speaker = {
+        "type": "object",
+        "properties": {"role": {"type": "string", "enum": ["system", "developer", "user"]}, "content": content,
+                       "name": properties["name"]},
+        "required": ["role", "content"],
+    }
+    assistant = {
+        "type": "object",
+        "properties": {"role": {"type": "string", "const": "assistant"}, "content": nullable(content),
+                       "name": properties["name"]},
+        "required": ["role"],
+    }
+    return {"title": "ChatMessage", "description": pydantic_schema["description"], "anyOf": [speaker, assistant]}
+
+
+def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str, dict[str, dict[str, Any]]]:
     """Per request model: the property schemas that replace pydantic's."""
     shared = generation_overrides(config)
     return {
@@ -121,6 +154,7 @@ def request_overrides(config: ServerConfig) -> dict[str, dict[str, dict[str, Any
         },
         "CompletionRequest": {
             **shared,
+            "prompt": prompt_schema(vocab_size),
             "logprobs": {"type": "null", "default": None},
             "echo": NULLABLE_BOOL_FALSE,
             "best_of": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
@@ -129,7 +163,7 @@ def request_overrides(config: ServerConfig) -> dict[str, dict[str, dict[str, Any
     }
 
 
-def component_schemas(config: ServerConfig) -> dict[str, Any]:
+def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> dict[str, Any]:
     """Every body model as a named component, request schemas tightened to what the server accepts."""
     requests = [(model, "validation") for model in (ChatCompletionRequest, CompletionRequest)]
     responses = [
@@ -138,9 +172,10 @@ def component_schemas(config: ServerConfig) -> dict[str, Any]:
     ]
     _, bundle = models_json_schema([*requests, *responses], ref_template=REF)
     schemas: dict[str, Any] = bundle["$defs"]
-    for name, overrides in request_overrides(config).items():
+    for name, overrides in request_overrides(config, vocab_size).items():
         schemas[name]["properties"].update(overrides)
     schemas["LookaheadRequest"] = lookahead_schema(config)
+    schemas["ChatMessage"] = chat_message_schema(schemas["ChatMessage"])
     return schemas
 
 
@@ -210,12 +245,14 @@ def operations(config: ServerConfig, protected: bool) -> dict[tuple[str, str], d
     }
 
 
-def openapi_document(app: FastAPI, config: ServerConfig, protected: bool) -> dict[str, Any]:
+def openapi_document(
+    app: FastAPI, config: ServerConfig, protected: bool, vocab_size: int | None = None
+) -> dict[str, Any]:
     """FastAPI's document for ``app`` with the bodies and statuses of ``operations``; bearer auth on ``/v1/*``
     (and ``/health`` or ``/metrics`` when protected) when ``protected`` (the server has API keys)."""
     document = get_openapi(title=app.title, version=app.version, description=DESCRIPTION, routes=app.routes)
     components = document.setdefault("components", {})
-    components["schemas"] = component_schemas(config)
+    components["schemas"] = component_schemas(config, vocab_size)
     if protected:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for (path, method), parts in operations(config, protected).items():
@@ -226,12 +263,18 @@ def openapi_document(app: FastAPI, config: ServerConfig, protected: bool) -> dic
     return document
 
 
-def install_openapi(app: FastAPI, config: ServerConfig, protected: bool) -> None:
-    """Serve ``openapi_document`` at ``/openapi.json`` (built on first use, then cached)."""
+def install_openapi(
+    app: FastAPI, config: ServerConfig, protected: bool, vocab_size: Callable[[], int | None] = lambda: None
+) -> None:
+    """Serve ``openapi_document`` at ``/openapi.json``; cached once ``vocab_size()`` is known (the model loaded)."""
 
     def cached() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app, config, protected)
-        return app.openapi_schema
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        vocab = vocab_size()
+        document = openapi_document(app, config, protected, vocab)
+        if vocab is not None:
+            app.openapi_schema = document
+        return document
 
     app.openapi = cached  # type: ignore[method-assign]

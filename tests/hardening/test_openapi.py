@@ -1,0 +1,146 @@
+"""``/openapi.json`` describes the real bodies: what the schema accepts the server parses, what it refuses the
+server refuses, the lookahead extension carries the configured maxima, every error status has the envelope."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema_rs
+import pytest
+
+from server.app import create_app
+from server.config import ServerConfig
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+GENERATION_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest"}
+PROTOCOL = {"ChatCompletionRequest": ChatCompletionRequest, "CompletionRequest": CompletionRequest}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+PROMPT = {"prompt": "Hi"}
+
+
+def document(**overrides: Any) -> dict[str, Any]:
+    """The OpenAPI document of an app built with ``overrides`` (no model needed: the lifespan never runs)."""
+    config = ServerConfig.model_validate({"warmup": False, **overrides})
+    return create_app(config, decoder=object()).openapi()
+
+
+def validator(doc: dict[str, Any], component: str) -> Any:
+    """A JSON-schema validator for one component, its references resolved inside the document."""
+    return jsonschema_rs.validator_for({"$ref": f"#/components/schemas/{component}", "components": doc["components"]})
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict[str, Any]:
+    return document(lookahead={"max_window_size": 6, "max_ngram_size": 5, "max_guess_set_size": 7})
+
+
+def test_generation_routes_have_request_bodies_and_all_statuses(doc):
+    for path, component in GENERATION_ROUTES.items():
+        operation = doc["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(component)
+        responses = operation["responses"]
+        assert set(responses) == {"200", "400", "404", "413", "429", "500", "503"}
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        for status in ("429", "503"):
+            assert "Retry-After" in responses[status]["headers"]
+    assert "422" not in str(doc["paths"])  # FastAPI's 422 never leaves the server
+
+
+def test_lookahead_extension_carries_the_configured_maxima(doc):
+    lookahead = doc["components"]["schemas"]["LookaheadRequest"]["properties"]
+    ranges = {name: lookahead[name]["anyOf"][0] for name in ("window_size", "ngram_size", "guess_set_size")}
+    assert {name: (r["minimum"], r["maximum"]) for name, r in ranges.items()} == {
+        "window_size": (1, 6), "ngram_size": (2, 5), "guess_set_size": (0, 7)
+    }
+    for component in GENERATION_ROUTES.values():
+        assert "lookahead" in doc["components"]["schemas"][component]["properties"]
+
+
+GOOD = [
+    CHAT,
+    {**CHAT, "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0, "stop": ["\n", "."], "seed": -1,
+     "stream": True, "stream_options": {"include_usage": True}, "lookahead": {"window_size": 6, "enabled": True}},
+    {"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                  {"role": "assistant", "content": None}, {"role": "user", "content": "Hi", "name": "x"}]},
+    {**CHAT, "n": 1, "presence_penalty": 0, "logit_bias": {}, "logprobs": False, "unknown_field": [1, 2]},
+]
+BAD = [
+    {},
+    {"messages": []},
+    {"messages": [{"role": "tool", "content": "x"}]},
+    {**CHAT, "temperature": 2.5},
+    {**CHAT, "max_tokens": 0},
+    {**CHAT, "max_tokens": "8"},
+    {**CHAT, "stop": ["a", "b", "c", "d", "e"]},
+    {**CHAT, "stop": [""]},
+    {**CHAT, "seed": 2**63},
+    {**CHAT, "n": 2},
+    {**CHAT, "model": "gpt-4o"},
+    {**CHAT, "logit_bias": {"1": 2.0}},
+    {**CHAT, "lookahead": {"window_size": 7}},
+    {**CHAT, "lookahead": {"ngram_size": 1}},
+    {**CHAT, "lookahead": {"enabled": "yes"}},
+    {"messages": [{"role": "user", "content": None}]},
+    {"messages": [{"role": "system"}]},
+]
+
+
+@pytest.mark.parametrize("body", GOOD)
+def test_schema_accepts_what_the_server_parses(doc, body):
+    assert validator(doc, "ChatCompletionRequest").is_valid(body)
+    ChatCompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("body", BAD)
+def test_schema_refuses_what_the_server_refuses(doc, body):
+    assert not validator(doc, "ChatCompletionRequest").is_valid(body)
+
+
+@pytest.mark.parametrize("body, valid", [
+    (PROMPT, True), ({"prompt": [1, 2, 3]}, True), ({"prompt": ["one"]}, True), ({**PROMPT, "echo": False}, True),
+    ({**PROMPT, "echo": True}, False), ({**PROMPT, "best_of": 2}, False), ({**PROMPT, "suffix": "x"}, False),
+    ({**PROMPT, "logprobs": 1}, False), ({"prompt": 5}, False), ({}, False), ({"prompt": ""}, False),
+    ({"prompt": []}, False), ({"prompt": ["a", "b"]}, False), ({"prompt": [-1]}, False),
+])
+def test_completion_schema(doc, body, valid):
+    assert validator(doc, "CompletionRequest").is_valid(body) is valid
+
+
+def test_error_statuses_use_the_envelope(doc):
+    envelope = validator(doc, "ErrorResponse")
+    assert envelope.is_valid({"error": {"message": "m", "type": "t", "param": None, "code": None}})
+    assert not envelope.is_valid({"error": "m"})
+    assert not envelope.is_valid({"detail": [{"msg": "m"}]})
+    for path, methods in doc["paths"].items():
+        for method, operation in methods.items():
+            for status, response in operation["responses"].items():
+                if status.startswith(("4", "5")) and not (path == "/health" and status == "503"):
+                    assert response["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse"), (
+                        path, method, status)
+
+
+def test_auth_is_documented_only_where_enforced():
+    open_doc = document()
+    assert "securitySchemes" not in open_doc["components"]
+    assert all("401" not in op["responses"] for methods in open_doc["paths"].values() for op in methods.values())
+    guarded = document(api_key="k", protect_metrics=True)
+    assert guarded["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/metrics"):
+        operation = next(iter(guarded["paths"][path].values()))
+        assert "401" in operation["responses"] and operation["security"] == [{"bearer": []}], path
+    assert "401" not in guarded["paths"]["/health"]["get"]["responses"]
+
+
+def test_token_ids_are_bounded_by_the_vocabulary_once_known():
+    config = ServerConfig(warmup=False)
+    app = create_app(config, decoder=object())
+    runtime = app.state.runtime
+    assert "maximum" not in str(app.openapi()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"])
+    runtime.vocab_size = lambda: 100  # as if the model had loaded (the document is cached only from then on)
+    app.openapi_schema = None
+    from server.openapi import install_openapi
+
+    install_openapi(app, config, False, runtime.vocab_size)
+    ids = app.openapi()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]
+    assert ids["items"] == {"type": "integer", "minimum": 0, "maximum": 99}
+    assert app.openapi() is app.openapi()
