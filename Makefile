@@ -20,11 +20,14 @@ $(STAMP): pyproject.toml
 model: setup
 	$(PYTHON) -m decoding.loading
 
-# Prometheus for tests/deploy/test_prometheus_integration.py; without it that test skips with the reason.
+# Prometheus and Chromium for the scrape and browser integration tests; without them those tests skip with the reason.
 tools:
 	@command -v prometheus >/dev/null 2>&1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
 	  >/dev/null 2>&1 || echo "prometheus unavailable: its integration test will skip"
+	@(command -v chromium && command -v chromedriver) >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver) \
+	  >/dev/null 2>&1 || echo "chromium unavailable: the playground browser test will skip"
 
 serve: model
 	$(VENV)/bin/lookahead-server $(ARGS)

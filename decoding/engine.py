@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from decoding.errors import ContextLengthError, EmptyPromptError
 from decoding.kv_cache import SlotCache, new_cache
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.pool import NGramPool
+from decoding.pool import ContextIndex, NGramPool
 from decoding.verify import Verdict, sample, verify_greedy, verify_sampling, warp
 from decoding.window import StepLayout, Window, context_filler, step_layout
 
@@ -214,9 +214,13 @@ class _LookaheadState:
         filler = context_filler(sequence.tokens, exclude=sequence.stop.stop_token_ids)
         self.window = Window(lookahead.window_size, lookahead.levels, filler)
         self.pool = NGramPool(lookahead.levels, lookahead.guess_set_size)
+        self.context = ContextIndex()
         self.scanned = 0
-        if lookahead.prompt_pool:
+        if lookahead.prompt_pool and lookahead.rank_by_context:
+            self.context.extend(sequence.tokens, sequence.prompt_length)
+        elif lookahead.prompt_pool:
             self.scanned = self.pool.add_sequence(sequence.tokens[: sequence.prompt_length])
+        self.context.skip_to(sequence.prompt_length)
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
         self.expected_accept = float(lookahead.levels)
         self.steps_since_probe = 0
@@ -227,7 +231,7 @@ class _LookaheadState:
         sequence, config = self.sequence, self.config
         last = sequence.tokens[-1]
         position = len(sequence.tokens) - 1
-        candidates = self.pool.candidates(last, config.guess_set_size)
+        candidates = self._candidates()
         paying = self._verifying_pays()
         candidates = candidates if paying else []
         if not candidates and (config.lazy_window or not paying):
@@ -269,9 +273,25 @@ class _LookaheadState:
         self._scan_output()
         return step
 
+    def _candidates(self) -> list[tuple[int, ...]]:
+        """Up to G n-grams to verify after ``last``: copied continuations ranked by context match, then the
+        pool's (Jacobi, and prompt/output n-grams when not ranked by context)."""
+        config, tokens = self.config, self.sequence.tokens
+        found = self.context.candidates(tokens, config.levels, config.guess_set_size) if config.rank_by_context else []
+        for candidate in self.pool.candidates(tokens[-1], config.guess_set_size):
+            if len(found) == config.guess_set_size:
+                break
+            if candidate not in found:
+                found.append(candidate)
+        return found
+
     def _scan_output(self) -> None:
-        """Insert the n-grams completed by newly committed tokens (when the output pool is on)."""
-        if self.config.output_pool:
+        """Index (or insert the n-grams of) newly committed tokens, when the output is a candidate source."""
+        if not self.config.output_pool:
+            return
+        if self.config.rank_by_context:
+            self.context.extend(self.sequence.tokens, len(self.sequence.tokens) - 1)
+        else:
             self.scanned = self.pool.add_sequence(self.sequence.tokens, self.scanned)
 
     def _verifying_pays(self) -> bool:

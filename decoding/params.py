@@ -71,6 +71,8 @@ class LookaheadConfig:
     - ``lazy_window``: run the Jacobi window only on steps that also verify candidates; a step whose
       ``last`` has no candidate in the pool is a plain one-token step. Pays where any multi-token forward
       costs much more than a one-token one (CPUs: ~1.5x already at 2 tokens), not on GPUs.
+    - ``rank_by_context``: take prompt/output n-grams from a position index of the text, best matching
+      preceding context first (prompt-lookup style), instead of the pool's most recently inserted ones.
     - ``break_even``: accepted guesses per verifying step below which verifying loses to a plain one-token
       step (the multi-token step's cost ratio minus one: ~0.5 on a 2-core CPU, ~0 on a GPU). While a
       sequence's running mean of accepted guesses is below it, steps are plain one-token steps, with a
@@ -85,6 +87,7 @@ class LookaheadConfig:
     align_window: bool = True
     lazy_window: bool = False
     break_even: float = 0.0
+    rank_by_context: bool = True
 
     @property
     def levels(self) -> int:

@@ -17,6 +17,7 @@ class NGramPool:
 
     >>> pool = NGramPool(ngram_length=2, capacity=2)
     >>> pool.add_sequence([5, 6, 7, 5, 6, 8])
+    4
     >>> pool.candidates(5)
     [(6, 8), (6, 7)]
     """
@@ -63,3 +64,65 @@ class NGramPool:
             return []
         found = list(reversed(entries))
         return found if limit is None else found[:limit]
+
+
+class ContextIndex:
+    """Where each token occurs in the text so far (prompt and/or output), to propose copied continuations.
+
+    ``candidates(tokens, length, limit)`` looks at every earlier occurrence ``i`` of ``tokens[-1]`` whose
+    continuation ``tokens[i+1 : i+1+length]`` is complete, and ranks them by how many tokens before ``i``
+    agree with the tokens before the end (longest matching context first, then most recent): the
+    continuation of the best-matching earlier context is the likeliest to be copied again.
+
+    >>> index = ContextIndex()
+    >>> tokens = [1, 2, 3, 9, 2, 3, 7, 1, 2]
+    >>> index.extend(tokens)
+    >>> index.candidates(tokens, length=2, limit=2)
+    [(3, 9), (3, 7)]
+    """
+
+    MAX_MATCH = 8
+
+    def __init__(self) -> None:
+        self._positions: dict[int, list[int]] = {}
+        self._indexed = 0
+
+    def extend(self, tokens: Sequence[int], upto: int | None = None) -> None:
+        """Index ``tokens[indexed:upto]`` (default: to the end); positions already indexed are skipped."""
+        stop = len(tokens) if upto is None else upto
+        for position in range(self._indexed, stop):
+            self._positions.setdefault(tokens[position], []).append(position)
+        self._indexed = max(self._indexed, stop)
+
+    def skip_to(self, position: int) -> None:
+        """Leave positions before ``position`` unindexed (e.g. the prompt, when only the output is a source)."""
+        self._indexed = max(self._indexed, position)
+
+    def candidates(self, tokens: Sequence[int], length: int, limit: int) -> list[tuple[int, ...]]:
+        """Up to ``limit`` distinct continuations of ``tokens[-1]``, best context match first."""
+        if limit <= 0:
+            return []
+        end = len(tokens) - 1
+        scored = []
+        for position in self._positions.get(tokens[end], ()):
+            if position + length >= end + 1 or position == end:
+                continue
+            scored.append((self._match(tokens, position, end), position))
+        scored.sort(reverse=True)
+        found: list[tuple[int, ...]] = []
+        for _, position in scored:
+            continuation = tuple(tokens[position + 1 : position + 1 + length])
+            if continuation not in found:
+                found.append(continuation)
+                if len(found) == limit:
+                    break
+        return found
+
+    def _match(self, tokens: Sequence[int], position: int, end: int) -> int:
+        """How many tokens before ``position`` equal those before ``end`` (at most ``MAX_MATCH``)."""
+        count = 0
+        while count < self.MAX_MATCH and position - count - 1 >= 0:
+            if tokens[position - count - 1] != tokens[end - count - 1]:
+                break
+            count += 1
+        return count

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.pool import NGramPool
+from decoding.pool import ContextIndex, NGramPool
 
 
 @pytest.mark.parametrize(
@@ -51,3 +51,29 @@ def test_add_sequence_inserts_each_ngram_once_across_appends():
     assert pool.candidates(2) == [(3, 1)]
     assert pool.candidates(3) == [(1, 2)]
     assert len(pool) == 4
+
+
+@pytest.mark.parametrize(
+    "tokens, length, limit, expected",
+    [
+        ([1, 2, 3, 9, 2, 3, 7, 1, 2], 2, 2, [(3, 9), (3, 7)]),  # "1 2" matched before the first 2 only
+        ([5, 2, 3, 9, 2, 3, 7, 5, 2], 2, 1, [(3, 9)]),  # the longest match wins the only slot
+        ([4, 2, 8, 2, 6, 2], 1, 3, [(6,), (8,)]),  # equal matches: most recent first; the last 2 has no next
+        ([1, 2, 3, 1, 2], 3, 2, [(3, 1, 2)]),  # a continuation may run up to last itself
+        ([1, 2, 3, 1, 2], 4, 2, []),  # but never past it
+        ([7, 7, 7, 7], 1, 4, [(7,)]),  # duplicates collapse
+        ([1, 2, 3, 1], 2, 0, []),
+    ],
+)
+def test_context_index_ranks_by_matching_context(tokens, length, limit, expected):
+    index = ContextIndex()
+    index.extend(tokens)
+    assert index.candidates(tokens, length, limit) == expected
+
+
+def test_context_index_skips_unindexed_positions():
+    tokens = [1, 2, 3, 1, 2, 4, 1]
+    index = ContextIndex()
+    index.skip_to(3)  # the prompt (first 3 tokens) is not a source
+    index.extend(tokens, upto=6)
+    assert index.candidates(tokens, 2, 4) == [(2, 4)]
