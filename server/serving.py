@@ -296,6 +296,7 @@ class _Identity:
     """The id, creation time and model name shared by every chunk of one response."""
 
     id_prefix = ""
+    chunk_type: type[ChatCompletionChunk] | type[CompletionChunk]
 
     def __init__(self, model: str, include_usage: bool, include_steps: bool = False) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
@@ -304,11 +305,21 @@ class _Identity:
         self.include_usage = include_usage
         self.include_steps = include_steps
 
+    def _chunk(self, choices: list[Any], summary: Summary | None = None, step: StepInfo | None = None) -> str:
+        """One SSE ``data`` payload of this response's chunk type (usage only on the usage chunk)."""
+        chunk = self.chunk_type(id=self.id, created=self.created, model=self.model, choices=choices)
+        if summary is not None:
+            chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
+        if self.include_steps:
+            chunk.step = step
+        return chunk_json(chunk, self.include_usage)
+
 
 class ChatRenderer(_Identity):
     """``chat.completion`` and ``chat.completion.chunk`` objects."""
 
     id_prefix = "chatcmpl-"
+    chunk_type = ChatCompletionChunk
 
     def response(self, text: str, last: Output) -> dict[str, Any]:
         assert last.summary is not None and last.finish_reason is not None
@@ -320,16 +331,6 @@ class ChatRenderer(_Identity):
             usage=usage_of(last.summary),
             decoding=decoding_of(last.summary),
         ).model_dump(mode="json")
-
-    def _chunk(
-        self, choices: list[ChatChunkChoice], summary: Summary | None = None, step: StepInfo | None = None
-    ) -> str:
-        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
-        if summary is not None:
-            chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
-        if self.include_steps:
-            chunk.step = step
-        return chunk_json(chunk, self.include_usage)
 
     def opening(self) -> str | None:
         return self._chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
@@ -348,6 +349,7 @@ class CompletionRenderer(_Identity):
     """``text_completion`` objects, whole and chunked."""
 
     id_prefix = "cmpl-"
+    chunk_type = CompletionChunk
 
     def response(self, text: str, last: Output) -> dict[str, Any]:
         assert last.summary is not None and last.finish_reason is not None
@@ -359,16 +361,6 @@ class CompletionRenderer(_Identity):
             usage=usage_of(last.summary),
             decoding=decoding_of(last.summary),
         ).model_dump(mode="json")
-
-    def _chunk(
-        self, choices: list[CompletionChoice], summary: Summary | None = None, step: StepInfo | None = None
-    ) -> str:
-        chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
-        if summary is not None:
-            chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
-        if self.include_steps:
-            chunk.step = step
-        return chunk_json(chunk, self.include_usage)
 
     def opening(self) -> str | None:
         return None
