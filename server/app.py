@@ -222,30 +222,33 @@ async def respond(request: Request, handle: Handle, renderer: Renderer, stream: 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
+async def generate(
+    request: Request,
+    request_type: type[ChatCompletionRequest] | type[CompletionRequest],
+    prompt_of: Callable[[Any, Any], list[int]],
+    prompt_param: str,
+    renderer_type: type[ChatRenderer] | type[CompletionRenderer],
+) -> Response:
+    """Parse, check, plan, submit and answer one generation request (chat or completion alike)."""
+    runtime = runtime_of(request)
+    body = parse(request_type, await read_json(request, runtime.config.max_request_bytes))
+    model = serving.check_model(runtime.config, body.model)
+    serving.check_supported(body)
+    engine = runtime.require_engine()
+    generation = serving.plan(engine, body, prompt_of(engine.codec, body), prompt_param)
+    handle = serving.start(engine, generation)
+    renderer = renderer_type(model, body.include_usage, body.include_steps)
+    return await respond(request, handle, renderer, bool(body.stream))
+
+
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    runtime = runtime_of(request)
-    chat = parse(ChatCompletionRequest, await read_json(request, runtime.config.max_request_bytes))
-    model = serving.check_model(runtime.config, chat.model)
-    serving.check_supported(chat)
-    engine = runtime.require_engine()
-    generation = serving.plan(engine, chat, serving.chat_prompt(engine.codec, chat), "messages")
-    handle = serving.start(engine, generation)
-    renderer = ChatRenderer(model, chat.include_usage, chat.include_steps)
-    return await respond(request, handle, renderer, bool(chat.stream))
+    return await generate(request, ChatCompletionRequest, serving.chat_prompt, "messages", ChatRenderer)
 
 
 @router.post("/completions")
 async def completions(request: Request) -> Response:
-    runtime = runtime_of(request)
-    completion = parse(CompletionRequest, await read_json(request, runtime.config.max_request_bytes))
-    model = serving.check_model(runtime.config, completion.model)
-    serving.check_supported(completion)
-    engine = runtime.require_engine()
-    generation = serving.plan(engine, completion, serving.completion_prompt(engine.codec, completion), "prompt")
-    handle = serving.start(engine, generation)
-    renderer = CompletionRenderer(model, completion.include_usage, completion.include_steps)
-    return await respond(request, handle, renderer, bool(completion.stream))
+    return await generate(request, CompletionRequest, serving.completion_prompt, "prompt", CompletionRenderer)
 
 
 @router.get("/models")
