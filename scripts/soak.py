@@ -7,7 +7,7 @@ send one request after another for ``--duration`` seconds: chat and completions,
 sampled, lookahead on and off, and deliberate bad requests (``--bad-share``, 5 %), each with the status it must get.
 
 It reports requests served, statuses (deliberate and unexplained), p50/p99 latency (whole requests, and time to
-first token of streams), throughput, and the server's resident memory at start, after the warm-up (the
+first text of streams), throughput, and the server's resident memory at start, after the warm-up (the
 baseline: the largest sample during the first ``--warmup`` seconds) and at the end (idle). Exit status 1 when
 memory grew more than ``--max-memory-growth`` (default 10 %) over the baseline, when anything is unexplained
 (a 5xx, an undeliberate 4xx, a transport error or timeout, a malformed stream, a greedy request whose text
@@ -155,18 +155,29 @@ def whole_text(data: dict[str, Any]) -> str:
     return choice["text"] if "text" in choice else choice["message"]["content"]
 
 
+def has_text(line: str) -> bool:
+    """True for an SSE data line whose chunk carries completion text (not the role-only opening chunk)."""
+    if not line.startswith("data:") or line.endswith("[DONE]"):
+        return False
+    try:
+        choices = json.loads(line[5:]).get("choices") or [{}]
+    except ValueError:
+        return False
+    return bool(choices[0].get("text") or choices[0].get("delta", {}).get("content"))
+
+
 async def send(client: httpx.AsyncClient, plan: Plan, headers: dict[str, str]) -> tuple[int, str, float | None]:
-    """(status, body text, seconds to the first data event of a stream)."""
+    """(status, body text, seconds to the first chunk with text of a stream)."""
     started = time.perf_counter()
     first: float | None = None
-    chunks: list[str] = []
+    lines: list[str] = []
     hdrs = {**headers, "content-type": "application/json"} if plan.body is not None else headers
     async with client.stream(plan.method, plan.path, content=plan.body, headers=hdrs) as response:
-        async for chunk in response.aiter_text():
-            if first is None and plan.stream and "data:" in chunk:
+        async for line in response.aiter_lines():
+            if first is None and plan.stream and has_text(line):
                 first = time.perf_counter() - started
-            chunks.append(chunk)
-    return response.status_code, "".join(chunks), first
+            lines.append(line)
+    return response.status_code, "\n".join(lines), first
 
 
 def judge(tally: Tally, plan: Plan, status: int, body: str) -> None:
@@ -335,8 +346,8 @@ def summarize(args: argparse.Namespace, tally: Tally, memory: list[tuple[float, 
         "unexplained": dict(sorted(tally.unexplained.items())), "unexplained_examples": tally.examples,
         "latency_s": {"p50": percentile(tally.latencies, 0.5), "p99": percentile(tally.latencies, 0.99),
                       "max": round(max(tally.latencies), 4) if tally.latencies else None},
-        "stream_first_event_s": {"p50": percentile(tally.first_tokens, 0.5),
-                                 "p99": percentile(tally.first_tokens, 0.99)},
+        "stream_first_text_s": {"p50": percentile(tally.first_tokens, 0.5),
+                                "p99": percentile(tally.first_tokens, 0.99)},
         "kinds": dict(sorted(tally.kinds.items())),
         "greedy_keys": len(tally.greedy), "lookahead_vs_autoregressive_differences": cross,
         "memory_mib": {"start": round(memory[0][1] / MiB, 1), "baseline": round(baseline / MiB, 1),

@@ -95,3 +95,10 @@ def test_verdict_fails_on_memory_growth_and_on_nothing_served():
 def test_percentile_is_nearest_rank():
     values = [float(n) for n in range(1, 101)]
     assert (soak.percentile(values, 0.5), soak.percentile(values, 0.99), soak.percentile([], 0.5)) == (50.0, 99.0, None)
+
+
+def test_first_text_skips_the_role_chunk():
+    assert not soak.has_text('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}')
+    assert soak.has_text('data: {"choices":[{"delta":{"content":"Hi"}}]}')
+    assert soak.has_text('data: {"choices":[{"text":"Hi"}]}')
+    assert not soak.has_text("data: [DONE]") and not soak.has_text(": ping")
