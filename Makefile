@@ -36,7 +36,7 @@ test: model tools
 	$(PYTHON) -m pytest -q $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check decoding server tests
+	$(VENV)/bin/ruff check decoding server tests scripts
 
 bench: model
 	$(PYTHON) -m decoding.bench $(ARGS)
