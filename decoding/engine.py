@@ -1,28 +1,32 @@
-"""The decoders: a plain autoregressive loop and lookahead decoding, both as step generators.
+"""The decoders: a plain autoregressive loop and lookahead decoding, as step streams that can be batched.
 
 Contract: token ids in, token ids out (no tokenizer here). ``generate_autoregressive`` and
-``generate_lookahead`` take a causal LM, the prompt ids, ``StopCriteria`` and ``SamplingParams`` and yield
-one ``Step`` per forward pass: the tokens that pass committed (never a stop token, never past
-``max_tokens``) and its statistics. The last step carries ``finish_reason`` "stop" or "length". Closing the
-generator early cancels the decode and frees its cache. With greedy sampling both produce exactly the same
-tokens; with sampling lookahead preserves the output distribution.
+``generate_lookahead`` take a causal LM, the prompt ids, ``StopCriteria`` and ``SamplingParams`` (validated
+at once: typed errors, no forward pass) and return a ``DecodeStream``, an iterator of one ``Step`` per
+forward pass: the tokens that pass committed (never a stop token, never past ``max_tokens``) and its
+statistics. The last step carries ``finish_reason`` "stop" or "length". ``close()`` cancels the decode and
+frees its cache. With greedy sampling both produce exactly the same tokens; with sampling lookahead
+preserves the output distribution. The same stream can instead be stepped inside a batch
+(``decoding.batch``): its steps then share forward passes with other streams, and its greedy tokens stay
+the same.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
 
 from decoding.errors import ContextLengthError, EmptyPromptError
 from decoding.kv_cache import SlotCache, new_cache
+from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.pool import ContextIndex, NGramPool
 from decoding.verify import Verdict, sample, verify_greedy, verify_sampling, warp
-from decoding.window import StepLayout, Window, context_filler, step_layout
+from decoding.window import Window, context_filler, step_layout
 
 
 @dataclass(frozen=True)
@@ -107,21 +111,151 @@ def validate_request(
         raise ContextLengthError(len(prompt_ids), stop.max_tokens, limit)
 
 
-def _start(
+UNBOUNDED = 1 << 30
+PROBE_INTERVAL = 8
+ACCEPT_SMOOTHING = 0.3
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a stream would like its next forward to hold, for a batch to size it.
+
+    ``tokens`` is the step it wants (the remaining prompt while prefilling); ``gain`` the tokens it expects to
+    commit beyond the one a plain step commits (its running mean of accepted guesses when it verifies);
+    ``probe`` marks a verifying step taken only to re-measure acceptance; ``prefill`` a prompt chunk.
+    """
+
+    tokens: int
+    gain: float = 0.0
+    probe: bool = False
+    prefill: bool = False
+
+
+class DecodeStream:
+    """One decode in progress: an iterator of ``Step`` (each ``next`` runs one forward of this stream alone)
+    that can also take part in a batched forward through ``propose`` / ``plan`` / ``finish``.
+
+    Protocol of one step: ``propose()`` (what it wants), ``plan(budget)`` (the ``Slice`` it will run, at most
+    ``budget`` tokens, at least one), a forward pass over that slice (alone or packed with others), then
+    ``finish(logits)`` with that slice's logits, which returns the ``Step``. Prefill runs in chunks when the
+    budget is smaller than the prompt; a chunk that does not reach the prompt's end yields an empty ``Step``
+    with ``stats.prefill`` set. A greedy stream commits the same tokens whatever its budgets were.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Sequence[int],
+        stop: StopCriteria,
+        sampling: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+    ) -> None:
+        validate_request(model, prompt_ids, stop, sampling, lookahead)
+        step_tokens = lookahead.step_tokens if lookahead is not None else 1
+        self.model = model
+        self.sampling = sampling
+        self.lookahead = lookahead
+        self.sequence = _Sequence(
+            list(prompt_ids), len(prompt_ids), stop, new_cache(model, len(prompt_ids) + stop.max_tokens + step_tokens)
+        )
+        if not sampling.greedy:
+            self.sequence.generator = torch.Generator(device="cpu")
+            self.sequence.generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        self._policy: _Plain | _Lookahead | None = None
+        self._planned: Callable[[torch.Tensor], Step] | None = None
+        self._started = 0.0
+        self.closed = False
+
+    @property
+    def finished(self) -> bool:
+        """True once the last step (with a finish reason) was returned, or after ``close``."""
+        return self.closed or self.sequence.finish_reason is not None
+
+    def __iter__(self) -> DecodeStream:
+        return self
+
+    @torch.inference_mode()
+    def __next__(self) -> Step:
+        if self.finished:
+            raise StopIteration
+        self.propose()
+        logits = forward_packed(self.model, [self.plan(UNBOUNDED)])
+        return self.finish(logits[0])
+
+    def close(self) -> None:
+        """End the decode early (or after its last step) and free its cache."""
+        self.closed = True
+        self._planned = None
+        self.sequence.cache = None
+
+    def propose(self) -> Proposal:
+        """What the next step wants; call once per step, before ``plan``."""
+        remaining = self.sequence.prompt_length - self.sequence.cache.length
+        if remaining > 0:
+            return Proposal(remaining, prefill=True)
+        return self._policy.propose()
+
+    def plan(self, budget: int) -> Slice:
+        """The slice of the next forward, using at most ``budget`` (>= 1) input tokens."""
+        self._started = time.perf_counter()
+        if self.sequence.prompt_length > self.sequence.cache.length:
+            slice_, self._planned = self._plan_prefill(max(budget, 1))
+        else:
+            slice_, self._planned = self._policy.plan(max(budget, 1))
+        return slice_
+
+    def finish(self, logits: torch.Tensor) -> Step:
+        """Consume the planned slice's logits: verify, commit, and return the step."""
+        planned, self._planned = self._planned, None
+        if planned is None:
+            raise RuntimeError("finish() without a planned step")
+        step = planned(logits)
+        return Step(step.token_ids, replace(step.stats, seconds=time.perf_counter() - self._started),
+                    step.finish_reason)
+
+    def _plan_prefill(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
+        """The next prompt chunk; the chunk reaching the prompt's end reads the first token off its last row."""
+        sequence = self.sequence
+        start = sequence.cache.length
+        end = min(sequence.prompt_length, start + budget)
+        last_chunk = end == sequence.prompt_length
+        rows = torch.tensor([end - start - 1] if last_chunk else [], dtype=torch.long)
+        slice_ = Slice(sequence.tokens[start:end], torch.arange(start, end), None, rows, sequence.cache)
+
+        def finish(logits: torch.Tensor) -> Step:
+            if not last_chunk:
+                return Step([], StepStats(end - start, 0, prefill=True))
+            committed = sequence.accept([_choose(logits[-1], self.sampling, sequence.generator)])
+            if sequence.finish_reason is None:
+                self._policy = (
+                    _Plain(sequence, self.sampling)
+                    if self.lookahead is None
+                    else _Lookahead(self.model, sequence, self.sampling, self.lookahead)
+                )
+            return Step(committed, StepStats(end - start, len(committed), prefill=True), sequence.finish_reason)
+
+        return slice_, finish
+
+
+def generate_autoregressive(
     model: PreTrainedModel,
     prompt_ids: Sequence[int],
     stop: StopCriteria,
-    sampling: SamplingParams,
-    step_tokens: int,
-) -> _Sequence:
-    """Validate arguments and allocate the sequence's cache."""
-    validate_request(model, prompt_ids, stop, sampling)
-    cache = new_cache(model, len(prompt_ids) + stop.max_tokens + step_tokens)
-    generator = None
-    if not sampling.greedy:
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-    return _Sequence(list(prompt_ids), len(prompt_ids), stop, cache, generator)
+    sampling: SamplingParams = SamplingParams(),
+) -> DecodeStream:
+    """Plain decoding with a KV cache: one token per forward pass. The greedy reference."""
+    return DecodeStream(model, prompt_ids, stop, sampling)
+
+
+def generate_lookahead(
+    model: PreTrainedModel,
+    prompt_ids: Sequence[int],
+    stop: StopCriteria,
+    sampling: SamplingParams = SamplingParams(),
+    lookahead: LookaheadConfig = LookaheadConfig(),
+) -> DecodeStream:
+    """Lookahead decoding: each forward pass runs the Jacobi window and verifies pool candidates."""
+    return DecodeStream(model, prompt_ids, stop, sampling, lookahead)
 
 
 def _choose(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
@@ -131,86 +265,60 @@ def _choose(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Gen
     return sample(warp(logits.unsqueeze(0), sampling)[0].cpu(), generator)
 
 
-@torch.inference_mode()
-def _prefill(model: PreTrainedModel, sequence: _Sequence, sampling: SamplingParams) -> Step:
-    """Run the prompt through the model, committing the first new token."""
-    started = time.perf_counter()
-    device = model.device
-    input_ids = torch.tensor([sequence.tokens], device=device)
-    logits = model(input_ids=input_ids, past_key_values=sequence.cache, use_cache=True, logits_to_keep=1).logits
-    token = _choose(logits[0, -1], sampling, sequence.generator)
-    committed = sequence.accept([token])
-    stats = StepStats(input_ids.shape[1], len(committed), seconds=time.perf_counter() - started, prefill=True)
-    return Step(committed, stats, sequence.finish_reason)
-
-
-@torch.inference_mode()
-def generate_autoregressive(
-    model: PreTrainedModel,
-    prompt_ids: Sequence[int],
-    stop: StopCriteria,
-    sampling: SamplingParams = SamplingParams(),
-) -> Iterator[Step]:
-    """Plain decoding with a KV cache: one token per forward pass. The greedy reference."""
-    sequence = _start(model, prompt_ids, stop, sampling, step_tokens=1)
-    step = _prefill(model, sequence, sampling)
-    yield step
-    while sequence.finish_reason is None:
-        yield _single_step(model, sequence, sampling)
-
-
-def _single_step(model: PreTrainedModel, sequence: _Sequence, sampling: SamplingParams) -> Step:
-    """One plain forward over ``last``: commit one token (or stop), leaving ``last``'s KV in the cache."""
-    started = time.perf_counter()
-    device = model.device
+def _one_token_slice(sequence: _Sequence) -> Slice:
+    """A plain step's slice: ``last`` alone at its position, its logits read."""
     position = len(sequence.tokens) - 1
-    input_ids = torch.tensor([[sequence.tokens[-1]]], device=device)
-    position_ids = torch.tensor([[position]], device=device)
-    logits = model(
-        input_ids=input_ids, position_ids=position_ids, past_key_values=sequence.cache, use_cache=True
-    ).logits
-    committed = sequence.accept([_choose(logits[0, -1], sampling, sequence.generator)])
+    return Slice([sequence.tokens[-1]], torch.tensor([position]), _SELF, _FIRST_ROW, sequence.cache)
+
+
+def _finish_one_token(sequence: _Sequence, sampling: SamplingParams, logits: torch.Tensor) -> Step:
+    """Commit one token from a plain step's logits (or stop), leaving ``last``'s KV in the cache."""
+    committed = sequence.accept([_choose(logits[0], sampling, sequence.generator)])
     if not committed:
-        sequence.cache.commit(position, [])
-    stats = StepStats(1, len(committed), seconds=time.perf_counter() - started)
-    return Step(committed, stats, sequence.finish_reason)
+        sequence.cache.commit(len(sequence.tokens) - 1, [])
+    return Step(committed, StepStats(1, len(committed)), sequence.finish_reason)
 
 
-@torch.inference_mode()
-def generate_lookahead(
-    model: PreTrainedModel,
-    prompt_ids: Sequence[int],
-    stop: StopCriteria,
-    sampling: SamplingParams = SamplingParams(),
-    lookahead: LookaheadConfig = LookaheadConfig(),
-) -> Iterator[Step]:
-    """Lookahead decoding: each forward pass runs the Jacobi window and verifies pool candidates."""
-    lookahead.validate()
-    sequence = _start(model, prompt_ids, stop, sampling, step_tokens=lookahead.step_tokens)
-    yield _prefill(model, sequence, sampling)
-    if sequence.finish_reason is not None:
-        return
-    decoder = _LookaheadState(model, sequence, sampling, lookahead)
-    while sequence.finish_reason is None:
-        yield decoder.step()
+_SELF = torch.ones((1, 1), dtype=torch.bool)
+_FIRST_ROW = torch.zeros(1, dtype=torch.long)
 
 
-PROBE_INTERVAL = 8
-ACCEPT_SMOOTHING = 0.3
+class _Plain:
+    """Autoregressive steps: one token in, one token out."""
+
+    def __init__(self, sequence: _Sequence, sampling: SamplingParams) -> None:
+        self.sequence = sequence
+        self.sampling = sampling
+
+    def propose(self) -> Proposal:
+        return Proposal(1)
+
+    def plan(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
+        return _one_token_slice(self.sequence), lambda logits: _finish_one_token(self.sequence, self.sampling, logits)
 
 
-class _LookaheadState:
-    """Window, pool and buffers of one lookahead decode; ``step()`` runs one forward pass."""
+@dataclass(frozen=True)
+class _Shape:
+    """The shape a lookahead step takes: the window (or not) and the candidates verified."""
+
+    window: bool
+    candidates: list[tuple[int, ...]]
+
+
+class _Lookahead:
+    """Window, pool and acceptance estimate of one lookahead decode; plans and finishes its steps.
+
+    A step runs at most N-1 window rows and G candidates; it shrinks to fit the budget (candidates first,
+    then the window: a verification-only step, then a plain one-token step), and falls back to a plain step
+    when no candidate is found and the window is lazy, or while verifying does not pay (``break_even``).
+    """
 
     def __init__(
         self, model: PreTrainedModel, sequence: _Sequence, sampling: SamplingParams, lookahead: LookaheadConfig
     ) -> None:
-        self.model = model
         self.sequence = sequence
         self.sampling = sampling
         self.config = lookahead
-        self.device = model.device
-        self.mask_min = torch.finfo(model.dtype).min
         filler = context_filler(sequence.tokens, exclude=sequence.stop.stop_token_ids)
         self.window = Window(lookahead.window_size, lookahead.levels, filler)
         self.pool = NGramPool(lookahead.levels, lookahead.guess_set_size)
@@ -224,22 +332,59 @@ class _LookaheadState:
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
         self.expected_accept = float(lookahead.levels)
         self.steps_since_probe = 0
+        self._wanted = _Shape(False, [])
 
-    def step(self) -> Step:
-        """One forward pass: build the input, run the model, verify, commit, update window and pool."""
-        started = time.perf_counter()
-        sequence, config = self.sequence, self.config
-        last = sequence.tokens[-1]
-        position = len(sequence.tokens) - 1
-        candidates = self._candidates()
+    def propose(self) -> Proposal:
+        """Find this step's candidates and decide whether to verify them; say how many tokens that takes."""
+        config = self.config
         paying = self._verifying_pays()
-        candidates = candidates if paying else []
-        if not candidates and (config.lazy_window or not paying):
-            return self._single_step()
-        width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
-        layout = step_layout(width, levels, len(candidates), config.levels)
-        tokens += [token for candidate in candidates for token in candidate]
-        logits = self._forward(tokens, layout, position)
+        candidates = self._candidates() if paying else []
+        window = bool(candidates) or (paying and not config.lazy_window)
+        self._wanted = _Shape(window, candidates)
+        if not window:
+            return Proposal(1)
+        tokens = len(self.window.rows) * config.window_size + len(candidates) * config.levels
+        gain = self.expected_accept if candidates else 0.0
+        return Proposal(tokens, gain, probe=bool(candidates) and self.expected_accept < config.break_even)
+
+    def plan(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
+        """The proposed step, shrunk to ``budget`` tokens."""
+        shape = self._fit(self._wanted, budget)
+        if not shape.window and not shape.candidates:
+            return _one_token_slice(self.sequence), self._finish_plain
+        sequence, config = self.sequence, self.config
+        last, position = sequence.tokens[-1], len(sequence.tokens) - 1
+        if shape.window:
+            width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
+        else:
+            width, levels, tokens = 1, 1, [last]
+        layout = step_layout(width, levels, len(shape.candidates), config.levels)
+        tokens += [token for candidate in shape.candidates for token in candidate]
+        slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache)
+        return slice_, lambda logits: self._finish(logits, shape, width, levels, position)
+
+    def _fit(self, shape: _Shape, budget: int) -> _Shape:
+        """Drop candidates, then the window, until the step holds at most ``budget`` tokens."""
+        levels = self.config.levels
+        window_tokens = len(self.window.rows) * self.config.window_size if shape.window else 0
+        if window_tokens + len(shape.candidates) * levels <= budget:
+            return shape
+        if window_tokens and window_tokens + levels <= budget and shape.candidates:
+            return _Shape(True, shape.candidates[: (budget - window_tokens) // levels])
+        fitting = (budget - 1) // levels
+        return _Shape(False, shape.candidates[:fitting])
+
+    def _finish_plain(self, logits: torch.Tensor) -> Step:
+        """A plain one-token step: the window only re-aligns."""
+        step = _finish_one_token(self.sequence, self.sampling, logits)
+        self.window.skip(step.stats.committed, self.config.align_window)
+        self._scan_output()
+        return step
+
+    def _finish(self, logits: torch.Tensor, shape: _Shape, width: int, levels: int, position: int) -> Step:
+        """Verify the candidates, commit, fix up the KV cache, and feed the window's new n-grams to the pool."""
+        sequence, config, candidates = self.sequence, self.config, shape.candidates
+        last = sequence.tokens[-1]
 
         def candidate_row(candidate: int, k: int) -> int:
             return 1 + width + candidate * config.levels + k
@@ -248,30 +393,25 @@ class _LookaheadState:
         verdict = self._verify(logits, predicted, candidates, candidate_row)
         committed = sequence.accept(verdict.tokens)
         self._commit_cache(position, levels * width, verdict, len(committed))
-        new_row = self._clean_row(predicted[1 : 1 + width])
-        for key, ngram in self.window.ngrams(last, new_row):
-            self.pool.add(key, ngram)
-        self.window.advance(new_row, len(committed), config.align_window)
+        if shape.window:
+            new_row = self._clean_row(predicted[1 : 1 + width])
+            for key, ngram in self.window.ngrams(last, new_row):
+                self.pool.add(key, ngram)
+            self.window.advance(new_row, len(committed), config.align_window)
+        else:
+            self.window.skip(len(committed), config.align_window)
         self._scan_output()
         accepted = min(verdict.num_accepted, len(committed))
         if candidates:
             self.expected_accept += ACCEPT_SMOOTHING * (verdict.num_accepted - self.expected_accept)
         stats = StepStats(
-            input_tokens=len(tokens),
+            input_tokens=levels * width + len(candidates) * config.levels,
             committed=len(committed),
             offered=config.levels if candidates else 0,
             accepted=accepted,
             accepted_per_position=tuple(k < accepted for k in range(config.levels)) if candidates else (),
-            seconds=time.perf_counter() - started,
         )
         return Step(committed, stats, sequence.finish_reason)
-
-    def _single_step(self) -> Step:
-        """A plain one-token step (no candidate worth verifying): the window only re-aligns."""
-        step = _single_step(self.model, self.sequence, self.sampling)
-        self.window.skip(step.stats.committed, self.config.align_window)
-        self._scan_output()
-        return step
 
     def _candidates(self) -> list[tuple[int, ...]]:
         """Up to G n-grams to verify after ``last``: copied continuations ranked by context match, then the
@@ -304,28 +444,12 @@ class _LookaheadState:
         self.steps_since_probe = 0
         return True
 
-    def _forward(self, tokens: list[int], layout: StepLayout, position: int) -> torch.Tensor:
-        """Run the model over the step's tokens; return the kept logits ``[rows, vocab]``."""
-        device, past = self.device, self.sequence.cache.length
-        count = len(tokens)
-        mask = torch.zeros((1, 1, count, past + count), dtype=self.model.dtype)
-        mask[0, 0, :, past:].masked_fill_(~layout.visible, self.mask_min)
-        output = self.model(
-            input_ids=torch.tensor([tokens], device=device),
-            position_ids=(layout.offsets + position).unsqueeze(0).to(device),
-            attention_mask=mask.to(device),
-            past_key_values=self.sequence.cache,
-            use_cache=True,
-            logits_to_keep=layout.logit_rows.to(device),
-        )
-        return output.logits[0]
-
     def _verify(
         self,
         logits: torch.Tensor,
         predicted: list[int],
         candidates: list[tuple[int, ...]],
-        candidate_row,
+        candidate_row: Callable[[int, int], int],
     ) -> Verdict:
         if self.sampling.greedy:
             return verify_greedy(predicted, candidates, candidate_row)

@@ -12,7 +12,7 @@ class StubLM(torch.nn.Module):
     """Predicts ``next_token(t)`` after token ``t`` with certainty, whatever the context.
 
     It honours the model contract the engine relies on: ``forward(input_ids, position_ids, attention_mask,
-    past_key_values, use_cache, logits_to_keep)`` appends one KV entry per input token to the cache and
+    past_key_values, use_cache, logits_to_keep, packed)`` appends one KV entry per input token to the cache and
     returns logits only for the kept rows.
     """
 
@@ -34,11 +34,15 @@ class StubLM(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return torch.float32
 
-    def forward(self, input_ids, past_key_values=None, logits_to_keep=0, **_):
+    def forward(self, input_ids, past_key_values=None, logits_to_keep=0, packed=None, **_):
         self.forward_calls += 1
         count = input_ids.shape[1]
         states = torch.zeros(1, 1, count, 1)
-        past_key_values.update(states, states, 0)
+        if packed is not None:  # a packed forward: each slice's KV goes to its own cache
+            for _part in packed.update(0, states, states):
+                pass
+        else:
+            past_key_values.update(states, states, 0)
         targets = torch.tensor([self.next_token(int(t)) for t in input_ids[0]])
         logits = torch.nn.functional.one_hot(targets, self.vocab_size).float().unsqueeze(0) * 10.0
         if isinstance(logits_to_keep, torch.Tensor):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decoding.engine import _LookaheadState, _prefill, _start, generate_autoregressive, generate_lookahead
+from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from tests.decoding.stubs import StubLM, cycle_model
@@ -210,13 +210,12 @@ def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
     if stop_token == "mid-run":
         stop = StopCriteria(40, frozenset({greedy(tiny_model, prompt, stop)[20]}))
     config = LookaheadConfig(4, 4, 4)
+    stream = generate_lookahead(tiny_model, prompt, stop, lookahead=config)
+    sequence = stream.sequence
+    multi_token_steps = 0
     with torch.inference_mode():
-        sequence = _start(tiny_model, prompt, stop, SamplingParams(), config.step_tokens)
-        _prefill(tiny_model, sequence, SamplingParams())
-        state = _LookaheadState(tiny_model, sequence, SamplingParams(), config)
-        multi_token_steps = 0
-        while sequence.finish_reason is None:
-            multi_token_steps += state.step().stats.committed > 1
+        for step in stream:
+            multi_token_steps += step.stats.committed > 1
             reference = _reference_cache(tiny_model, sequence.tokens[:-1])
             assert sequence.cache.length == len(sequence.tokens) - 1
             for layer, (keys, values, _) in zip(sequence.cache.layers, reference, strict=True):
