@@ -1,0 +1,137 @@
+"""Batched lookahead: one forward pass per iteration over every running stream (continuous batching).
+
+Contract: ``step_batch(streams, policy)`` advances each ``DecodeStream`` by one step and returns, in order,
+its ``Step`` or the exception that ended it. All streams share one packed forward (``decoding.packed``):
+each keeps its own cache, window, pool, W/N/G and sampling state, and accepts its own number of tokens, so
+streams join and leave between calls and none waits for another. An exception raised by one stream's
+planning or verification ends that stream only; a failed forward ends the streams in it.
+
+The step's token budget is shared (``allocate``): every decoding stream gets its one token, prompts are
+prefilled in chunks of at most ``prefill_chunk`` tokens per forward (so a long prompt cannot stall running
+streams for long), and the remaining budget buys lookahead where the measured step-cost curve says it pays:
+a stream's window and candidates are granted when the tokens it expects to gain raise the batch's tokens per
+unit of step cost. A lone stream gets whatever its own step policy asks for. Greedy output does not depend on
+the budgets.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decoding.engine import DecodeStream, Proposal, Step
+from decoding.packed import forward_packed
+
+# Relative cost of one forward by input tokens, over a ~300-token cache: SmolLM2-135M, float32, 1 thread on
+# the 2-core AVX2 CPU this project is measured on (README, "Benchmark"). The tuner measures the real curve.
+CPU_STEP_COST = ((1, 1.0), (2, 1.37), (4, 1.37), (8, 1.66), (16, 2.0), (32, 3.0), (64, 4.6), (128, 7.2))
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How one batched forward spends its tokens.
+
+    - ``max_step_tokens``: input tokens of one forward, all streams together (each decoding stream still
+      gets its one token when there are more streams than that).
+    - ``prefill_chunk``: prompt tokens per forward while other streams are running.
+    - ``step_cost``: ``(tokens, relative cost)`` points of the step-cost curve, ascending; linear in between
+      and beyond the last point.
+    """
+
+    max_step_tokens: int = 64
+    prefill_chunk: int = 64
+    step_cost: tuple[tuple[int, float], ...] = CPU_STEP_COST
+
+    def cost(self, tokens: int) -> float:
+        """The curve's relative cost of a forward over ``tokens`` input tokens."""
+        points = self.step_cost
+        xs = [x for x, _ in points]
+        index = min(max(bisect.bisect_left(xs, tokens), 1), len(points) - 1)
+        (x0, y0), (x1, y1) = points[index - 1], points[index]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+
+def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
+    """Token budgets for one forward, one per proposal; 0 means the stream sits this forward out.
+
+    Decoding streams get one token each; prefilling streams share ``prefill_chunk`` tokens first come first
+    served (the first always gets at least one; a lone stream gets its whole prompt); then, most expected
+    gain per extra token first, a decoding stream gets its proposed step when it fits in ``max_step_tokens``
+    and either it is a probe (acceptance must be re-measured) or its expected gain raises committed tokens
+    per unit of step cost.
+    """
+    if len(proposals) == 1:
+        return [proposals[0].tokens]
+    budgets = [1] * len(proposals)
+    prefill_left = max(1, policy.prefill_chunk)
+    for index, proposal in enumerate(proposals):
+        if proposal.prefill:
+            budgets[index] = min(proposal.tokens, prefill_left)
+            prefill_left -= budgets[index]
+    used = sum(budgets)
+    expected = float(sum(1 for proposal in proposals if not proposal.prefill))
+    wanting = [i for i, p in enumerate(proposals) if not p.prefill and p.tokens > 1]
+    wanting.sort(key=lambda i: proposals[i].gain / (proposals[i].tokens - 1), reverse=True)
+    for index in wanting:
+        proposal = proposals[index]
+        extra = proposal.tokens - 1
+        if used + extra > policy.max_step_tokens:
+            continue
+        pays = (expected + proposal.gain) / policy.cost(used + extra) > expected / policy.cost(used)
+        if proposal.probe or pays:
+            budgets[index] += extra
+            used += extra
+            expected += proposal.gain
+    return budgets
+
+
+def step_batch(streams: Sequence[DecodeStream], policy: BatchPolicy) -> list[Step | BaseException | None]:
+    """Advance the (unfinished) streams by one step in one packed forward; see the module contract.
+
+    Each result is the stream's ``Step``, the exception that ended it, or None when the stream sat this
+    forward out (a prompt waiting for its prefill chunk).
+    """
+    results: list[Step | BaseException | None] = [None] * len(streams)
+    proposals: dict[int, Proposal] = {}
+    for index, stream in enumerate(streams):
+        try:
+            proposals[index] = stream.propose()
+        except Exception as error:  # one stream's failure ends that stream only
+            results[index] = error
+    order = list(proposals)
+    budgets = allocate([proposals[index] for index in order], policy)
+    planned, slices = [], []
+    for index, budget in zip(order, budgets, strict=True):
+        if budget == 0:
+            continue
+        try:
+            slices.append(streams[index].plan(budget))
+            planned.append(index)
+        except Exception as error:
+            results[index] = error
+    if planned:
+        _forward_and_finish(streams, planned, slices, results)
+    return results
+
+
+def _forward_and_finish(
+    streams: Sequence[DecodeStream], planned: list[int], slices: list, results: list[Step | BaseException | None]
+) -> None:
+    """Run the packed forward over ``slices`` and hand each planned stream its logits."""
+    model = streams[planned[0]].model
+    try:
+        with torch.inference_mode():
+            logits = forward_packed(model, slices)
+    except Exception as error:  # the forward failed: every stream in it ends
+        for index in planned:
+            results[index] = error
+        return
+    for index, stream_logits in zip(planned, logits, strict=True):
+        try:
+            with torch.inference_mode():
+                results[index] = streams[index].finish(stream_logits)
+        except Exception as error:
+            results[index] = error

@@ -1,0 +1,159 @@
+"""Batched steps: a stream's greedy tokens do not depend on its neighbours, budgets or chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoding.batch import BatchPolicy, allocate, step_batch
+from decoding.engine import Proposal, generate_autoregressive, generate_lookahead
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from tests.decoding.stubs import cycle_model
+
+PROMPTS = [
+    [1, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2, 5, 7],
+    [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+    [42],
+    [3, 3, 3, 3, 3, 3, 8, 3, 3],
+    [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25],
+]
+CONFIGS = [
+    LookaheadConfig(4, 4, 4),
+    None,
+    LookaheadConfig(1, 5, 3, lazy_window=True, break_even=0.5),
+    LookaheadConfig(7, 5, 7),
+    LookaheadConfig(2, 3, 2, align_window=False),
+]
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+def run_batch(streams, policy: BatchPolicy, join_at: dict[int, int] | None = None) -> list[list[int]]:
+    """Step ``streams`` together until all finish; stream i joins at iteration ``join_at[i]`` (default 0)."""
+    join_at = join_at or {}
+    outputs: list[list[int]] = [[] for _ in streams]
+    iteration = 0
+    while not all(stream.finished for stream in streams):
+        active = [i for i, s in enumerate(streams) if not s.finished and join_at.get(i, 0) <= iteration]
+        for index, step in zip(active, step_batch([streams[i] for i in active], policy), strict=True):
+            assert not isinstance(step, BaseException), step
+            if step is not None:
+                outputs[index].extend(step.token_ids)
+        iteration += 1
+        assert iteration < 2000
+    return outputs
+
+
+def make_stream(model, prompt, config, sampling=SamplingParams(), max_tokens=40):
+    stop = StopCriteria(max_tokens)
+    if config is None:
+        return generate_autoregressive(model, prompt, stop, sampling)
+    return generate_lookahead(model, prompt, stop, sampling, config)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        BatchPolicy(),
+        BatchPolicy(max_step_tokens=8, prefill_chunk=3),
+        BatchPolicy(max_step_tokens=1000, prefill_chunk=1000),
+    ],
+    ids=["default", "tight", "roomy"],
+)
+def test_batched_greedy_equals_each_stream_alone_with_mixed_configs(tiny_model, policy):
+    alone = [tokens_of(make_stream(tiny_model, p, c)) for p, c in zip(PROMPTS, CONFIGS, strict=True)]
+    streams = [make_stream(tiny_model, p, c) for p, c in zip(PROMPTS, CONFIGS, strict=True)]
+    assert run_batch(streams, policy, join_at={1: 3, 3: 7, 4: 20}) == alone
+
+
+def test_greedy_streams_are_unaffected_by_sampling_neighbours(tiny_model):
+    greedy_alone = tokens_of(make_stream(tiny_model, PROMPTS[0], CONFIGS[0]))
+    hot = SamplingParams(temperature=1.0, seed=7)
+    streams = [
+        make_stream(tiny_model, PROMPTS[0], CONFIGS[0]),
+        make_stream(tiny_model, PROMPTS[1], CONFIGS[3], hot),
+        make_stream(tiny_model, PROMPTS[3], None, SamplingParams(temperature=0.7, top_p=0.9, seed=3)),
+    ]
+    assert run_batch(streams, BatchPolicy())[0] == greedy_alone
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_the_same_batch(tiny_model):
+    """Seeded lookahead sampling repeats exactly alone; in a batch the budgets (so the draws) depend on the
+    neighbours, but the same batch repeats exactly too."""
+    hot = SamplingParams(temperature=1.0, top_k=20, seed=11)
+    config = LookaheadConfig(4, 4, 4)
+    alone = [run_batch([make_stream(tiny_model, PROMPTS[1], config, hot)], BatchPolicy())[0] for _ in range(2)]
+    assert alone[0] == alone[1] == tokens_of(make_stream(tiny_model, PROMPTS[1], config, hot))
+
+    def batch() -> list[list[int]]:
+        neighbours = [make_stream(tiny_model, p, c) for p, c in zip(PROMPTS[2:], CONFIGS[2:], strict=True)]
+        return run_batch([make_stream(tiny_model, PROMPTS[1], config, hot), *neighbours], BatchPolicy())
+
+    first = batch()
+    assert first == batch() and len(first[0]) == 40
+
+
+def test_seeded_autoregressive_sampling_ignores_its_neighbours(tiny_model):
+    """A plain sampling stream draws once per token whatever the budgets: batched equals alone."""
+    hot = SamplingParams(temperature=1.0, top_k=20, seed=11)
+    alone = tokens_of(make_stream(tiny_model, PROMPTS[1], None, hot))
+    neighbours = [make_stream(tiny_model, p, c) for p, c in zip(PROMPTS[2:], CONFIGS[2:], strict=True)]
+    assert run_batch([make_stream(tiny_model, PROMPTS[1], None, hot), *neighbours], BatchPolicy())[0] == alone
+
+
+def test_chunked_prefill_steps_carry_no_tokens_until_the_prompt_is_in(tiny_model):
+    prompt = PROMPTS[4]
+    neighbour = make_stream(tiny_model, PROMPTS[0], None)
+    next(neighbour)  # prefilled: it decodes while the new prompt goes in by chunks
+    stream = make_stream(tiny_model, prompt, CONFIGS[0])
+    policy = BatchPolicy(max_step_tokens=16, prefill_chunk=4)
+    chunks = []
+    while True:
+        step = step_batch([neighbour, stream], policy)[1]
+        chunks.append(step)
+        if step.token_ids:
+            break
+    assert [step.stats.input_tokens for step in chunks] == [4, 4, 4, 4, 3]
+    assert all(step.stats.prefill for step in chunks) and not any(step.token_ids for step in chunks[:-1])
+    assert stream.sequence.cache.length == len(prompt)
+
+
+def test_one_forward_per_batch_step():
+    model = cycle_model()
+    streams = [make_stream(model, [1, 2, 3], LookaheadConfig(2, 3, 2)), make_stream(model, [4, 5], None)]
+    before = model.forward_calls
+    step_batch(streams, BatchPolicy())
+    assert model.forward_calls == before + 1
+
+
+def test_a_failing_stream_ends_alone(tiny_model):
+    good = make_stream(tiny_model, PROMPTS[0], CONFIGS[0])
+    bad = make_stream(tiny_model, PROMPTS[1], CONFIGS[0])
+    bad.propose = lambda: (_ for _ in ()).throw(RuntimeError("broken stream"))
+    results = step_batch([good, bad], BatchPolicy())
+    assert isinstance(results[1], RuntimeError) and not isinstance(results[0], BaseException)
+    assert results[0].token_ids  # the prefill committed the first token
+
+
+def test_allocation_grants_lookahead_only_where_it_pays():
+    flat = BatchPolicy(max_step_tokens=64, step_cost=((1, 1.0), (64, 1.0)))
+    steep = BatchPolicy(max_step_tokens=64, step_cost=((1, 1.0), (64, 64.0)))
+    proposals = [Proposal(10, gain=2.0), Proposal(10, gain=0.1), Proposal(1)]
+    assert allocate(proposals, flat) == [10, 10, 1]
+    assert allocate(proposals, steep) == [1, 1, 1]
+    assert allocate([Proposal(10, gain=0.0, probe=True), Proposal(1)], steep) == [10, 1]
+    assert allocate([Proposal(40, gain=3.0), Proposal(40, gain=2.0)], flat) == [40, 1]  # the budget is shared
+
+
+def test_allocation_chunks_prefill_and_keeps_decoders_running():
+    policy = BatchPolicy(max_step_tokens=64, prefill_chunk=16)
+    assert allocate([Proposal(100, prefill=True), Proposal(1), Proposal(30, prefill=True)], policy) == [16, 1, 0]
+    assert allocate([Proposal(10, prefill=True), Proposal(30, prefill=True)], policy) == [10, 6]
+    assert allocate([Proposal(20, prefill=True), Proposal(30, prefill=True), Proposal(1)], policy) == [16, 0, 1]
+    assert allocate([Proposal(500, prefill=True)], policy) == [500]  # alone: no one to stall
+
+
+def test_step_cost_curve_interpolates_and_extrapolates():
+    policy = BatchPolicy(step_cost=((1, 1.0), (9, 2.0), (17, 4.0)))
+    assert policy.cost(1) == 1.0 and policy.cost(5) == 1.5 and policy.cost(13) == 3.0 and policy.cost(25) == 6.0
