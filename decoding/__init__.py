@@ -3,12 +3,15 @@
 The engine knows nothing about tokenization: token ids in, token ids out.
 """
 
+from decoding.batch import BatchPolicy, step_batch
 from decoding.decoder import Decoder, configure_threads
-from decoding.engine import Step, StepStats, generate_autoregressive, generate_lookahead
+from decoding.engine import DecodeStream, Step, StepStats, generate_autoregressive, generate_lookahead
 from decoding.errors import ContextLengthError, DecodingError, EmptyPromptError, InvalidParameterError, ModelLoadError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 
 __all__ = [
+    "BatchPolicy",
+    "DecodeStream",
     "ContextLengthError",
     "Decoder",
     "DecodingError",
@@ -21,6 +24,7 @@ __all__ = [
     "StepStats",
     "StopCriteria",
     "configure_threads",
+    "step_batch",
     "generate_autoregressive",
     "generate_lookahead",
 ]

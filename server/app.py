@@ -28,7 +28,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
-from decoding import Decoder, SamplingParams, StopCriteria, configure_threads
+from decoding import BatchPolicy, Decoder, SamplingParams, StopCriteria, configure_threads
 from server import serving
 from server.auth import KeyChecker, load_api_keys
 from server.body import decode_json
@@ -70,6 +70,13 @@ def configure_worker_thread(config: ServerConfig) -> Callable[[], None]:
     return setup
 
 
+def batch_policy(config: ServerConfig) -> BatchPolicy:
+    """The worker's batching policy from the ``batch`` settings (the built-in CPU curve when none is given)."""
+    settings = config.batch
+    curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
+    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve)
+
+
 class Runtime:
     """One server instance's state: metrics, worker, scheduler, the decoder once loaded, and readiness.
 
@@ -85,7 +92,7 @@ class Runtime:
         self.config = config
         self.keys = KeyChecker(load_api_keys(config))
         self.metrics = Metrics()
-        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
+        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config), batch_policy(config))
         self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
         self.decoder = decoder
         self.load_decoder = load_decoder or load_default_decoder

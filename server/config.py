@@ -49,6 +49,28 @@ class LookaheadSettings(BaseModel):
         return self
 
 
+class BatchSettings(BaseModel):
+    """How the worker batches the running requests' steps into one forward pass (see ``decoding.batch``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_step_tokens: int = Field(64, ge=1, description="input tokens of one forward, all requests together")
+    prefill_chunk: int = Field(64, ge=1, description="prompt tokens per forward while other requests decode")
+    step_cost: list[tuple[int, float]] | None = Field(
+        None, description="(tokens, relative cost) points of the step-cost curve; null: the built-in CPU curve"
+    )
+
+    @model_validator(mode="after")
+    def _curve_ascends(self) -> BatchSettings:
+        if self.step_cost is not None:
+            tokens = [point[0] for point in self.step_cost]
+            if len(tokens) < 2 or tokens != sorted(set(tokens)) or tokens[0] < 1:
+                raise ValueError("batch.step_cost needs >= 2 points with distinct ascending token counts >= 1")
+            if any(cost <= 0 for _, cost in self.step_cost):
+                raise ValueError("batch.step_cost costs must be positive")
+        return self
+
+
 class ServerConfig(BaseModel):
     """Everything the server needs to start; handed down explicitly, never read from globals."""
 
@@ -65,7 +87,7 @@ class ServerConfig(BaseModel):
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     threads: int = Field(1, ge=0, description="torch intra-op threads; 0 keeps torch's default")
-    max_running: int = Field(4, ge=1, description="requests decoding at once (their steps interleave)")
+    max_running: int = Field(16, ge=1, description="requests decoding at once (their steps share each forward)")
     max_queue: int = Field(32, ge=0, description="admitted requests waiting for a running slot")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request leaves it out")
     max_request_bytes: int = Field(1 << 20, ge=1024)
@@ -73,6 +95,7 @@ class ServerConfig(BaseModel):
     warmup: bool = True
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     lookahead: LookaheadSettings = LookaheadSettings()
+    batch: BatchSettings = BatchSettings()
 
     @property
     def model_name(self) -> str:

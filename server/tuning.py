@@ -53,6 +53,9 @@ def preset_text(result, device: str, model: str) -> str:
             "break_even": best.break_even,
         }
     }
+    if len(result.step_cost) >= 2:  # the batching policy prices lookahead tokens with this device's curve
+        unit = result.step_cost[0].ms_last_logits
+        body["batch"] = {"step_cost": [[cost.k, round(cost.ms_last_logits / unit, 3)] for cost in result.step_cost]}
     return "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 

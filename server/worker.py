@@ -1,13 +1,15 @@
-"""The one thread that runs the model: it interleaves the decoding steps of every running request.
+"""The one thread that runs the model: every iteration, one batched step of all running requests.
 
 Contract: ``Worker`` owns the device. Jobs arrive through ``submit`` (any thread) and wait in a FIFO until one
-of ``max_running`` slots is free; every round, each running job advances by exactly one step (one forward
-pass), round-robin, so a new request gets its prefill within one round and never waits for another to
-finish. A job's cancel flag is checked before each of its steps; a cancelled or finished job's step
-generator is closed at once (freeing its cache). Each job reports through its own ``post`` callable:
-``Output`` items, the last one carrying ``finish_reason`` and a ``Summary``, or one exception that ends it.
-An exception inside one job ends that job only. Greedy output does not depend on what else runs: every job
-has its own generator and cache.
+of ``max_running`` slots is free (continuous batching: jobs join and leave between iterations). Every
+iteration advances each running job by one step: the jobs whose steps are decoder streams
+(``decoding.DecodeStream``) share one forward pass (``decoding.step_batch``, under the ``BatchPolicy``: a
+shared token budget, chunked prefill); any other step iterator (a test's scripted decoder) advances on its
+own. A job's cancel flag is checked before each of its steps; a cancelled or finished job's steps are
+closed at once (freeing its cache). Each job reports through its own ``post`` callable: ``Output`` items,
+the last one carrying ``finish_reason`` and a ``Summary``, or one exception that ends it. An exception
+inside one job ends that job only (a failed batched forward ends the jobs in it). Greedy output does not
+depend on what else runs: every job has its own cache, window and pool.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from decoding import LookaheadConfig, Step
+from decoding import BatchPolicy, DecodeStream, LookaheadConfig, Step, step_batch
 from server.metrics import Metrics, RequestRecord, StepRecord
 from server.text import TextStream
 
@@ -121,9 +123,11 @@ class Worker:
         max_running: int,
         metrics: Metrics | None = None,
         thread_setup: Callable[[], None] | None = None,
+        policy: BatchPolicy | None = None,
     ) -> None:
         self.max_running = max_running
         self.metrics = metrics
+        self.policy = policy or BatchPolicy()
         self._thread_setup = thread_setup
         self._condition = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -200,9 +204,8 @@ class Worker:
                 if self._stopping:
                     break
                 self._admit()
-                round_robin = list(self._running)
-            for job in round_robin:
-                self._advance(job)
+                jobs = list(self._running)
+            self._iterate(jobs)
             with self._condition:
                 self._running = [job for job in self._running if not job.done]
                 self._publish_queue()
@@ -214,6 +217,38 @@ class Worker:
         while self._waiting and len(self._running) < self.max_running:
             self._running.append(self._waiting.popleft())
         self._publish_queue()
+
+    def _iterate(self, jobs: list[Job]) -> None:
+        """One step of every job: decoder streams batched into one forward, other iterators one by one."""
+        batched: list[Job] = []
+        for job in jobs:
+            if job.cancel_requested:
+                self._finish(job, "abort", error=job.cancel_error or RequestCancelled("cancelled"))
+            elif isinstance(job.steps, DecodeStream):
+                batched.append(job)
+            else:
+                self._advance(job)
+        if batched:
+            self._advance_batch(batched)
+
+    def _advance_batch(self, jobs: list[Job]) -> None:
+        """One packed forward for ``jobs``; each job consumes its own step or ends with its own error."""
+        for job in jobs:
+            if job.started is None:
+                self._begin(job)
+        results = step_batch([job.steps for job in jobs], self.policy)
+        for job, result in zip(jobs, results, strict=True):
+            if result is None:  # waiting for its prefill chunk
+                continue
+            if isinstance(result, BaseException):
+                logger.error("generation failed", exc_info=result)
+                self._finish(job, "error", error=result)
+                continue
+            try:
+                self._consume(job, result)
+            except Exception as exc:
+                logger.exception("generation failed")
+                self._finish(job, "error", error=exc)
 
     def _advance(self, job: Job) -> None:
         """Run one step of ``job`` (or finish it if cancelled); errors end this job only."""

@@ -123,3 +123,18 @@ def test_read_yaml_of_an_empty_file(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("")
     assert read_yaml(path) == {}
+
+
+@pytest.mark.parametrize(
+    "curve", [[[4, 1.0], [2, 2.0]], [[1, 1.0]], [[1, 1.0], [8, 0.0]], [[0, 1.0], [8, 2.0]]],
+    ids=["descending", "one-point", "zero-cost", "zero-tokens"],
+)
+def test_a_bad_step_cost_curve_is_refused(curve):
+    with pytest.raises(ConfigError, match="batch"):
+        load_config(overrides={"batch": {"step_cost": curve}})
+
+
+def test_the_shipped_cpu_preset_batches_with_its_measured_curve():
+    config = load_config(device_preset="cpu")
+    assert config.max_running >= 8 and config.batch.prefill_chunk <= config.batch.max_step_tokens
+    assert config.batch.step_cost[0] == (1, 1.0) and len(config.batch.step_cost) >= 4
