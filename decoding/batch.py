@@ -59,9 +59,10 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
 
     Decoding streams get one token each; prefilling streams share ``prefill_chunk`` tokens first come first
     served (the first always gets at least one; a lone stream gets its whole prompt); then, most expected
-    gain per extra token first, a decoding stream gets its proposed step when it fits in ``max_step_tokens``
-    and either it is a probe (acceptance must be re-measured) or its expected gain raises committed tokens
-    per unit of step cost.
+    gain per extra token first, a decoding stream gets its proposed step, or else its smallest verifying step
+    (one candidate, no window), when that fits in ``max_step_tokens`` and either it is a probe (acceptance
+    must be re-measured) or its expected gain raises committed tokens per unit of step cost. The gain of the
+    smaller step is taken to be the full step's: the stream's acceptance estimate then tracks what it gets.
     """
     if len(proposals) == 1:
         return [proposals[0].tokens]
@@ -77,14 +78,15 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
     wanting.sort(key=lambda i: proposals[i].gain / (proposals[i].tokens - 1), reverse=True)
     for index in wanting:
         proposal = proposals[index]
-        extra = proposal.tokens - 1
-        if used + extra > policy.max_step_tokens:
-            continue
-        pays = (expected + proposal.gain) / policy.cost(used + extra) > expected / policy.cost(used)
-        if proposal.probe or pays:
-            budgets[index] += extra
-            used += extra
-            expected += proposal.gain
+        for extra in (proposal.tokens - 1, proposal.smallest - 1):
+            if extra < 1 or used + extra > policy.max_step_tokens:
+                continue
+            pays = (expected + proposal.gain) / policy.cost(used + extra) > expected / policy.cost(used)
+            if proposal.probe or pays:
+                budgets[index] += extra
+                used += extra
+                expected += proposal.gain
+                break
     return budgets
 
 

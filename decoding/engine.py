@@ -122,13 +122,15 @@ class Proposal:
 
     ``tokens`` is the step it wants (the remaining prompt while prefilling); ``gain`` the tokens it expects to
     commit beyond the one a plain step commits (its running mean of accepted guesses when it verifies);
-    ``probe`` marks a verifying step taken only to re-measure acceptance; ``prefill`` a prompt chunk.
+    ``probe`` marks a verifying step taken only to re-measure acceptance; ``prefill`` a prompt chunk;
+    ``smallest`` the tokens of the smallest step that still verifies a candidate (0: none).
     """
 
     tokens: int
     gain: float = 0.0
     probe: bool = False
     prefill: bool = False
+    smallest: int = 0
 
 
 class DecodeStream:
@@ -344,8 +346,10 @@ class _Lookahead:
         if not window:
             return Proposal(1)
         tokens = len(self.window.rows) * config.window_size + len(candidates) * config.levels
-        gain = self.expected_accept if candidates else 0.0
-        return Proposal(tokens, gain, probe=bool(candidates) and self.expected_accept < config.break_even)
+        if not candidates:
+            return Proposal(tokens)
+        probe = self.expected_accept < config.break_even
+        return Proposal(tokens, self.expected_accept, probe, smallest=1 + config.levels)
 
     def plan(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
         """The proposed step, shrunk to ``budget`` tokens."""

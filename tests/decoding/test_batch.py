@@ -144,6 +144,10 @@ def test_allocation_grants_lookahead_only_where_it_pays():
     assert allocate(proposals, steep) == [1, 1, 1]
     assert allocate([Proposal(10, gain=0.0, probe=True), Proposal(1)], steep) == [10, 1]
     assert allocate([Proposal(40, gain=3.0), Proposal(40, gain=2.0)], flat) == [40, 1]  # the budget is shared
+    shared = [Proposal(40, gain=3.0, smallest=5), Proposal(40, gain=2.0, smallest=5)]
+    assert allocate(shared, flat) == [40, 5]  # what is left still buys the second stream one candidate
+    costly = BatchPolicy(max_step_tokens=64, step_cost=((1, 1.0), (2, 1.3), (16, 2.0), (64, 5.0)))
+    assert allocate([Proposal(16, gain=1.0, smallest=5), Proposal(1), Proposal(1)], costly) == [5, 1, 1]
 
 
 def test_allocation_chunks_prefill_and_keeps_decoders_running():
