@@ -56,7 +56,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     lookahead.add_argument("--max-ngram-size", type=int)
     lookahead.add_argument("--max-guess-set-size", type=int)
     limits = parser.add_argument_group("queue and concurrency")
-    limits.add_argument("--max-running", type=int, help="requests decoding at once (steps interleave)")
+    limits.add_argument("--max-running", type=int, help="requests decoding at once (each forward batches them)")
+    limits.add_argument("--max-step-tokens", type=int, help="input tokens of one batched forward, all requests")
+    limits.add_argument("--prefill-chunk", type=int, help="prompt tokens per forward while others decode")
     limits.add_argument("--max-queue", type=int, help="requests waiting for a slot; more -> 429")
     limits.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
     limits.add_argument("--max-request-bytes", type=int, help="larger request bodies -> 413")
@@ -81,6 +83,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
             "guess_set_size": args.guess_set_size, "max_window_size": args.max_window_size,
             "max_ngram_size": args.max_ngram_size, "max_guess_set_size": args.max_guess_set_size,
         },
+        "batch": {"max_step_tokens": args.max_step_tokens, "prefill_chunk": args.prefill_chunk},
     }
 
 

@@ -81,9 +81,10 @@ def test_cli_flags_override_config(monkeypatch):
     monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
     monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
     args = parse(["serve", "--config", "cuda", "--port", "8123", "--window-size", "7", "--no-lookahead",
-                  "--max-running", "2", "--served-model-name", "smol"])
+                  "--max-running", "2", "--served-model-name", "smol", "--prefill-chunk", "32"])
     config = cli.build_config(args)
     assert config.port == 8123 and config.max_running == 2 and config.model_name == "smol"
+    assert config.batch.prefill_chunk == 32 and config.batch.max_step_tokens == 1024  # from configs/cuda.yaml
     assert config.lookahead.window_size == 7 and config.lookahead.ngram_size == 5  # from configs/cuda.yaml
     assert config.lookahead.enabled is False
     assert config.api_key is None
