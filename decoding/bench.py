@@ -42,6 +42,7 @@ from decoding.errors import DecodingError, InvalidParameterError
 from decoding.kv_cache import SlotCache, new_cache
 from decoding.loading import DEFAULT_MODEL, LoadedModel, load_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.quantize import quantize_int8
 
 METHODS = ("greedy", "lookahead", "generate", "prompt_lookup")
 DEFAULT_METHODS = "greedy,lookahead,generate"
@@ -550,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="default model name, local directory or hub id")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1...")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    parser.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: decoding.quantize (CPU)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch default)")
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
     parser.add_argument("--json", metavar="PATH", help="write config, runs and summary as JSON")
@@ -693,6 +695,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     try:
         loaded = load_model(args.model, args.device, args.dtype)
+        if args.quantize == "int8":
+            quantize_int8(loaded.model)
         payload = run_step_cost(args, loaded) if args.step_cost else run_decode_benchmark(args, loaded)
     except (DecodingError, DatasetError, PromptFileError) as error:
         print(f"error: {error}", file=sys.stderr)
