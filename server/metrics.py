@@ -14,6 +14,8 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
   requests that finished with ``stop`` or ``length`` only: a cancelled request's ratios are partial;
 - ``inter_token_latency_seconds`` is per token: the wall time since the request's previous step (its own
   forward pass plus the steps of other requests interleaved with it) shared by the tokens the step kept;
+- ``batch_requests`` and ``batch_input_tokens`` observe each batched forward pass: how many requests it
+  advanced and how many input tokens it ran (prefill chunks, windows and candidates included);
 - ``time_to_first_token_seconds`` runs from arrival to the first step that kept a token, so it includes
   queueing; ``request_queue_time_seconds`` from arrival to the start of the prefill.
 """
@@ -36,6 +38,8 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TOKENS_PER_STEP_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+BATCH_REQUESTS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,12 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", E2E_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to prefill start.", QUEUE_BUCKETS)
         self.step_duration = histogram("step_duration_seconds", "One forward pass.", STEP_BUCKETS)
+        self.batch_requests = histogram(
+            "batch_requests", "Per batched forward pass: requests it advanced.", BATCH_REQUESTS_BUCKETS
+        )
+        self.batch_input_tokens = histogram(
+            "batch_input_tokens", "Per batched forward pass: input tokens, all requests together.", BATCH_TOKENS_BUCKETS
+        )
 
         self.running = Gauge(f"{PREFIX}_requests_running", "Requests decoding now.", registry=registry)
         self.waiting = Gauge(f"{PREFIX}_requests_waiting", "Requests admitted, waiting to run.", registry=registry)
@@ -144,6 +154,11 @@ class Metrics:
             per_token = record.since_previous / record.tokens
             for _ in range(record.tokens):
                 self.itl.observe(per_token)
+
+    def forward(self, requests: int, input_tokens: int) -> None:
+        """Count one batched forward pass over ``requests`` requests and ``input_tokens`` tokens."""
+        self.batch_requests.observe(requests)
+        self.batch_input_tokens.observe(input_tokens)
 
     def request_finished(self, record: RequestRecord) -> None:
         """Count a finished request; per-request ratios only for requests that ran to stop or length."""

@@ -237,6 +237,9 @@ class Worker:
             if job.started is None:
                 self._begin(job)
         results = step_batch([job.steps for job in jobs], self.policy)
+        stepped = [result for result in results if result is not None and not isinstance(result, BaseException)]
+        if self.metrics is not None and stepped:
+            self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped))
         for job, result in zip(jobs, results, strict=True):
             if result is None:  # waiting for its prefill chunk
                 continue
