@@ -41,8 +41,8 @@ class BatchPolicy:
       and beyond the last point.
     """
 
-    max_step_tokens: int = 64
-    prefill_chunk: int = 64
+    max_step_tokens: int = 128
+    prefill_chunk: int = 128
     step_cost: tuple[tuple[int, float], ...] = CPU_STEP_COST
 
     def cost(self, tokens: int) -> float:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
+from decoding.errors import InvalidParameterError
 from decoding.loading import LoadedModel, load_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.quantize import quantize_int8
 
 
 def configure_threads(num_threads: int) -> None:
@@ -30,9 +32,18 @@ class Decoder:
     loaded: LoadedModel
 
     @classmethod
-    def load(cls, model: str, device: str = "auto", dtype: str = "auto") -> Decoder:
-        """Load ``model`` (default model name, local directory or hub id); raises ``ModelLoadError``."""
-        return cls(load_model(model, device, dtype))
+    def load(cls, model: str, device: str = "auto", dtype: str = "auto", quantize: str = "none") -> Decoder:
+        """Load ``model`` (default model name, local directory or hub id); raises ``ModelLoadError``.
+
+        ``quantize="int8"`` applies ``decoding.quantize.quantize_int8`` (float32 on the CPU only; raises
+        ``InvalidParameterError`` otherwise): greedy output is then exact with respect to the quantized model.
+        """
+        if quantize not in ("none", "int8"):
+            raise InvalidParameterError("quantize", f"quantize must be 'none' or 'int8', got {quantize!r}")
+        loaded = load_model(model, device, dtype)
+        if quantize == "int8":
+            quantize_int8(loaded.model)
+        return cls(loaded)
 
     @property
     def tokenizer(self):

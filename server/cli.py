@@ -46,6 +46,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--threads", type=int, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--quantize", choices=["none", "int8"],
+                        help="int8: int8 weights with per-row activation scales (float32 CPU only)")
     lookahead = parser.add_argument_group("lookahead defaults (requests may override within the maxima)")
     lookahead.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=None,
                            help="decode with lookahead by default (--no-lookahead: autoregressive)")
@@ -75,6 +77,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         "host": args.host, "port": args.port, "model": args.model, "served_model_name": args.served_model_name,
         "api_key": api_key, "api_keys_file": args.api_keys_file, "protect_health": args.protect_health,
         "protect_metrics": args.protect_metrics, "device": args.device, "dtype": args.dtype, "threads": args.threads,
+        "quantize": args.quantize,
         "max_running": args.max_running, "max_queue": args.max_queue, "default_max_tokens": args.default_max_tokens,
         "max_request_bytes": args.max_request_bytes, "drain_grace_seconds": args.drain_grace_seconds,
         "warmup": args.warmup, "log_level": args.log_level,

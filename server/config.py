@@ -54,8 +54,8 @@ class BatchSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_step_tokens: int = Field(64, ge=1, description="input tokens of one forward, all requests together")
-    prefill_chunk: int = Field(64, ge=1, description="prompt tokens per forward while other requests decode")
+    max_step_tokens: int = Field(128, ge=1, description="input tokens of one forward, all requests together")
+    prefill_chunk: int = Field(128, ge=1, description="prompt tokens per forward while other requests decode")
     step_cost: list[tuple[int, float]] | None = Field(
         None, description="(tokens, relative cost) points of the step-cost curve; null: the built-in CPU curve"
     )
@@ -86,6 +86,7 @@ class ServerConfig(BaseModel):
     protect_metrics: bool = Field(False, description="/metrics requires a key too (when keys are configured)")
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    quantize: Literal["none", "int8"] = Field("none", description="int8: row-independent int8 linears (CPU)")
     threads: int = Field(1, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     max_running: int = Field(16, ge=1, description="requests decoding at once (their steps share each forward)")
     max_queue: int = Field(32, ge=0, description="admitted requests waiting for a running slot")

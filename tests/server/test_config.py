@@ -139,3 +139,11 @@ def test_the_shipped_cpu_preset_batches_with_its_measured_curve():
     config = load_config(device_preset="cpu")
     assert config.max_running >= 8 and config.batch.prefill_chunk <= config.batch.max_step_tokens
     assert config.batch.step_cost[0] == (1, 1.0) and len(config.batch.step_cost) >= 4
+
+
+def test_quantize_flag_reaches_the_config(monkeypatch):
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    assert cli.build_config(parse(["serve", "--quantize", "int8"])).quantize == "int8"
+    assert cli.build_config(parse(["serve"])).quantize == "none"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--quantize", "int4"])
