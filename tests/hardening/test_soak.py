@@ -3,31 +3,19 @@ errors answered as expected, nothing unexplained, memory within 10 %), and its j
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from argparse import Namespace
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "soak.py"
+from tests.scripts.module import ROOT, load_script, script_path
+
+SCRIPT = script_path("soak")
 SHORT_SECONDS = 45
 
-
-def load_soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = load_soak()
+soak = load_script("soak")
 
 
 @pytest.mark.real_model

@@ -3,34 +3,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
 
 from decoding.datasets import DatasetError, PromptSpec, ensure_humaneval
+from tests.scripts.module import ROOT, load_script, script_path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "loadtest.py"
+SCRIPT = script_path("loadtest")
 TINY_MAX_TOKENS = 8
 
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("loadtest", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["loadtest"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-loadtest = load_script()
+loadtest = load_script("loadtest")
 
 
 # --- arithmetic -------------------------------------------------------------------------------------------
