@@ -376,6 +376,8 @@ def chat(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
+        # Ctrl-C stops an answer even when the client was started with SIGINT ignored (a background job).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     process, log_path = None, ""
     try:
         base_url = args.url.rstrip("/")

@@ -11,6 +11,7 @@ import fcntl
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -74,6 +75,9 @@ class Terminal:
 
     @staticmethod
     def _take_terminal() -> None:
+        # A test run started in the background inherits SIGINT ignored, and so would the client: a person's
+        # terminal delivers it.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
