@@ -36,7 +36,8 @@ def preset_text(result, device: str, model: str) -> str:
     header = [
         f"# Written by `lookahead-server tune` on {datetime.date.today()} ({platform.machine()}, {device}, {model}).",
         f"# Measured: {result.measured_speedup:.2f}x the greedy loop over {result.tokens} tokens "
-        f"({chosen.tokens_per_step:.2f} tokens/step; predicted {chosen.predicted_speedup:.2f}x).",
+        f"({chosen.tokens_per_step:.2f} tokens/step; predicted {chosen.predicted_speedup:.2f}x); "
+        f"output identical to greedy on {result.identical} of {result.prompts} prompts.",
         "# Candidates (W, N, G: tokens/step, predicted speedup): "
         + "; ".join(
             f"{c.config.window_size},{c.config.ngram_size},{c.config.guess_set_size}: "

@@ -47,4 +47,5 @@ def test_tune_picks_the_best_predicted_setting_and_measures_it(tiny_model):
     best = max(result.candidates, key=lambda candidate: candidate.predicted_speedup)
     assert result.best == best.config
     assert result.tokens == 16 and result.greedy_seconds > 0 and result.lookahead_seconds > 0
+    assert (result.identical, result.prompts) == (1, 1)  # float32: lookahead reproduces greedy exactly
     assert [row.k for row in result.step_cost][:2] == [1, 2]

@@ -15,12 +15,13 @@ def result() -> TuneResult:
     best = LookaheadConfig(1, 5, 3, lazy_window=True, break_even=0.5)
     other = LookaheadConfig(2, 4, 2, lazy_window=True, break_even=0.5)
     candidates = [Candidate(other, 100, 80, 900.0, 1.1), Candidate(best, 100, 50, 800.0, 1.25)]
-    return TuneResult([StepCost(1, 10.0, 11.0), StepCost(8, 16.0, 20.0)], candidates, best, 12.0, 10.0, 100)
+    return TuneResult([StepCost(1, 10.0, 11.0), StepCost(8, 16.0, 20.0)], candidates, best, 12.0, 10.0, 100, 5, 6)
 
 
 def test_preset_text_is_a_valid_layer_with_what_was_measured():
     text = preset_text(result(), "cpu", "SmolLM2-135M-Instruct")
     assert "1.20x the greedy loop over 100 tokens" in text and "2.00 tokens/step" in text
+    assert "identical to greedy on 5 of 6 prompts" in text
     assert yaml.safe_load(text) == {
         "lookahead": {"window_size": 1, "ngram_size": 5, "guess_set_size": 3, "lazy_window": True, "break_even": 0.5},
         "batch": {"step_cost": [[1, 1.0], [8, 1.6]]},
