@@ -128,7 +128,7 @@ def _folded_attention(
     kv_heads = heads // group
     folded = query.reshape(1, kv_heads, group * count, dim)
     output = torch.nn.functional.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scaling)
-    return output.view(1, heads, count, dim)
+    return output.reshape(1, heads, count, dim)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)

@@ -2,7 +2,9 @@
 
 Contract: ``tune(model, prompts, stop_token_ids)`` returns a ``TuneResult``:
 
-1. it measures the step-cost curve (one forward of k tokens over a KV cache, ``decoding.bench``);
+1. it measures the step-cost curve (one forward of k tokens over a KV cache, ``decoding.bench``) and makes it
+   non-decreasing (``monotone``): a forward over more tokens never costs less, so a dip is noise (on a GPU,
+   where the curve is flat, noise alone would otherwise pick the window);
 2. it derives the step policy from the curve: when a 2-8-token forward costs clearly more than a one-token
    forward (CPUs), steps without candidates are plain one-token steps (``lazy_window``) and a request falls
    back to one-token steps while it accepts fewer guesses than ``break_even = cost(8) / cost(1) - 1``;
@@ -68,10 +70,27 @@ class TuneResult:
         return self.greedy_seconds / self.lookahead_seconds if self.lookahead_seconds else 0.0
 
 
+def monotone(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent violators).
+
+    >>> monotone([3.0, 1.0, 2.0, 5.0])
+    [2.0, 2.0, 2.0, 5.0]
+    """
+    blocks: list[tuple[float, int]] = []  # (mean, count)
+    for value in values:
+        blocks.append((value, 1))
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean, count), (low_mean, low_count) = blocks.pop(), blocks.pop()
+            total = low_count + count
+            blocks.append(((low_mean * low_count + mean * count) / total, total))
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
 def cost_function(step_cost: Sequence[StepCost]) -> Callable[[int], float]:
-    """Milliseconds of a forward over k tokens, interpolated linearly on the measured curve (clamped)."""
+    """Milliseconds of a forward over k tokens: the measured curve made ``monotone``, interpolated linearly
+    (clamped below, extrapolated proportionally above)."""
     ks = [row.k for row in step_cost]
-    ms = [row.ms_last_logits for row in step_cost]
+    ms = monotone([row.ms_last_logits for row in step_cost])
 
     def cost(k: int) -> float:
         if k <= ks[0]:

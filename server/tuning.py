@@ -55,8 +55,10 @@ def preset_text(result, device: str, model: str) -> str:
         }
     }
     if len(result.step_cost) >= 2:  # the batching policy prices lookahead tokens with this device's curve
-        unit = result.step_cost[0].ms_last_logits
-        body["batch"] = {"step_cost": [[cost.k, round(cost.ms_last_logits / unit, 3)] for cost in result.step_cost]}
+        from decoding.tune import monotone  # the curve the tuner predicted with (noise dips pooled away)
+
+        ms = monotone([cost.ms_last_logits for cost in result.step_cost])
+        body["batch"] = {"step_cost": [[cost.k, round(value / ms[0], 3)] for cost, value in zip(result.step_cost, ms)]}
     return "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 

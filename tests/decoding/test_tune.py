@@ -6,7 +6,7 @@ import pytest
 
 from decoding.bench import StepCost
 from decoding.params import LookaheadConfig, StopCriteria
-from decoding.tune import cost_function, evaluate, step_policy, trajectory, tune
+from decoding.tune import cost_function, evaluate, monotone, step_policy, trajectory, tune
 
 
 def test_cost_function_interpolates_and_extrapolates():
@@ -26,6 +26,26 @@ def test_cost_function_interpolates_and_extrapolates():
 )
 def test_step_policy_from_the_cost_ratio(costs, expected):
     assert step_policy(lambda k: costs[1] if k == 1 else costs[8]) == expected
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]),
+        ([3.0, 1.0, 2.0, 5.0], [2.0, 2.0, 2.0, 5.0]),
+        ([23.4, 31.7, 32.6, 20.5, 20.7], [23.4, 26.375, 26.375, 26.375, 26.375]),  # a flat, noisy GPU curve
+        ([5.0], [5.0]),
+    ],
+)
+def test_monotone_pools_adjacent_violators(values, expected):
+    assert monotone(values) == pytest.approx(expected)
+
+
+def test_cost_function_never_falls_with_more_tokens():
+    curve = [StepCost(k, ms, ms) for k, ms in [(1, 23.4), (2, 31.7), (4, 32.6), (8, 20.5), (16, 20.7), (32, 23.5)]]
+    cost = cost_function(curve)
+    values = [cost(k) for k in range(1, 65)]
+    assert values == sorted(values) and cost(8) >= cost(1)
 
 
 def test_evaluate_sums_the_trajectory(tiny_model):
