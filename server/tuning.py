@@ -58,7 +58,8 @@ def preset_text(result, device: str, model: str) -> str:
         from decoding.tune import monotone  # the curve the tuner predicted with (noise dips pooled away)
 
         ms = monotone([cost.ms_last_logits for cost in result.step_cost])
-        body["batch"] = {"step_cost": [[cost.k, round(value / ms[0], 3)] for cost, value in zip(result.step_cost, ms)]}
+        points = zip(result.step_cost, ms, strict=True)
+        body["batch"] = {"step_cost": [[cost.k, round(value / ms[0], 3)] for cost, value in points]}
     return "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 
