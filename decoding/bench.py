@@ -546,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-align-window", action="store_true", help="always shift the window by one column")
     parser.add_argument("--lazy-window", action="store_true", help="plain one-token steps when no candidate exists")
     parser.add_argument("--break-even", type=float, default=0.0, help="fall back to one-token steps below this")
+    parser.add_argument("--copy-length", type=int, default=0, help="copy steps of up to this many tokens (0: off)")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="default model name, local directory or hub id")
@@ -572,6 +573,7 @@ def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
         align_window=not args.no_align_window,
         lazy_window=args.lazy_window,
         break_even=args.break_even,
+        copy_length=args.copy_length,
     )
     config.validate()
     return config

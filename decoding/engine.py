@@ -114,6 +114,8 @@ def validate_request(
 UNBOUNDED = 1 << 30
 PROBE_INTERVAL = 8
 ACCEPT_SMOOTHING = 0.3
+# A copy step needs the last COPY_MIN_MATCH tokens before ``last`` to match an earlier context exactly.
+COPY_MIN_MATCH = 5
 
 
 @dataclass(frozen=True)
@@ -301,10 +303,13 @@ class _Plain:
 
 @dataclass(frozen=True)
 class _Shape:
-    """The shape a lookahead step takes: the window (or not) and the candidates verified."""
+    """The shape a lookahead step takes: the window (or not), the candidates verified and their common
+    ``length`` (N-1, or a copy step's continuation length with ``copy`` set)."""
 
     window: bool
     candidates: list[tuple[int, ...]]
+    length: int = 0
+    copy: bool = False
 
 
 class _Lookahead:
@@ -313,6 +318,8 @@ class _Lookahead:
     A step runs at most N-1 window rows and G candidates; it shrinks to fit the budget (candidates first,
     then the window: a verification-only step, then a plain one-token step), and falls back to a plain step
     when no candidate is found and the window is lazy, or while verifying does not pay (``break_even``).
+    With ``copy_length``, a step whose context matches an earlier one is a copy step instead (see
+    ``LookaheadConfig``), shortened to fit the budget.
     """
 
     def __init__(
@@ -334,15 +341,22 @@ class _Lookahead:
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
         self.expected_accept = float(lookahead.levels)
         self.steps_since_probe = 0
+        self.expected_copy = float(lookahead.copy_length)
+        self.copies_since_probe = 0
         self._wanted = _Shape(False, [])
 
     def propose(self) -> Proposal:
         """Find this step's candidates and decide whether to verify them; say how many tokens that takes."""
         config = self.config
+        copy = self._copy()
+        if copy is not None:
+            self._wanted = _Shape(False, [copy], len(copy), copy=True)
+            probe = self.expected_copy < config.break_even
+            return Proposal(1 + len(copy), self.expected_copy, probe, smallest=2)
         paying = self._verifying_pays()
         candidates = self._candidates() if paying else []
         window = bool(candidates) or (paying and not config.lazy_window)
-        self._wanted = _Shape(window, candidates)
+        self._wanted = _Shape(window, candidates, config.levels)
         if not window:
             return Proposal(1)
         tokens = len(self.window.rows) * config.window_size + len(candidates) * config.levels
@@ -362,21 +376,26 @@ class _Lookahead:
             width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
         else:
             width, levels, tokens = 1, 1, [last]
-        layout = step_layout(width, levels, len(shape.candidates), config.levels)
+        layout = step_layout(width, levels, len(shape.candidates), shape.length)
         tokens += [token for candidate in shape.candidates for token in candidate]
         slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache)
         return slice_, lambda logits: self._finish(logits, shape, width, levels, position)
 
     def _fit(self, shape: _Shape, budget: int) -> _Shape:
-        """Drop candidates, then the window, until the step holds at most ``budget`` tokens."""
-        levels = self.config.levels
+        """Drop candidates, then the window, until the step holds at most ``budget`` tokens (a copy step is
+        shortened instead)."""
+        levels = shape.length
         window_tokens = len(self.window.rows) * self.config.window_size if shape.window else 0
         if window_tokens + len(shape.candidates) * levels <= budget:
             return shape
+        if shape.copy:
+            if budget < 2:
+                return _Shape(False, [])
+            return _Shape(False, [shape.candidates[0][: budget - 1]], budget - 1, copy=True)
         if window_tokens and window_tokens + levels <= budget and shape.candidates:
-            return _Shape(True, shape.candidates[: (budget - window_tokens) // levels])
+            return _Shape(True, shape.candidates[: (budget - window_tokens) // levels], levels)
         fitting = (budget - 1) // levels
-        return _Shape(False, shape.candidates[:fitting])
+        return _Shape(False, shape.candidates[:fitting], levels)
 
     def _finish_plain(self, logits: torch.Tensor) -> Step:
         """A plain one-token step: the window only re-aligns."""
@@ -391,12 +410,12 @@ class _Lookahead:
         last = sequence.tokens[-1]
 
         def candidate_row(candidate: int, k: int) -> int:
-            return 1 + width + candidate * config.levels + k
+            return 1 + width + candidate * shape.length + k
 
         predicted = logits.argmax(dim=-1).tolist()
         verdict = self._verify(logits, predicted, candidates, candidate_row)
         committed = sequence.accept(verdict.tokens)
-        self._commit_cache(position, levels * width, verdict, len(committed))
+        self._commit_cache(position, levels * width, shape.length, verdict, len(committed))
         if shape.window:
             new_row = self._clean_row(predicted[1 : 1 + width])
             for key, ngram in self.window.ngrams(last, new_row):
@@ -406,14 +425,16 @@ class _Lookahead:
             self.window.skip(len(committed), config.align_window)
         self._scan_output()
         accepted = min(verdict.num_accepted, len(committed))
-        if candidates:
+        if shape.copy:
+            self.expected_copy += ACCEPT_SMOOTHING * (verdict.num_accepted - self.expected_copy)
+        elif candidates:
             self.expected_accept += ACCEPT_SMOOTHING * (verdict.num_accepted - self.expected_accept)
         stats = StepStats(
-            input_tokens=levels * width + len(candidates) * config.levels,
+            input_tokens=levels * width + len(candidates) * shape.length,
             committed=len(committed),
-            offered=config.levels if candidates else 0,
+            offered=shape.length if candidates else 0,
             accepted=accepted,
-            accepted_per_position=tuple(k < accepted for k in range(config.levels)) if candidates else (),
+            accepted_per_position=tuple(k < accepted for k in range(shape.length)) if candidates else (),
         )
         return Step(committed, stats, sequence.finish_reason)
 
@@ -438,6 +459,22 @@ class _Lookahead:
         else:
             self.scanned = self.pool.add_sequence(self.sequence.tokens, self.scanned)
 
+    def _copy(self) -> tuple[int, ...] | None:
+        """This step's copied continuation, when copy steps are on, the context matches and copying pays
+        (its running mean of accepted tokens is at least ``break_even``, else a probe every ``PROBE_INTERVAL``
+        copy opportunities)."""
+        config = self.config
+        if not (config.copy_length and config.rank_by_context):
+            return None
+        copy = self.context.best_copy(self.sequence.tokens, config.copy_length, COPY_MIN_MATCH)
+        if copy is None or self.expected_copy >= config.break_even:
+            return copy
+        self.copies_since_probe += 1
+        if self.copies_since_probe < PROBE_INTERVAL:
+            return None
+        self.copies_since_probe = 0
+        return copy
+
     def _verifying_pays(self) -> bool:
         """False while this sequence's mean accepted guesses is below ``break_even`` (except for a probe)."""
         if self.expected_accept >= self.config.break_even:
@@ -460,7 +497,7 @@ class _Lookahead:
         probs = warp(logits, self.sampling).cpu()
         return verify_sampling(probs, candidates, candidate_row, self.sequence.generator)
 
-    def _commit_cache(self, position: int, window_tokens: int, verdict: Verdict, committed: int) -> None:
+    def _commit_cache(self, position: int, window_tokens: int, length: int, verdict: Verdict, committed: int) -> None:
         """KV fix-up: keep the old prefix, ``last`` and the accepted candidate tokens that stay committed.
 
         The cache must hold every committed token except the new ``last``: that is the old ``last`` (slot
@@ -470,7 +507,7 @@ class _Lookahead:
         if committed >= 1:
             sources.append(position)
         if verdict.candidate is not None and committed >= 2:
-            start = position + window_tokens + verdict.candidate * self.config.levels
+            start = position + window_tokens + verdict.candidate * length
             sources.extend(range(start, start + committed - 1))
         self.sequence.cache.commit(position, sources)
 

@@ -16,6 +16,7 @@ MAX_WINDOW_SIZE = 64
 MAX_NGRAM_SIZE = 16
 MAX_GUESS_SET_SIZE = 64
 MAX_STEP_TOKENS = 1024
+MAX_COPY_LENGTH = 32
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,11 @@ class LookaheadConfig:
       step (the multi-token step's cost ratio minus one: ~0.5 on a 2-core CPU, ~0 on a GPU). While a
       sequence's running mean of accepted guesses is below it, steps are plain one-token steps, with a
       verifying probe every ``PROBE_INTERVAL`` steps. ``0`` never falls back. Greedy output is unchanged.
+    - ``copy_length`` (0 = off, needs ``rank_by_context``): when the last ``COPY_MIN_MATCH`` tokens of the text
+      also precede an earlier occurrence of ``last``, the step verifies that occurrence's continuation, up to
+      ``copy_length`` tokens, alone (no window, prompt-lookup style): copying text such as code can then commit
+      many more than N tokens in one step. Copy steps are gated by their own running mean of accepted tokens
+      against ``break_even``, like verifying steps.
     """
 
     window_size: int = 5
@@ -88,6 +94,7 @@ class LookaheadConfig:
     lazy_window: bool = False
     break_even: float = 0.0
     rank_by_context: bool = True
+    copy_length: int = 0
 
     @property
     def levels(self) -> int:
@@ -96,14 +103,15 @@ class LookaheadConfig:
 
     @property
     def step_tokens(self) -> int:
-        """Input tokens of a steady-state step: (N-1)·(W+G)."""
-        return self.levels * (self.window_size + self.guess_set_size)
+        """Input tokens of the largest step: (N-1)·(W+G), or a copy step's 1 + copy_length if larger."""
+        return max(self.levels * (self.window_size + self.guess_set_size), 1 + self.copy_length)
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` if W, N or G is out of range or the step would be absurdly large."""
         _check_range("window_size", self.window_size, 1, MAX_WINDOW_SIZE)
         _check_range("ngram_size", self.ngram_size, 2, MAX_NGRAM_SIZE)
         _check_range("guess_set_size", self.guess_set_size, 0, MAX_GUESS_SET_SIZE)
+        _check_range("copy_length", self.copy_length, 0, MAX_COPY_LENGTH)
         if not math.isfinite(self.break_even) or not 0.0 <= self.break_even <= self.levels:
             raise InvalidParameterError("break_even", f"break_even must be in [0, N-1], got {self.break_even}")
         if self.step_tokens > MAX_STEP_TOKENS:

@@ -118,6 +118,30 @@ class ContextIndex:
                     break
         return found
 
+    def best_copy(self, tokens: Sequence[int], length: int, min_match: int) -> tuple[int, ...] | None:
+        """The continuation (up to ``length`` tokens, at least 2) of the earlier occurrence of ``tokens[-1]``
+        whose preceding context matches the text's best, if at least ``min_match`` tokens match; else None.
+
+        >>> index = ContextIndex()
+        >>> tokens = [4, 5, 6, 1, 2, 3, 9, 8, 7, 5, 6, 1, 2]
+        >>> index.extend(tokens)
+        >>> index.best_copy(tokens, length=4, min_match=3)
+        (3, 9, 8, 7)
+        >>> index.best_copy(tokens, length=4, min_match=5) is None
+        True
+        """
+        end = len(tokens) - 1
+        best_match, best_position = -1, -1
+        for position in self._positions.get(tokens[end], ()):
+            if position >= end - 1:
+                continue
+            match = self._match(tokens, position, end)
+            if match >= best_match:
+                best_match, best_position = match, position
+        if best_match < min_match:
+            return None
+        return tuple(tokens[best_position + 1 : min(best_position + 1 + length, end + 1)])
+
     def _match(self, tokens: Sequence[int], position: int, end: int) -> int:
         """How many tokens before ``position`` equal those before ``end`` (at most ``MAX_MATCH``)."""
         count = 0

@@ -40,6 +40,9 @@ class LookaheadSettings(BaseModel):
     break_even: float = Field(
         0.0, ge=0.0, description="accepted guesses per verifying step below which to fall back to one-token steps"
     )
+    copy_length: int = Field(
+        0, ge=0, le=32, description="copy steps: verify up to this many tokens copied from a matching context (0: off)"
+    )
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> LookaheadSettings:

@@ -128,7 +128,8 @@ def check_supported(request: GenerationFields) -> None:
 def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSettings) -> LookaheadConfig | None:
     """The request's lookahead settings over the configured defaults; ``None`` means autoregressive.
 
-    The server-wide step policy (``lazy_window``, ``break_even``, capped at N-1) comes from the config.
+    The server-wide step policy (``lazy_window``, ``break_even``, capped at N-1, ``copy_length``) comes from the
+    config.
 
     Each value must lie in ``[minimum, configured maximum]`` (400 naming ``lookahead.<field>`` otherwise).
     """
@@ -147,7 +148,9 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     if not enabled:
         return None
     break_even = min(settings.break_even, values["ngram_size"] - 1)
-    return LookaheadConfig(**values, lazy_window=settings.lazy_window, break_even=break_even)
+    return LookaheadConfig(
+        **values, lazy_window=settings.lazy_window, break_even=break_even, copy_length=settings.copy_length
+    )
 
 
 def resolve_max_tokens(

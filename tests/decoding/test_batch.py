@@ -19,7 +19,7 @@ PROMPTS = [
 CONFIGS = [
     LookaheadConfig(4, 4, 4),
     None,
-    LookaheadConfig(1, 5, 3, lazy_window=True, break_even=0.5),
+    LookaheadConfig(1, 5, 3, lazy_window=True, break_even=0.5, copy_length=10),
     LookaheadConfig(7, 5, 7),
     LookaheadConfig(2, 3, 2, align_window=False),
 ]

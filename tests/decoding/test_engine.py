@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,8 +52,11 @@ def test_lookahead_equals_greedy_over_grid(tiny_model, window_size, ngram_size, 
         LookaheadConfig(3, 3, 3, lazy_window=True, align_window=False),
         LookaheadConfig(2, 4, 3, lazy_window=True, break_even=1.5),
         LookaheadConfig(3, 4, 3, break_even=2.5),
+        LookaheadConfig(2, 4, 3, lazy_window=True, break_even=0.5, copy_length=10),
+        LookaheadConfig(1, 3, 2, copy_length=32),
     ],
-    ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned", "gated-lazy", "gated"],
+    ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned", "gated-lazy", "gated",
+         "copy", "copy-long"],
 )
 def test_lookahead_equals_greedy_for_variants(tiny_model, config):
     stop = StopCriteria(max_tokens=60)
@@ -80,6 +84,19 @@ def test_all_guesses_accepted_when_the_prompt_holds_the_continuation():
     assert all(step.stats.committed == 4 for step in decode_steps[:-1])  # N tokens: 3 guessed + 1 read off
     assert [step.stats.committed for step in steps] == [1, 4, 4, 4, 4, 4, 4, 0 + 4][: len(steps)]
     assert all(step.stats.accepted_per_position == (True, True, True) for step in decode_steps)
+
+
+def test_a_copy_step_commits_more_than_n_tokens_when_the_context_repeats():
+    model = cycle_model(period=8)
+    prompt = list(range(8)) * 2  # after the prefill, the last 7 tokens match an earlier context
+    config = LookaheadConfig(window_size=1, ngram_size=3, guess_set_size=2, copy_length=10)
+    steps = list(generate_lookahead(model, prompt, StopCriteria(max_tokens=30), lookahead=config))
+    assert tokens_of(steps) == [(token + 1) % 8 for token in range(15, 45)]
+    copy = steps[1].stats
+    assert (copy.input_tokens, copy.offered, copy.accepted, copy.committed) == (1 + 8, 8, 8, 9)
+    assert max(step.stats.committed for step in steps) > config.ngram_size
+    without = replace(config, copy_length=0)
+    assert len(steps) < len(list(generate_lookahead(model, prompt, StopCriteria(max_tokens=30), lookahead=without)))
 
 
 def test_no_guess_accepted_when_every_candidate_is_wrong():
@@ -228,6 +245,8 @@ def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
     "config, param",
     [
         (LookaheadConfig(window_size=0), "window_size"),
+        (LookaheadConfig(copy_length=33), "copy_length"),
+        (LookaheadConfig(copy_length=-1), "copy_length"),
         (LookaheadConfig(ngram_size=1), "ngram_size"),
         (LookaheadConfig(guess_set_size=-1), "guess_set_size"),
         (LookaheadConfig(window_size=1000), "window_size"),
