@@ -628,7 +628,7 @@ def _benchmark_lines(
         f"prompts: {source} x {count} | max tokens {max_tokens} | methods {', '.join(methods)}",
         f"lookahead: W={config.window_size} N={config.ngram_size} G={config.guess_set_size} | prompt pool "
         f"{config.prompt_pool} | output pool {config.output_pool} | align window {config.align_window} | "
-        f"lazy window {config.lazy_window} | break-even {config.break_even}",
+        f"lazy window {config.lazy_window} | break-even {config.break_even} | copy length {config.copy_length}",
     ]
 
 
@@ -660,16 +660,34 @@ def run_decode_benchmark(args: argparse.Namespace, loaded: LoadedModel) -> dict[
     print(_header(env, lines), flush=True)
     runners = make_runners(methods, config, args.prompt_lookup_tokens)
     eos = Decoder(loaded).eos_token_ids()
+    settings = {**vars(args), "environment": env, "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
     progress = _print_progress(len(prompts) * len(methods))
+    if args.json:
+        progress = _saving_progress(args.json, settings, progress)
     runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress)
     summaries = summarize(runs)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(runs), left=2))
     print("\ntotal\n" + format_table(TOTAL_HEADERS, total_rows(summaries)), flush=True)
     return {
-        "config": {**vars(args), "environment": env, "lookahead": asdict(config), "eos_token_ids": sorted(eos)},
+        "config": settings,
         "runs": [asdict(run) for run in runs],
         "summary": {"methods": [asdict(summary) for summary in summaries]},
     }
+
+
+def _saving_progress(
+    path: str, settings: Mapping[str, object], report: Callable[[RunRecord], None]
+) -> Callable[[RunRecord], None]:
+    """``report``, then rewrite ``path`` with every run so far marked ``"partial": true``: a benchmark cut off by a
+    time limit still leaves its runs (the finished benchmark overwrites the file with its summary)."""
+    done: list[dict[str, object]] = []
+
+    def save(run: RunRecord) -> None:
+        report(run)
+        done.append(asdict(run))
+        Path(path).write_text(to_json({"config": settings, "partial": True, "runs": done}), encoding="utf-8")
+
+    return save
 
 
 def run_step_cost(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, object]:

@@ -318,6 +318,7 @@ def test_main_end_to_end_on_a_saved_tiny_model(tmp_path: Path, capsys: pytest.Ca
     printed = capsys.readouterr().out
     assert "W=2 N=3 G=2" in printed and "per prompt" in printed and "total" in printed
     payload = json.loads(out.read_text())
+    assert "partial" not in payload  # the finished benchmark replaced the partial file
     runs = payload["runs"]
     assert len(runs) == 2 * 4
     assert {run["id"] for run in runs} == {"prompts/1", "chat"}
@@ -326,6 +327,31 @@ def test_main_end_to_end_on_a_saved_tiny_model(tmp_path: Path, capsys: pytest.Ca
     assert summary["lookahead"]["identical_to_greedy"] == 2
     assert summary["greedy"]["new_tokens"] == sum(r["new_tokens"] for r in runs if r["method"] == "greedy")
     assert payload["config"]["lookahead"]["window_size"] == 2
+
+
+def test_a_cut_off_benchmark_leaves_its_runs_so_far(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_tiny_model(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w10 w11 w12 w10"}) + "\n" + json.dumps({"prompt": "w20 w21"}) + "\n")
+    timed = bench.time_run
+    calls = []
+
+    def interrupted_after_three(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # a time limit's kill, as far as the file is concerned
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "time_run", interrupted_after_three)
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tmp_path / "model"), "--prompts", str(prompts), "--limit", "0", "--max-tokens", "8"]
+    argv += ["--methods", "greedy,lookahead", "--device", "cpu", "--dtype", "float32", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    payload = json.loads(out.read_text())
+    assert payload["partial"] is True and len(payload["runs"]) == 3
+    assert [run["method"] for run in payload["runs"]] == ["greedy", "lookahead", "lookahead"]
+    assert payload["config"]["lookahead"]["window_size"] == bench.LookaheadConfig().window_size
 
 
 def test_main_rejects_bad_arguments_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
