@@ -174,8 +174,10 @@ def tune(
     max_tokens: int = 96,
     grid: Sequence[tuple[int, int, int]] | None = None,
     report: Callable[[str], None] = lambda line: None,
+    copy_length: int = 0,
 ) -> TuneResult:
-    """Measure, search and confirm (see the module docstring). ``report`` receives progress lines."""
+    """Measure, search and confirm (see the module docstring). ``report`` receives progress lines; every setting
+    is evaluated with copy steps of ``copy_length`` (the one the server will run with)."""
     step_cost = measure_step_cost(model, ks=COST_KS, repeats=5)
     cost = cost_function(step_cost)
     lazy, break_even = step_policy(cost)
@@ -186,7 +188,12 @@ def tune(
     candidates = []
     for window_size, ngram_size, guess_set_size in grid:
         config = LookaheadConfig(
-            window_size, ngram_size, guess_set_size, lazy_window=lazy, break_even=min(break_even, ngram_size - 1)
+            window_size,
+            ngram_size,
+            guess_set_size,
+            lazy_window=lazy,
+            break_even=min(break_even, ngram_size - 1),
+            copy_length=copy_length,
         )
         candidate = evaluate(model, prompts, config, stop, cost)
         candidates.append(candidate)

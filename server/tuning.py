@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from server.config import CONFIG_DIR
+from server.config import CONFIG_DIR, load_config
 
 
 def add_tune_flags(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,8 @@ def preset_text(result, device: str, model: str) -> str:
         f"# Written by `lookahead-server tune` on {datetime.date.today()} ({platform.machine()}, {device}, {model}).",
         f"# Measured: {result.measured_speedup:.2f}x the greedy loop over {result.tokens} tokens "
         f"({chosen.tokens_per_step:.2f} tokens/step; predicted {chosen.predicted_speedup:.2f}x); "
-        f"output identical to greedy on {result.identical} of {result.prompts} prompts.",
+        f"output identical to greedy on {result.identical} of {result.prompts} prompts"
+        + (f"; copy steps of {best.copy_length} tokens (the device preset's)." if best.copy_length else "."),
         "# Candidates (W, N, G: tokens/step, predicted speedup): "
         + "; ".join(
             f"{c.config.window_size},{c.config.ngram_size},{c.config.guess_set_size}: "
@@ -78,8 +79,11 @@ def tune_command(args: argparse.Namespace) -> int:
         return 1
     specs = [*load_dataset("humaneval", args.prompts_per_set), *load_dataset("chat", args.prompts_per_set)]
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in specs]
-    result = tune(decoder.loaded.model, prompts, decoder.eos_token_ids(), args.max_tokens, report=print)
     device = decoder.device.split(":")[0]
+    copy_length = load_config(device_preset=device).lookahead.copy_length  # the preset's, which the tuned layer keeps
+    result = tune(
+        decoder.loaded.model, prompts, decoder.eos_token_ids(), args.max_tokens, report=print, copy_length=copy_length
+    )
     output = Path(args.output) if args.output else CONFIG_DIR / f"tuned-{device}.yaml"
     output.write_text(preset_text(result, decoder.device, decoder.loaded.name))
     best = result.best

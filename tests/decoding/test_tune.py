@@ -68,4 +68,10 @@ def test_tune_picks_the_best_predicted_setting_and_measures_it(tiny_model):
     assert result.best == best.config
     assert result.tokens == 16 and result.greedy_seconds > 0 and result.lookahead_seconds > 0
     assert (result.identical, result.prompts) == (1, 1)  # float32: lookahead reproduces greedy exactly
+
+
+def test_tune_evaluates_every_setting_with_the_given_copy_length(tiny_model):
+    result = tune(tiny_model, [[1, 5, 7, 9, 5, 7, 9, 5, 7]], frozenset(), 12, [(1, 3, 2), (2, 4, 3)], copy_length=6)
+    assert {candidate.config.copy_length for candidate in result.candidates} == {6}
+    assert result.best.copy_length == 6 and (result.identical, result.prompts) == (1, 1)
     assert [row.k for row in result.step_cost][:2] == [1, 2]
