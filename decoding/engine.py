@@ -301,6 +301,30 @@ class _Plain:
         return _one_token_slice(self.sequence), lambda logits: _finish_one_token(self.sequence, self.sampling, logits)
 
 
+class _Gate:
+    """A running mean of the guesses a kind of step accepts, and whether taking such a step pays.
+
+    ``pays(break_even)`` is True while the mean is at least ``break_even``; below it, once every
+    ``PROBE_INTERVAL`` calls (a probe that re-measures). ``update`` folds in a step's accepted guesses.
+    """
+
+    def __init__(self, start: float) -> None:
+        self.expected = start
+        self.since_probe = 0
+
+    def pays(self, break_even: float) -> bool:
+        if self.expected >= break_even:
+            return True
+        self.since_probe += 1
+        if self.since_probe < PROBE_INTERVAL:
+            return False
+        self.since_probe = 0
+        return True
+
+    def update(self, accepted: int) -> None:
+        self.expected += ACCEPT_SMOOTHING * (accepted - self.expected)
+
+
 @dataclass(frozen=True)
 class _Shape:
     """The shape a lookahead step takes: the window (or not), the candidates verified and their common
@@ -339,10 +363,8 @@ class _Lookahead:
             self.scanned = self.pool.add_sequence(sequence.tokens[: sequence.prompt_length])
         self.context.skip_to(sequence.prompt_length)
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
-        self.expected_accept = float(lookahead.levels)
-        self.steps_since_probe = 0
-        self.expected_copy = float(lookahead.copy_length)
-        self.copies_since_probe = 0
+        self.verifying = _Gate(float(lookahead.levels))
+        self.copying = _Gate(float(lookahead.copy_length))
         self._wanted = _Shape(False, [])
 
     def propose(self) -> Proposal:
@@ -351,9 +373,9 @@ class _Lookahead:
         copy = self._copy()
         if copy is not None:
             self._wanted = _Shape(False, [copy], len(copy), copy=True)
-            probe = self.expected_copy < config.break_even
-            return Proposal(1 + len(copy), self.expected_copy, probe, smallest=2)
-        paying = self._verifying_pays()
+            probe = self.copying.expected < config.break_even
+            return Proposal(1 + len(copy), self.copying.expected, probe, smallest=2)
+        paying = self.verifying.pays(config.break_even)
         candidates = self._candidates() if paying else []
         window = bool(candidates) or (paying and not config.lazy_window)
         self._wanted = _Shape(window, candidates, config.levels)
@@ -362,8 +384,8 @@ class _Lookahead:
         tokens = len(self.window.rows) * config.window_size + len(candidates) * config.levels
         if not candidates:
             return Proposal(tokens)
-        probe = self.expected_accept < config.break_even
-        return Proposal(tokens, self.expected_accept, probe, smallest=1 + config.levels)
+        probe = self.verifying.expected < config.break_even
+        return Proposal(tokens, self.verifying.expected, probe, smallest=1 + config.levels)
 
     def plan(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
         """The proposed step, shrunk to ``budget`` tokens."""
@@ -425,10 +447,8 @@ class _Lookahead:
             self.window.skip(len(committed), config.align_window)
         self._scan_output()
         accepted = min(verdict.num_accepted, len(committed))
-        if shape.copy:
-            self.expected_copy += ACCEPT_SMOOTHING * (verdict.num_accepted - self.expected_copy)
-        elif candidates:
-            self.expected_accept += ACCEPT_SMOOTHING * (verdict.num_accepted - self.expected_accept)
+        if candidates:
+            (self.copying if shape.copy else self.verifying).update(verdict.num_accepted)
         stats = StepStats(
             input_tokens=levels * width + len(candidates) * shape.length,
             committed=len(committed),
@@ -467,23 +487,7 @@ class _Lookahead:
         if not (config.copy_length and config.rank_by_context):
             return None
         copy = self.context.best_copy(self.sequence.tokens, config.copy_length, COPY_MIN_MATCH)
-        if copy is None or self.expected_copy >= config.break_even:
-            return copy
-        self.copies_since_probe += 1
-        if self.copies_since_probe < PROBE_INTERVAL:
-            return None
-        self.copies_since_probe = 0
-        return copy
-
-    def _verifying_pays(self) -> bool:
-        """False while this sequence's mean accepted guesses is below ``break_even`` (except for a probe)."""
-        if self.expected_accept >= self.config.break_even:
-            return True
-        self.steps_since_probe += 1
-        if self.steps_since_probe < PROBE_INTERVAL:
-            return False
-        self.steps_since_probe = 0
-        return True
+        return copy if copy is not None and self.copying.pays(config.break_even) else None
 
     def _verify(
         self,
