@@ -122,6 +122,10 @@ class ContextIndex:
         """The continuation (up to ``length`` tokens, at least 2) of the earlier occurrence of ``tokens[-1]``
         whose preceding context matches the text's best, if at least ``min_match`` tokens match; else None.
 
+        Among the occurrences that match enough, the longest continuation wins, then the better match, then the
+        most recent: in periodic text ("()()()") the latest occurrence is a period back and its continuation runs
+        into the present after a few tokens, while an older one continues for ``length`` tokens.
+
         >>> index = ContextIndex()
         >>> tokens = [4, 5, 6, 1, 2, 3, 9, 8, 7, 5, 6, 1, 2]
         >>> index.extend(tokens)
@@ -129,18 +133,24 @@ class ContextIndex:
         (3, 9, 8, 7)
         >>> index.best_copy(tokens, length=4, min_match=5) is None
         True
+        >>> periodic = [7, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1]
+        >>> index = ContextIndex()
+        >>> index.extend(periodic)
+        >>> index.best_copy(periodic, length=4, min_match=3)
+        (2, 1, 2, 1)
         """
         end = len(tokens) - 1
-        best_match, best_position = -1, -1
+        best: tuple[int, int, int] | None = None  # (continuation length, match, position)
         for position in self._positions.get(tokens[end], ()):
             if position >= end - 1:
                 continue
             match = self._match(tokens, position, end)
-            if match >= best_match:
-                best_match, best_position = match, position
-        if best_match < min_match:
+            if match >= min_match:
+                best = max(best or (0, 0, 0), (min(end - position, length), match, position))
+        if best is None:
             return None
-        return tuple(tokens[best_position + 1 : min(best_position + 1 + length, end + 1)])
+        available, _, position = best
+        return tuple(tokens[position + 1 : position + 1 + available])
 
     def _match(self, tokens: Sequence[int], position: int, end: int) -> int:
         """How many tokens before ``position`` equal those before ``end`` (at most ``MAX_MATCH``)."""

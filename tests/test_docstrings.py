@@ -1,0 +1,24 @@
+"""The examples written in docstrings are run, so they stay true."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "decoding.pool",
+    "decoding.tune",
+    "server.body",
+    "server.chat_client",
+    "server.config",
+    "server.errors",
+    "server.serving",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
