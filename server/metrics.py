@@ -83,10 +83,14 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Completion tokens produced (sent to clients).")
         self.decode_steps = counter("decode_steps", "Forward passes that produced tokens, prefill included.")
-        self.draft_tokens = counter("draft_tokens", "Guessed tokens offered for verification (N-1 per step).")
+        self.draft_tokens = counter(
+            "draft_tokens", "Guessed tokens offered for verification (N-1 per step; a copy step up to copy_length)."
+        )
         self.accepted_tokens = counter("accepted_tokens", "Guessed tokens accepted.")
         self.accepted_per_position = counter(
-            "accepted_tokens_per_position", "Guessed tokens accepted, by position 1..N-1.", ("position",)
+            "accepted_tokens_per_position",
+            "Guessed tokens accepted, by position 1..N-1 (up to copy_length for copy steps).",
+            ("position",),
         )
         self.requests = counter("requests", "Finished requests by finish reason.", ("finish_reason",))
         self.rejected = counter("requests_rejected", "Requests refused before decoding, by reason.", ("reason",))
