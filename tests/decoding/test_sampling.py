@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from decoding import engine
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.verify import verify_sampling, warp
@@ -91,15 +92,20 @@ def exact_two_token_distribution(model, prompt: list[int], sampling: SamplingPar
 
 
 @pytest.mark.parametrize(
-    "sampling",
-    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=4)],
-    ids=["plain", "warped"],
+    "sampling, copy_length",
+    [
+        (SamplingParams(temperature=1.0), 0),
+        (SamplingParams(temperature=0.8, top_p=0.9, top_k=4), 0),
+        (SamplingParams(temperature=1.0), 4),
+    ],
+    ids=["plain", "warped", "copy-steps"],
 )
-def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling):
+def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling, copy_length, monkeypatch):
     model = tiny_vocab_model()
     prompt = [0, 1, 2, 0, 1, 3, 0, 1, 2, 4, 5, 0, 1]
-    config = LookaheadConfig(window_size=2, ngram_size=3, guess_set_size=3)
-    samples, accepted_runs = Counter(), 0
+    config = LookaheadConfig(window_size=2, ngram_size=3, guess_set_size=3, copy_length=copy_length)
+    monkeypatch.setattr(engine, "COPY_MIN_MATCH", 1)  # this short prompt repeats 2-token contexts only
+    samples, accepted_runs, copy_steps = Counter(), 0, 0
     total = 2000
     for seed in range(total):
         params = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, seed=seed)
@@ -107,7 +113,9 @@ def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling):
         tokens = [token for step in steps for token in step.token_ids]
         samples[tuple(tokens)] += 1
         accepted_runs += any(step.stats.accepted for step in steps)
+        copy_steps += sum(step.stats.offered > config.levels for step in steps)
     assert accepted_runs > total // 10, "the test must exercise accepted guesses"
+    assert (copy_steps > total // 10) == (copy_length > 0), "copy steps run exactly when they are on"
     exact = exact_two_token_distribution(model, prompt, sampling)
     assert goodness_of_fit(samples, exact, total) > P_FLOOR
     # power check: the same samples are rejected against a visibly different distribution
