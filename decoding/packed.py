@@ -148,9 +148,8 @@ def _mask(slice_: Slice, past: int, dtype: torch.dtype, device: torch.device, gr
         visible = torch.ones((count, count), dtype=torch.bool).tril_()
     mask = torch.zeros((1, 1, count, past + count), dtype=dtype)
     mask[0, 0, :, past:].masked_fill_(~visible, torch.finfo(dtype).min)
-    if group > 1:
-        mask = mask.repeat(1, 1, group, 1)
-    return mask.to(device)
+    mask = mask.to(device)  # copy the [t, past + t] rows once; repeat them where they are used
+    return mask.repeat(1, 1, group, 1) if group > 1 else mask
 
 
 def query_group(model: PreTrainedModel) -> int:

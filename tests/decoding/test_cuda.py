@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from decoding.batch import BatchPolicy
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
 from tests.conftest import tiny_llama, tiny_qwen2
@@ -59,8 +60,6 @@ def test_batched_streams_equal_each_stream_alone_on_cuda(cuda_tiny):
     configs = [CONFIGS[1], None, CONFIGS[4], CONFIGS[3], CONFIGS[0]]
     alone = [tokens_of(make_stream(cuda_tiny, p, c)) for p, c in zip(PROMPTS, configs, strict=True)]
     streams = [make_stream(cuda_tiny, p, c) for p, c in zip(PROMPTS, configs, strict=True)]
-    from decoding.batch import BatchPolicy
-
     assert run_batch(streams, BatchPolicy(max_step_tokens=64, prefill_chunk=4), join_at={1: 3, 3: 5}) == alone
 
 

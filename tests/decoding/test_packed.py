@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.packed import _folded_attention, query_group
+from decoding.kv_cache import SlotCache
+from decoding.packed import Slice, _folded_attention, _mask, query_group
 from tests.conftest import tiny_llama
 
 
@@ -28,3 +29,13 @@ def test_folded_attention_equals_grouped_attention(group, count, past):
 
 def test_query_group_reads_the_head_counts():
     assert query_group(tiny_llama()) == 2
+
+
+def test_a_grouped_mask_repeats_the_slice_rows_per_group():
+    visible = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+    slice_ = Slice([1, 2, 3], torch.arange(3), visible, torch.arange(3), SlotCache(1, 16))
+    single = _mask(slice_, 5, torch.float32, torch.device("cpu"))
+    grouped = _mask(slice_, 5, torch.float32, torch.device("cpu"), group=3)
+    assert single.shape == (1, 1, 3, 8) and grouped.shape == (1, 1, 9, 8)
+    assert torch.equal(grouped, single.repeat(1, 1, 3, 1))
+    assert torch.equal(single[0, 0, :, 5:] == 0, visible)
