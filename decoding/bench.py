@@ -36,13 +36,12 @@ import transformers
 from transformers import PreTrainedModel
 
 from decoding.datasets import DATASETS, DatasetError, PromptFileError, PromptSpec, load_dataset, load_prompt_file
-from decoding.decoder import Decoder, configure_threads
+from decoding.decoder import Decoder, check_linear_options, configure_threads, prepare_linears
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead
 from decoding.errors import DecodingError, InvalidParameterError
 from decoding.kv_cache import SlotCache, new_cache
 from decoding.loading import DEFAULT_MODEL, LoadedModel, load_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.quantize import quantize_int8
 
 METHODS = ("greedy", "lookahead", "generate", "prompt_lookup")
 DEFAULT_METHODS = "greedy,lookahead,generate"
@@ -174,13 +173,29 @@ def parse_methods(text: str) -> list[str]:
     return methods
 
 
-def make_runners(methods: Sequence[str], lookahead: LookaheadConfig, prompt_lookup_tokens: int) -> dict[str, Runner]:
-    """Map each method name (see ``METHODS``) to its runner, in the given order."""
+def _on_model(model: PreTrainedModel, runner: Runner) -> Runner:
+    """``runner`` pinned to ``model`` whatever model it is handed."""
+    return lambda _model, prompt_ids, stop: runner(model, prompt_ids, stop)
+
+
+def make_runners(
+    methods: Sequence[str],
+    lookahead: LookaheadConfig,
+    prompt_lookup_tokens: int,
+    transformers_model: PreTrainedModel | None = None,
+) -> dict[str, Runner]:
+    """Map each method name (see ``METHODS``) to its runner, in the given order. ``transformers_model``, when
+    given, is the model ``generate`` and ``prompt_lookup`` run on (the others run on the benchmark's model)."""
+    transformers_methods: dict[str, Runner] = {
+        "generate": decode_generate,
+        "prompt_lookup": partial(decode_generate, prompt_lookup_tokens=prompt_lookup_tokens),
+    }
+    if transformers_model is not None:
+        transformers_methods = {name: _on_model(transformers_model, run) for name, run in transformers_methods.items()}
     table: dict[str, Runner] = {
         "greedy": decode_greedy,
         "lookahead": partial(decode_lookahead, config=lookahead),
-        "generate": decode_generate,
-        "prompt_lookup": partial(decode_generate, prompt_lookup_tokens=prompt_lookup_tokens),
+        **transformers_methods,
     }
     return {name: table[name] for name in methods}
 
@@ -444,8 +459,9 @@ def machine_description(device: torch.device) -> str:
     return description
 
 
-def environment(loaded: LoadedModel, threads: int) -> dict[str, object]:
-    """Machine, library versions, model, device, dtype and thread count (for the header and the JSON)."""
+def environment(loaded: LoadedModel, threads: int, linears: str = "torch") -> dict[str, object]:
+    """Machine, library versions, model, device, dtype, what runs the linear layers (``prepare_linears``) and
+    thread count (for the header and the JSON)."""
     return {
         "machine": machine_description(loaded.device),
         "python": platform.python_version(),
@@ -455,6 +471,7 @@ def environment(loaded: LoadedModel, threads: int) -> dict[str, object]:
         "model": loaded.name,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "linears": linears,
     }
 
 
@@ -553,6 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1...")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     parser.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: decoding.quantize (CPU)")
+    parser.add_argument(
+        "--weight-layout",
+        choices=("auto", "packed", "torch"),
+        default="auto",
+        help="our methods' linears (decoding.linears; auto: packed on a float32 CPU); generate runs on nn.Linear",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch default)")
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
     parser.add_argument("--json", metavar="PATH", help="write config, runs and summary as JSON")
@@ -616,7 +639,10 @@ def _print_progress(total: int) -> Callable[[RunRecord], None]:
 def _header(env: Mapping[str, object], lines: Sequence[str]) -> str:
     """The machine/library/model lines every report starts with, then ``lines``."""
     first = f"machine: {env['machine']} | torch {env['torch']} | transformers {env['transformers']}"
-    second = f"model: {env['model']} | device {env['device']} | dtype {env['dtype']} | threads {env['threads']}"
+    second = (
+        f"model: {env['model']} | device {env['device']} | dtype {env['dtype']} | linears {env.get('linears', 'torch')}"
+        f" | threads {env['threads']}"
+    )
     return "\n".join([first, second, *lines])
 
 
@@ -649,16 +675,20 @@ def _write_json(path: str, payload: Mapping[str, object]) -> None:
     print(f"wrote {path}")
 
 
-def run_decode_benchmark(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, object]:
-    """The decode benchmark the flags describe: prints both tables, returns the JSON payload."""
+def run_decode_benchmark(
+    args: argparse.Namespace, loaded: LoadedModel, linears: str, transformers_model: PreTrainedModel | None
+) -> dict[str, object]:
+    """The decode benchmark the flags describe: prints both tables, returns the JSON payload. ``loaded`` runs our
+    methods with its linears prepared as ``linears`` says; ``transformers_model`` (default: the same model) runs
+    ``generate`` and ``prompt_lookup``."""
     methods = parse_methods(args.methods)
     config = lookahead_config(args)
     specs = select_prompts(args)
     prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec, args.chat_template)) for spec in specs]
-    env = environment(loaded, args.threads)
+    env = environment(loaded, args.threads, linears)
     lines = _benchmark_lines(args.prompts or args.dataset, len(prompts), args.max_tokens, methods, config)
     print(_header(env, lines), flush=True)
-    runners = make_runners(methods, config, args.prompt_lookup_tokens)
+    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model)
     eos = Decoder(loaded).eos_token_ids()
     settings = {**vars(args), "environment": env, "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
     progress = _print_progress(len(prompts) * len(methods))
@@ -690,9 +720,17 @@ def _saving_progress(
     return save
 
 
-def run_step_cost(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, object]:
+def transformers_twin(args: argparse.Namespace, linears: str) -> PreTrainedModel | None:
+    """A second copy of the model for ``generate`` and ``prompt_lookup`` when ours runs packed linears, so they
+    run as transformers users run them (``nn.Linear``); None (share ours) otherwise, or when neither is asked."""
+    if linears != "packed" or not {"generate", "prompt_lookup"} & set(parse_methods(args.methods)):
+        return None
+    return load_model(args.model, args.device, args.dtype).model
+
+
+def run_step_cost(args: argparse.Namespace, loaded: LoadedModel, linears: str) -> dict[str, object]:
     """The step-cost curve: prints its table, returns the JSON payload."""
-    env = environment(loaded, args.threads)
+    env = environment(loaded, args.threads, linears)
     line = f"step cost: one forward of k new tokens over a KV cache of {args.context} tokens, median of {args.repeats}"
     print(_header(env, [line + " after 1 warm-up"]), flush=True)
     results = measure_step_cost(loaded.model, args.context, STEP_COST_KS, args.repeats)
@@ -709,15 +747,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parse_methods(args.methods)
         lookahead_config(args)
+        check_linear_options(args.quantize, args.weight_layout)
     except ValueError as error:
         parser.error(str(error))
     configure_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
     try:
         loaded = load_model(args.model, args.device, args.dtype)
-        if args.quantize == "int8":
-            quantize_int8(loaded.model)
-        payload = run_step_cost(args, loaded) if args.step_cost else run_decode_benchmark(args, loaded)
+        linears = prepare_linears(loaded.model, args.quantize, args.weight_layout)
+        if args.step_cost:
+            payload = run_step_cost(args, loaded, linears)
+        else:
+            payload = run_decode_benchmark(args, loaded, linears, transformers_twin(args, linears))
     except (DecodingError, DatasetError, PromptFileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -11,12 +11,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
+from decoding.linears import pack_float32, packed_float32_available
 from decoding.loading import LoadedModel, load_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
+
+QUANTIZE = ("none", "int8")
+WEIGHT_LAYOUTS = ("auto", "packed", "torch")
 
 
 def configure_threads(num_threads: int) -> None:
@@ -25,25 +30,56 @@ def configure_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
+def check_linear_options(quantize: str, weight_layout: str) -> None:
+    """Raise ``InvalidParameterError`` on an unknown ``quantize`` or ``weight_layout``, or int8 with ``"packed"``."""
+    if quantize not in QUANTIZE:
+        raise InvalidParameterError("quantize", f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if weight_layout not in WEIGHT_LAYOUTS:
+        message = f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {weight_layout!r}"
+        raise InvalidParameterError("weight_layout", message)
+    if quantize == "int8" and weight_layout == "packed":
+        raise InvalidParameterError("weight_layout", "int8 weights have their own layout; drop weight_layout=packed")
+
+
+def prepare_linears(model: PreTrainedModel, quantize: str = "none", weight_layout: str = "auto") -> str:
+    """Swap ``model``'s linear layers in place as asked; return what runs them: ``"int8"``, ``"packed"`` or
+    ``"torch"`` (``nn.Linear`` as loaded).
+
+    ``quantize="int8"``: ``decoding.quantize.quantize_int8`` (greedy output is then exact with respect to the
+    quantized model). ``weight_layout="packed"``: ``decoding.linears.pack_float32``; ``"auto"`` packs a float32
+    CPU model when this torch build has oneDNN and no quantization is asked, and leaves any other model alone.
+    Raises ``InvalidParameterError`` on unknown values, on int8 with ``"packed"``, and where the model is not
+    float32 on the CPU for either.
+    """
+    check_linear_options(quantize, weight_layout)
+    if quantize == "int8":
+        quantize_int8(model)
+        return "int8"
+    first = next(model.parameters())
+    fits = first.device.type == "cpu" and first.dtype == torch.float32 and packed_float32_available()
+    if weight_layout == "packed" or (weight_layout == "auto" and fits):
+        pack_float32(model)
+        return "packed"
+    return "torch"
+
+
 @dataclass
 class Decoder:
-    """A loaded model and the decode entry point."""
+    """A loaded model, what runs its linear layers (see ``prepare_linears``) and the decode entry point."""
 
     loaded: LoadedModel
+    linears: str = "torch"
 
     @classmethod
-    def load(cls, model: str, device: str = "auto", dtype: str = "auto", quantize: str = "none") -> Decoder:
-        """Load ``model`` (default model name, local directory or hub id); raises ``ModelLoadError``.
-
-        ``quantize="int8"`` applies ``decoding.quantize.quantize_int8`` (float32 on the CPU only; raises
-        ``InvalidParameterError`` otherwise): greedy output is then exact with respect to the quantized model.
-        """
-        if quantize not in ("none", "int8"):
-            raise InvalidParameterError("quantize", f"quantize must be 'none' or 'int8', got {quantize!r}")
+    def load(
+        cls, model: str, device: str = "auto", dtype: str = "auto", quantize: str = "none", weight_layout: str = "auto"
+    ) -> Decoder:
+        """Load ``model`` (default model name, local directory or hub id) and prepare its linear layers
+        (``prepare_linears``); raises ``ModelLoadError``, or ``InvalidParameterError`` on bad ``quantize`` /
+        ``weight_layout`` before loading anything."""
+        check_linear_options(quantize, weight_layout)
         loaded = load_model(model, device, dtype)
-        if quantize == "int8":
-            quantize_int8(loaded.model)
-        return cls(loaded)
+        return cls(loaded, prepare_linears(loaded.model, quantize, weight_layout))
 
     @property
     def tokenizer(self):

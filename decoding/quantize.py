@@ -18,25 +18,20 @@ activation precision, error dominated by the int8 weights). Values stay in [1, 1
 so AVX2's 16-bit pair sums cannot saturate. fbgemm's own dynamic quantization picks one scale per tensor,
 which would make a row depend on the other rows of the step.
 
-Projections that read the same input (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) share one
-fused GEMM: the first of them called on an input computes all outputs, the others return their slice when
-called on that same tensor object (any other input is computed afresh, so the result never depends on the
-call order); once every member has taken its slice the group lets go of the input and the result. On this
-2-core AVX2 CPU that halves the number of small GEMM calls, whose fixed cost dominates a one-token step.
+Projections that read the same input share one fused GEMM (``decoding.linears``): on this 2-core AVX2 CPU
+that halves the number of small GEMM calls, whose fixed cost dominates a one-token step.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from decoding.errors import InvalidParameterError
+from decoding.linears import replace_linears, require_float32_cpu
 
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _COARSE = 63.0  # row scaled to [-63, 63]; + zero point 64 -> [1, 127]
 _FINE = 126.0  # remainder in [-0.5, 0.5] scaled to [-63, 63]
 _ZERO_POINT = 64
@@ -84,98 +79,16 @@ def _int8_matmul(rows: torch.Tensor, packed: torch.ScriptObject, bias: torch.Ten
     return out if bias is None else out.add_(bias)
 
 
-def _bias(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
-    """The concatenated float32 biases of ``linears`` (zeros for those without), or None if none has one."""
-    if all(linear.bias is None for linear in linears):
-        return None
-    return torch.cat(
-        [
-            linear.bias.detach().float() if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
-            for linear in linears
-        ]
-    )
+class Int8Kernel:
+    """``rows @ W^T + b`` with ``W`` int8 per output channel and per-row int8 activations (a
+    ``decoding.linears`` kernel: rows [M, K] float32 -> [M, N])."""
 
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = _pack(weight)
+        self.bias = bias
 
-class Int8Linear(nn.Module):
-    """``y = x W^T + b`` with int8 weights (per output channel) and per-row int8 activations."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._packed = _pack(linear.weight.detach().float())
-        self.register_buffer("bias", _bias([linear]), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _int8_matmul(x.reshape(-1, self.in_features), self._packed, self.bias)  # [M, N]
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-class _FusedGemm:
-    """The packed weights of sibling projections and the last input they were computed for."""
-
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
-        self.in_features = linears[0].in_features
-        self.packed = _pack(torch.cat([linear.weight.detach().float() for linear in linears]))
-        self.bias = _bias(linears)
-        self.members = len(linears)
-        self.input: torch.Tensor | None = None
-        self.output: torch.Tensor | None = None  # [M, sum of out_features]
-        self.served = 0
-
-    def outputs_for(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused result for ``x``; the last of the members to ask for it releases it."""
-        if self.input is not x:
-            self.input, self.served = x, 0
-            self.output = _int8_matmul(x.reshape(-1, self.in_features), self.packed, self.bias)
-        output = self.output
-        self.served += 1
-        if self.served == self.members:
-            self.input = self.output = None
-        return output
-
-
-class FusedInt8Linear(nn.Module):
-    """One projection of a group that shares a fused int8 GEMM: its columns ``start:stop`` of the result."""
-
-    def __init__(self, fused: _FusedGemm, start: int, stop: int) -> None:
-        super().__init__()
-        self._fused, self.start, self.stop = fused, start, stop
-        self.in_features, self.out_features = fused.in_features, stop - start
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._fused.outputs_for(x)[:, self.start : self.stop]  # [M, out_features]
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, columns={self.start}:{self.stop}"
-
-
-def _fuse_siblings(module: nn.Module) -> None:
-    """Replace each complete group of ``FUSED_GROUPS`` among ``module``'s children by ``FusedInt8Linear``s."""
-    children = dict(module.named_children())
-    for names in FUSED_GROUPS:
-        linears = [children.get(name) for name in names]
-        if not all(isinstance(linear, nn.Linear) for linear in linears):
-            continue
-        if len({linear.in_features for linear in linears}) != 1:
-            continue
-        fused, start = _FusedGemm(linears), 0
-        for name, linear in zip(names, linears, strict=True):
-            setattr(module, name, FusedInt8Linear(fused, start, start + linear.out_features))
-            start += linear.out_features
-
-
-def _replace_linears(module: nn.Module) -> None:
-    """Swap every ``nn.Linear`` below ``module`` for an int8 module, fusing sibling projections."""
-    _fuse_siblings(module)
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child))
-        else:
-            _replace_linears(child)
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return _int8_matmul(rows, self.packed, self.bias)
 
 
 def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
@@ -184,14 +97,7 @@ def quantize_int8(model: PreTrainedModel) -> PreTrainedModel:
     Raises ``InvalidParameterError`` (param ``quantize``) unless the model is float32 on the CPU and this torch
     build has fbgemm.
     """
-    parameter = next(model.parameters())
-    if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
-        message = f"int8 quantization needs a float32 CPU model, got {parameter.dtype} on {parameter.device}"
-        raise InvalidParameterError("quantize", message)
+    require_float32_cpu(model, "quantize", "int8 quantization")
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         raise InvalidParameterError("quantize", "int8 quantization needs a torch build with the fbgemm engine")
-    _replace_linears(model.get_decoder())
-    head = model.get_output_embeddings()
-    if isinstance(head, nn.Linear):
-        model.set_output_embeddings(Int8Linear(head))
-    return model
+    return replace_linears(model, Int8Kernel)

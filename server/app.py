@@ -58,7 +58,13 @@ ParsedRequest = TypeVar("ParsedRequest", bound=BaseModel)
 
 def load_default_decoder(config: ServerConfig) -> serving.DecoderLike:
     """Load the configured model with ``decoding.Decoder`` (blocking: run it in a thread)."""
-    return Decoder.load(config.model, device=config.device, dtype=config.dtype, quantize=config.quantize)
+    return Decoder.load(
+        config.model,
+        device=config.device,
+        dtype=config.dtype,
+        quantize=config.quantize,
+        weight_layout=config.weight_layout,
+    )
 
 
 def configure_worker_thread(config: ServerConfig) -> Callable[[], None]:

@@ -48,6 +48,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--quantize", choices=["none", "int8"],
                         help="int8: int8 weights with per-row activation scales (float32 CPU only)")
+    parser.add_argument("--weight-layout", choices=["auto", "packed", "torch"],
+                        help="packed: float32 weights laid out for the CPU's kernels (auto: on a float32 CPU)")
     lookahead = parser.add_argument_group("lookahead defaults (requests may override within the maxima)")
     lookahead.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=None,
                            help="decode with lookahead by default (--no-lookahead: autoregressive)")
@@ -77,7 +79,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         "host": args.host, "port": args.port, "model": args.model, "served_model_name": args.served_model_name,
         "api_key": api_key, "api_keys_file": args.api_keys_file, "protect_health": args.protect_health,
         "protect_metrics": args.protect_metrics, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-        "quantize": args.quantize,
+        "quantize": args.quantize, "weight_layout": args.weight_layout,
         "max_running": args.max_running, "max_queue": args.max_queue, "default_max_tokens": args.default_max_tokens,
         "max_request_bytes": args.max_request_bytes, "drain_grace_seconds": args.drain_grace_seconds,
         "warmup": args.warmup, "log_level": args.log_level,
@@ -153,19 +155,20 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (config.protect_health or config.protect_metrics) and not keys:
         logger.warning("--protect-health / --protect-metrics have no effect without --api-key or --api-keys-file")
-    from decoding import Decoder, ModelLoadError, configure_threads
-    from server.app import create_app
+    from decoding import InvalidParameterError, ModelLoadError, configure_threads
+    from server.app import create_app, load_default_decoder
 
     configure_threads(config.threads)
     try:
-        decoder = Decoder.load(config.model, device=config.device, dtype=config.dtype)
-    except ModelLoadError as exc:
+        decoder = load_default_decoder(config)
+    except (ModelLoadError, InvalidParameterError) as exc:
         print(f"lookahead-server: cannot load model {config.model!r}: {exc}", file=sys.stderr)
         return 1
     lookahead = config.lookahead
     logger.info(
-        "model %s on %s (%s), lookahead W=%d N=%d G=%d%s", config.model_name, decoder.device, decoder.dtype,
-        lookahead.window_size, lookahead.ngram_size, lookahead.guess_set_size, "" if lookahead.enabled else " (off)",
+        "model %s on %s (%s, linears: %s), lookahead W=%d N=%d G=%d%s", config.model_name, decoder.device,
+        decoder.dtype, decoder.linears, lookahead.window_size, lookahead.ngram_size, lookahead.guess_set_size,
+        "" if lookahead.enabled else " (off)",
     )
     app = create_app(config, decoder)
     uvicorn_config = uvicorn.Config(

@@ -90,6 +90,9 @@ class ServerConfig(BaseModel):
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     quantize: Literal["none", "int8"] = Field("none", description="int8: row-independent int8 linears (CPU)")
+    weight_layout: Literal["auto", "packed", "torch"] = Field(
+        "auto", description="packed: float32 linears laid out for the CPU's kernels; auto: packed on a float32 CPU"
+    )
     threads: int = Field(1, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     max_running: int = Field(16, ge=1, description="requests decoding at once (their steps share each forward)")
     max_queue: int = Field(32, ge=0, description="admitted requests waiting for a running slot")

@@ -63,6 +63,7 @@ class DecoderLike(Protocol):
     context_length: int
     device: str
     dtype: str
+    linears: str  # what runs the linear layers: "torch", "packed" or "int8"
 
     def eos_token_ids(self) -> frozenset[int]: ...
 

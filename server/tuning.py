@@ -24,6 +24,8 @@ def add_tune_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--weight-layout", choices=["auto", "packed", "torch"], default="auto",
+                        help="linear layers as the server runs them (auto: packed on a float32 CPU)")
     parser.add_argument("--prompts-per-set", type=int, default=3, help="HumanEval and chat prompts each (3)")
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per prompt (96)")
     parser.add_argument("--output", help="preset to write (default configs/tuned-<device>.yaml)")
@@ -66,15 +68,15 @@ def preset_text(result, device: str, model: str) -> str:
 
 def tune_command(args: argparse.Namespace) -> int:
     """Run the tuner and write the preset; 0 on success."""
-    from decoding import Decoder, ModelLoadError, configure_threads
+    from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
     from decoding.bench import encode_prompt
     from decoding.datasets import load_dataset
     from decoding.tune import tune
 
     configure_threads(args.threads)
     try:
-        decoder = Decoder.load(args.model, device=args.device, dtype=args.dtype)
-    except ModelLoadError as exc:
+        decoder = Decoder.load(args.model, device=args.device, dtype=args.dtype, weight_layout=args.weight_layout)
+    except (ModelLoadError, InvalidParameterError) as exc:
         print(f"lookahead-server tune: {exc}", file=sys.stderr)
         return 1
     specs = [*load_dataset("humaneval", args.prompts_per_set), *load_dataset("chat", args.prompts_per_set)]

@@ -11,8 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
+from decoding.linears import FusedLinear, KernelLinear, _replace_below, kernel_linear
 from decoding.params import LookaheadConfig, StopCriteria
-from decoding.quantize import FusedInt8Linear, Int8Linear, _replace_linears, quantize_int8
+from decoding.quantize import Int8Kernel, quantize_int8
 from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
 
 PROMPTS = [
@@ -40,7 +41,7 @@ def rows_of_varied_scale(count: int, features: int, seed: int = 0) -> torch.Tens
 def test_int8_linear_rows_are_independent_bit_for_bit(bias, count):
     torch.manual_seed(0)
     linear = nn.Linear(96, 80, bias=bias)
-    quantized = Int8Linear(linear)
+    quantized = kernel_linear(linear, Int8Kernel)
     rows = rows_of_varied_scale(count, 96)
     together = quantized(rows.unsqueeze(0))  # [1, count, 80]
     alone = torch.cat([quantized(rows[i : i + 1]) for i in range(count)])
@@ -52,7 +53,7 @@ def test_int8_linear_is_close_to_float32():
     torch.manual_seed(0)
     linear = nn.Linear(256, 128)
     rows = torch.randn(16, 256) * 3
-    expected, got = linear(rows), Int8Linear(linear)(rows)
+    expected, got = linear(rows), kernel_linear(linear, Int8Kernel)(rows)
     relative = ((got - expected).norm(dim=1) / expected.norm(dim=1)).max().item()
     assert relative < 0.02
 
@@ -61,10 +62,10 @@ def test_fused_projections_equal_separate_ones_in_any_call_order():
     torch.manual_seed(0)
     block = nn.Module()
     block.q_proj, block.k_proj, block.v_proj = nn.Linear(32, 32, bias=True), nn.Linear(32, 16), nn.Linear(32, 16)
-    separate = {name: Int8Linear(getattr(block, name)) for name in ("q_proj", "k_proj", "v_proj")}
+    separate = {name: kernel_linear(getattr(block, name), Int8Kernel) for name in ("q_proj", "k_proj", "v_proj")}
     quantize_block = copy.deepcopy(block)
-    _replace_linears(quantize_block)
-    assert all(isinstance(getattr(quantize_block, name), FusedInt8Linear) for name in separate)
+    _replace_below(quantize_block, Int8Kernel)
+    assert all(isinstance(getattr(quantize_block, name), FusedLinear) for name in separate)
     first, second = torch.randn(1, 5, 32), torch.randn(1, 3, 32)
     for x, order in [(first, ("k_proj", "q_proj", "v_proj")), (second, ("v_proj", "k_proj", "q_proj"))]:
         for name in order:
@@ -84,7 +85,8 @@ def test_quantize_replaces_every_linear_and_keeps_the_tied_embedding():
         assert quantize_int8(model) is model
         got = model(ids).logits
     assert not any(isinstance(module, nn.Linear) for module in model.modules())
-    assert isinstance(model.get_output_embeddings(), Int8Linear)
+    assert isinstance(model.get_output_embeddings(), KernelLinear)
+    assert isinstance(model.get_output_embeddings().kernel, Int8Kernel)
     assert torch.equal(model.get_input_embeddings().weight, embedding)
     assert ((got - expected).norm() / expected.norm()).item() < 0.05
 

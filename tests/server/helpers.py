@@ -87,6 +87,7 @@ class ScriptedDecoder:
     context_length: int = 8192
     device: str = "cpu"
     dtype: str = "float32"
+    linears: str = "torch"
     step_log: list[tuple[str, int]] = field(default_factory=list)  # (prompt text, step index) in run order
     closed: list[str] = field(default_factory=list)
     raise_on_decode: Exception | None = None
