@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+import server.app
+from decoding import ModelLoadError
 from server import cli
 from server.config import CONFIG_DIR, ConfigError, ServerConfig, load_config, merge, read_yaml
 
@@ -150,3 +152,25 @@ def test_quantize_flag_reaches_the_config(monkeypatch):
     assert cli.build_config(parse(["serve"])).quantize == "none"
     with pytest.raises(SystemExit):
         parse(["serve", "--quantize", "int4"])
+
+
+def test_weight_layout_flag_reaches_the_config(monkeypatch):
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    assert cli.build_config(parse(["serve", "--weight-layout", "torch"])).weight_layout == "torch"
+    assert cli.build_config(parse(["serve"])).weight_layout == "auto"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--weight-layout", "blocked"])
+
+
+def test_serve_loads_the_model_with_the_configured_linears(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    seen = []
+
+    def refuse(config):
+        seen.append((config.quantize, config.weight_layout))
+        raise ModelLoadError("not in this test")
+
+    monkeypatch.setattr(server.app, "load_default_decoder", refuse)
+    assert cli.main(["serve", "--quantize", "int8", "--weight-layout", "torch"]) == 1
+    assert seen == [("int8", "torch")]
+    assert "not in this test" in capsys.readouterr().err
