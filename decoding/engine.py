@@ -113,6 +113,7 @@ def validate_request(
 
 UNBOUNDED = 1 << 30
 PROBE_INTERVAL = 8
+MAX_PROBE_INTERVAL = 64
 ACCEPT_SMOOTHING = 0.3
 # A copy step needs the last COPY_MIN_MATCH tokens before ``last`` to match an earlier context exactly.
 COPY_MIN_MATCH = 5
@@ -304,21 +305,26 @@ class _Plain:
 class _Gate:
     """A running mean of the guesses a kind of step accepts, and whether taking such a step pays.
 
-    ``pays(break_even)`` is True while the mean is at least ``break_even``; below it, once every
-    ``PROBE_INTERVAL`` calls (a probe that re-measures). ``update`` folds in a step's accepted guesses.
+    ``pays(break_even)`` is True while the mean is at least ``break_even``; below it, for a probe that
+    re-measures: after ``PROBE_INTERVAL`` calls, then after twice as many calls as the previous wait, up to
+    ``MAX_PROBE_INTERVAL``, so text that never repeats pays for fewer and fewer probes. The wait starts over
+    at ``PROBE_INTERVAL`` once the mean is back at ``break_even``. ``update`` folds in a step's accepted guesses.
     """
 
     def __init__(self, start: float) -> None:
         self.expected = start
         self.since_probe = 0
+        self.interval = PROBE_INTERVAL
 
     def pays(self, break_even: float) -> bool:
         if self.expected >= break_even:
+            self.since_probe, self.interval = 0, PROBE_INTERVAL
             return True
         self.since_probe += 1
-        if self.since_probe < PROBE_INTERVAL:
+        if self.since_probe < self.interval:
             return False
         self.since_probe = 0
+        self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
         return True
 
     def update(self, accepted: int) -> None:
@@ -481,8 +487,8 @@ class _Lookahead:
 
     def _copy(self) -> tuple[int, ...] | None:
         """This step's copied continuation, when copy steps are on, the context matches and copying pays
-        (its running mean of accepted tokens is at least ``break_even``, else a probe every ``PROBE_INTERVAL``
-        copy opportunities)."""
+        (its running mean of accepted tokens is at least ``break_even``, else a backed-off probe among
+        copy opportunities, see ``_Gate``)."""
         config = self.config
         if not (config.copy_length and config.rank_by_context):
             return None

@@ -76,8 +76,9 @@ class LookaheadConfig:
       preceding context first (prompt-lookup style), instead of the pool's most recently inserted ones.
     - ``break_even``: accepted guesses per verifying step below which verifying loses to a plain one-token
       step (the multi-token step's cost ratio minus one: ~0.5 on a 2-core CPU, ~0 on a GPU). While a
-      sequence's running mean of accepted guesses is below it, steps are plain one-token steps, with a
-      verifying probe every ``PROBE_INTERVAL`` steps. ``0`` never falls back. Greedy output is unchanged.
+      sequence's running mean of accepted guesses is below it, steps are plain one-token steps, with verifying
+      probes that back off (after ``PROBE_INTERVAL`` steps, then twice the previous wait, up to
+      ``MAX_PROBE_INTERVAL``). ``0`` never falls back. Greedy output is unchanged.
     - ``copy_length`` (0 = off, needs ``rank_by_context``): when the last ``COPY_MIN_MATCH`` tokens of the text
       also precede an earlier occurrence of ``last``, the step verifies that occurrence's continuation, up to
       ``copy_length`` tokens, alone (no window, prompt-lookup style): copying text such as code can then commit

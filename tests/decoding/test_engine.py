@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decoding.engine import generate_autoregressive, generate_lookahead
+from decoding.engine import PROBE_INTERVAL, _Gate, generate_autoregressive, generate_lookahead
 from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from tests.decoding.stubs import StubLM, cycle_model
@@ -163,6 +163,18 @@ def test_low_acceptance_falls_back_to_plain_steps_with_periodic_probes():
         )
     )
     assert sum(bool(step.stats.offered) for step in ungated) >= 15
+
+
+def test_probes_back_off_while_guessing_does_not_pay_and_start_over_once_it_does():
+    gate = _Gate(start=0.0)
+    probes = [call for call in range(1, 201) if gate.pays(break_even=0.5)]
+    assert probes == [8, 24, 56, 120, 184]  # waits of 8, 16, 32, 64, 64
+    gate.update(accepted=4)  # a probe that paid: the mean is back above break-even
+    assert gate.pays(break_even=0.5) and gate.interval == PROBE_INTERVAL
+    gate.update(accepted=0)
+    gate.update(accepted=0)
+    gate.update(accepted=0)
+    assert [call for call in range(1, 9) if gate.pays(break_even=0.5)] == [8]
 
 
 def test_eos_inside_an_accepted_run_stops_there():
