@@ -104,6 +104,12 @@ class ServerConfig(BaseModel):
     lookahead: LookaheadSettings = LookaheadSettings()
     batch: BatchSettings = BatchSettings()
 
+    @model_validator(mode="after")
+    def _one_weight_format(self) -> ServerConfig:
+        if self.quantize == "int8" and self.weight_layout == "packed":
+            raise ValueError("quantize int8 has its own weight layout: use weight_layout auto (or torch) with it")
+        return self
+
     @property
     def model_name(self) -> str:
         """The name clients use in ``model``: ``served_model_name``, else the model's last path component."""

@@ -160,6 +160,8 @@ def test_weight_layout_flag_reaches_the_config(monkeypatch):
     assert cli.build_config(parse(["serve"])).weight_layout == "auto"
     with pytest.raises(SystemExit):
         parse(["serve", "--weight-layout", "blocked"])
+    with pytest.raises(ConfigError, match="own weight layout"):
+        cli.build_config(parse(["serve", "--quantize", "int8", "--weight-layout", "packed"]))
 
 
 def test_serve_loads_the_model_with_the_configured_linears(monkeypatch, capsys):
