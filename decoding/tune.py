@@ -10,7 +10,9 @@ Contract: ``tune(model, prompts, stop_token_ids)`` returns a ``TuneResult``:
    back to one-token steps while it accepts fewer guesses than ``break_even = cost(8) / cost(1) - 1``;
 3. for each (W, N, G) of a grid suited to that curve it runs greedy lookahead over the prompts and records
    every step's input size and committed tokens (a greedy trajectory does not depend on the hardware), and
-   predicts the decode time from the curve;
+   predicts the decode time from the curve; then it tries the best of them with lower break-evens
+   (``BREAK_EVEN_SCALES``): the derived one prices every guessing step as an 8-token forward that accepts
+   at the running mean's pace, while acceptance comes in bursts that a gate closed too early misses;
 4. it confirms the best prediction with a timed, interleaved run against the greedy loop on the same
    prompts: that measured speedup is what the result reports, with how many outputs were identical (all of
    them in float32; in bfloat16 a multi-token step rounds differently from a one-token step, and a near-tie
@@ -22,7 +24,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -34,6 +36,7 @@ from decoding.params import LookaheadConfig, StopCriteria
 CPU_GRID = ((1, 3, 2), (1, 4, 2), (1, 5, 3), (1, 6, 2), (2, 4, 2), (2, 5, 3), (3, 4, 3), (4, 5, 4))
 GPU_GRID = ((5, 4, 5), (7, 5, 7), (10, 5, 10), (15, 5, 15), (15, 6, 15), (20, 6, 20))
 COSTLY_RATIO = 1.2
+BREAK_EVEN_SCALES = (0.5, 0.25)
 COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -118,6 +121,15 @@ def step_policy(cost: Callable[[int], float]) -> tuple[bool, float]:
     return True, round(min(ratio - 1.0, 2.0), 2)
 
 
+def candidate_line(candidate: Candidate) -> str:
+    """One progress line: the setting, its tokens per step and predicted speedup."""
+    config = candidate.config
+    return (
+        f"W={config.window_size} N={config.ngram_size} G={config.guess_set_size} break_even={config.break_even}: "
+        f"{candidate.tokens_per_step:.2f} tokens/step, predicted {candidate.predicted_speedup:.2f}x greedy"
+    )
+
+
 def trajectory(
     model: PreTrainedModel, prompts: Sequence[Sequence[int]], config: LookaheadConfig, stop: StopCriteria
 ) -> list[tuple[int, int]]:
@@ -175,9 +187,12 @@ def tune(
     grid: Sequence[tuple[int, int, int]] | None = None,
     report: Callable[[str], None] = lambda line: None,
     copy_length: int = 0,
+    break_even_scales: Sequence[float] = BREAK_EVEN_SCALES,
 ) -> TuneResult:
     """Measure, search and confirm (see the module docstring). ``report`` receives progress lines; every setting
-    is evaluated with copy steps of ``copy_length`` (the one the server will run with)."""
+    is evaluated with copy steps of ``copy_length`` (the one the server will run with); where the curve calls
+    for a break-even, the best grid setting is also evaluated at that break-even times each of
+    ``break_even_scales``."""
     step_cost = measure_step_cost(model, ks=COST_KS, repeats=5)
     cost = cost_function(step_cost)
     lazy, break_even = step_policy(cost)
@@ -195,12 +210,13 @@ def tune(
             break_even=min(break_even, ngram_size - 1),
             copy_length=copy_length,
         )
-        candidate = evaluate(model, prompts, config, stop, cost)
-        candidates.append(candidate)
-        report(
-            f"W={window_size} N={ngram_size} G={guess_set_size}: {candidate.tokens_per_step:.2f} tokens/step, "
-            f"predicted {candidate.predicted_speedup:.2f}x greedy"
-        )
+        candidates.append(evaluate(model, prompts, config, stop, cost))
+        report(candidate_line(candidates[-1]))
+    leader = max(candidates, key=lambda candidate: candidate.predicted_speedup).config
+    for scale in break_even_scales if leader.break_even > 0 else ():
+        config = replace(leader, break_even=round(leader.break_even * scale, 2))
+        candidates.append(evaluate(model, prompts, config, stop, cost))
+        report(candidate_line(candidates[-1]))
     best = max(candidates, key=lambda candidate: candidate.predicted_speedup).config
     greedy_seconds, lookahead_seconds, tokens, identical = timed_comparison(model, prompts, best, stop)
     return TuneResult(step_cost, candidates, best, greedy_seconds, lookahead_seconds, tokens, identical, len(prompts))

@@ -41,9 +41,9 @@ def preset_text(result, device: str, model: str) -> str:
         f"({chosen.tokens_per_step:.2f} tokens/step; predicted {chosen.predicted_speedup:.2f}x); "
         f"output identical to greedy on {result.identical} of {result.prompts} prompts"
         + (f"; copy steps of {best.copy_length} tokens (the device preset's)." if best.copy_length else "."),
-        "# Candidates (W, N, G: tokens/step, predicted speedup): "
+        "# Candidates (W, N, G (break_even): tokens/step, predicted speedup): "
         + "; ".join(
-            f"{c.config.window_size},{c.config.ngram_size},{c.config.guess_set_size}: "
+            f"{c.config.window_size},{c.config.ngram_size},{c.config.guess_set_size} ({c.config.break_even}): "
             f"{c.tokens_per_step:.2f}, {c.predicted_speedup:.2f}x"
             for c in result.candidates
         ),

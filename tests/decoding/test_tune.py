@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+import decoding.tune as tune_module
 from decoding.bench import StepCost
 from decoding.params import LookaheadConfig, StopCriteria
 from decoding.tune import cost_function, evaluate, monotone, step_policy, trajectory, tune
@@ -62,12 +65,23 @@ def test_evaluate_sums_the_trajectory(tiny_model):
 
 def test_tune_picks_the_best_predicted_setting_and_measures_it(tiny_model):
     lines = []
-    result = tune(tiny_model, [[1, 5, 7, 9, 5, 7, 9, 5, 7]], frozenset(), 16, [(1, 3, 2), (3, 4, 3)], lines.append)
+    prompts = [[1, 5, 7, 9, 5, 7, 9, 5, 7]]
+    result = tune(tiny_model, prompts, frozenset(), 16, [(1, 3, 2), (3, 4, 3)], lines.append, break_even_scales=())
     assert len(result.candidates) == 2 and len(lines) == 3
     best = max(result.candidates, key=lambda candidate: candidate.predicted_speedup)
     assert result.best == best.config
     assert result.tokens == 16 and result.greedy_seconds > 0 and result.lookahead_seconds > 0
     assert (result.identical, result.prompts) == (1, 1)  # float32: lookahead reproduces greedy exactly
+
+
+def test_tune_tries_the_leading_setting_at_lower_break_evens(tiny_model, monkeypatch):
+    monkeypatch.setattr(tune_module, "step_policy", lambda cost: (True, 0.8))  # as on a CPU, whatever this one does
+    result = tune(tiny_model, [[1, 5, 7, 9, 5, 7, 9, 5, 7]], frozenset(), 12, [(1, 3, 2), (2, 4, 3)])
+    grid, extra = result.candidates[:2], result.candidates[2:]
+    assert [candidate.config.break_even for candidate in grid] == [0.8, 0.8]
+    leader = max(grid, key=lambda candidate: candidate.predicted_speedup).config
+    assert [candidate.config for candidate in extra] == [replace(leader, break_even=b) for b in (0.4, 0.2)]
+    assert result.best == max(result.candidates, key=lambda candidate: candidate.predicted_speedup).config
 
 
 def test_tune_evaluates_every_setting_with_the_given_copy_length(tiny_model):
