@@ -5,7 +5,10 @@ requested method in turn (the order rotates from prompt to prompt so drift in ma
 alike), all greedy, same ``max_tokens``, stopping at EOS. It prints a per-prompt and a total table (tokens,
 forward passes, tokens per step, tok/s, speedup vs greedy and vs ``generate``, identical to greedy) and
 optionally writes JSON ``{"config": {...}, "runs": [RunRecord...], "summary": {...}}``. ``--step-cost``
-instead times one forward pass of k new tokens over a KV cache of ``--context`` tokens.
+instead times one forward pass of k new tokens over a KV cache of ``--context`` tokens. Our methods run on
+the model with its linears prepared as the server prepares them (``--quantize``, ``--weight-layout``); when
+that packs them, ``generate`` and ``prompt_lookup`` run on a second copy with transformers' ``nn.Linear``,
+as transformers users run them.
 
 The pieces are callable without the CLI: ``run_benchmark(model, prompts, runners, max_tokens, stop_ids)``
 takes token-id prompts and returns ``RunRecord``s; ``summarize(runs)`` and ``prompt_rows(runs)`` do the

@@ -26,6 +26,7 @@ from decoding.datasets import (
     parse_prompt_line,
 )
 from decoding.errors import InvalidParameterError
+from decoding.linears import pack_float32
 from decoding.params import LookaheadConfig, StopCriteria
 from tests.conftest import TINY_VOCAB, tiny_llama
 
@@ -253,6 +254,28 @@ def test_run_benchmark_interleaves_methods_and_matches_greedy(model) -> None:
     assert all(run.seconds > 0 for run in runs)
     repetitive = grouped["lookahead"]["a"]  # the pool guesses right on this model: fewer forwards than tokens
     assert repetitive.steps < repetitive.new_tokens and repetitive.offered > 0 and repetitive.accepted > 0
+
+
+def test_transformers_methods_run_on_their_own_model_when_given_one(model) -> None:
+    packed = pack_float32(tiny_llama(seed=3))  # ours: the same weights, packed linears
+    methods = ["greedy", "generate", "prompt_lookup"]
+    runners = bench.make_runners(methods, LookaheadConfig(), 3, transformers_model=model)
+    calls = {"ours": 0, "transformers": 0}
+    hooks = [
+        packed.register_forward_pre_hook(lambda *_: calls.__setitem__("ours", calls["ours"] + 1)),
+        model.register_forward_pre_hook(lambda *_: calls.__setitem__("transformers", calls["transformers"] + 1)),
+    ]
+    try:
+        stop = StopCriteria(6)
+        greedy = runners["greedy"](packed, [5, 9, 11, 5, 9], stop)
+        assert calls == {"ours": greedy.steps, "transformers": 0}
+        generated = runners["generate"](packed, [5, 9, 11, 5, 9], stop)
+        runners["prompt_lookup"](packed, [5, 9, 11, 5, 9], stop)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls["ours"] == greedy.steps and calls["transformers"] >= generated.steps > 0
+    assert generated.output_ids == greedy.output_ids
 
 
 def test_generate_strips_a_trailing_stop_token(model) -> None:
