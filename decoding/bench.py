@@ -39,7 +39,14 @@ import transformers
 from transformers import PreTrainedModel
 
 from decoding.datasets import DATASETS, DatasetError, PromptFileError, PromptSpec, load_dataset, load_prompt_file
-from decoding.decoder import Decoder, check_linear_options, configure_threads, prepare_linears
+from decoding.decoder import (
+    QUANTIZE,
+    WEIGHT_LAYOUTS,
+    Decoder,
+    check_linear_options,
+    configure_threads,
+    prepare_linears,
+)
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead
 from decoding.errors import DecodingError, InvalidParameterError
 from decoding.kv_cache import SlotCache, new_cache
@@ -572,10 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="default model name, local directory or hub id")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1...")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
-    parser.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: decoding.quantize (CPU)")
+    parser.add_argument("--quantize", choices=QUANTIZE, default="none", help="int8: decoding.quantize (CPU)")
     parser.add_argument(
         "--weight-layout",
-        choices=("auto", "packed", "torch"),
+        choices=WEIGHT_LAYOUTS,
         default="auto",
         help="our methods' linears (decoding.linears; auto: packed on a float32 CPU); generate runs on nn.Linear",
     )
@@ -643,7 +650,7 @@ def _header(env: Mapping[str, object], lines: Sequence[str]) -> str:
     """The machine/library/model lines every report starts with, then ``lines``."""
     first = f"machine: {env['machine']} | torch {env['torch']} | transformers {env['transformers']}"
     second = (
-        f"model: {env['model']} | device {env['device']} | dtype {env['dtype']} | linears {env.get('linears', 'torch')}"
+        f"model: {env['model']} | device {env['device']} | dtype {env['dtype']} | linears {env['linears']}"
         f" | threads {env['threads']}"
     )
     return "\n".join([first, second, *lines])

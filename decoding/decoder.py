@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
-from decoding.linears import pack_float32, packed_float32_available
+from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
 from decoding.loading import LoadedModel, load_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
@@ -55,8 +55,7 @@ def prepare_linears(model: PreTrainedModel, quantize: str = "none", weight_layou
     if quantize == "int8":
         quantize_int8(model)
         return "int8"
-    first = next(model.parameters())
-    fits = first.device.type == "cpu" and first.dtype == torch.float32 and packed_float32_available()
+    fits = is_float32_cpu(model) and packed_float32_available()
     if weight_layout == "packed" or (weight_layout == "auto" and fits):
         pack_float32(model)
         return "packed"

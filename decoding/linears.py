@@ -138,10 +138,16 @@ def replace_linears(model: PreTrainedModel, make_kernel: KernelFactory) -> PreTr
     return model
 
 
+def is_float32_cpu(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s parameters are float32 on the CPU (judged by its first parameter)."""
+    first = next(model.parameters())
+    return first.device.type == "cpu" and first.dtype == torch.float32
+
+
 def require_float32_cpu(model: PreTrainedModel, parameter: str, what: str) -> None:
     """Raise ``InvalidParameterError`` (``parameter``) unless ``model`` is float32 on the CPU."""
-    first = next(model.parameters())
-    if first.device.type != "cpu" or first.dtype != torch.float32:
+    if not is_float32_cpu(model):
+        first = next(model.parameters())
         message = f"{what} needs a float32 CPU model, got {first.dtype} on {first.device}"
         raise InvalidParameterError(parameter, message)
 

@@ -155,16 +155,21 @@ REAL_PROMPTS = [
 ]
 
 
+def real_prompt_ids(tokenizer) -> list[list[int]]:
+    """Token ids of ``REAL_PROMPTS``: the code as a raw continuation, the question through the chat template."""
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": REAL_PROMPTS[1]}], add_generation_prompt=True, tokenize=False
+    )
+    return [tokenizer(REAL_PROMPTS[0]).input_ids, tokenizer(chat, add_special_tokens=False).input_ids]
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_packed_real_model_decodes_as_nn_linear_does_and_lookahead_equals_greedy(real_model):
     model = pack_float32(copy.deepcopy(real_model.model))  # the session's model keeps nn.Linear
     tokenizer = real_model.tokenizer
     stop = StopCriteria(max_tokens=48, stop_token_ids=frozenset({tokenizer.eos_token_id}))
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": REAL_PROMPTS[1]}], add_generation_prompt=True, tokenize=False
-    )
-    for ids in (tokenizer(REAL_PROMPTS[0]).input_ids, tokenizer(chat, add_special_tokens=False).input_ids):
+    for ids in real_prompt_ids(tokenizer):
         expected = tokens_of(generate_autoregressive(real_model.model, ids, stop))
         assert tokens_of(generate_autoregressive(model, ids, stop)) == expected
         for config in (LookaheadConfig(1, 5, 3, lazy_window=True, copy_length=16), LookaheadConfig(7, 5, 7)):

@@ -15,17 +15,9 @@ from decoding.linears import FusedLinear, KernelLinear, _replace_below, kernel_l
 from decoding.params import LookaheadConfig, StopCriteria
 from decoding.quantize import Int8Kernel, quantize_int8
 from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
+from tests.decoding.test_linears import PROMPTS, real_prompt_ids, tokens_of
 
-PROMPTS = [
-    [1, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2, 5, 7],
-    [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
-    [42],
-]
 CONFIGS = [LookaheadConfig(1, 5, 3), LookaheadConfig(2, 4, 4), LookaheadConfig(7, 5, 7), LookaheadConfig(3, 3, 0)]
-
-
-def tokens_of(steps) -> list[int]:
-    return [token for step in steps for token in step.token_ids]
 
 
 def rows_of_varied_scale(count: int, features: int, seed: int = 0) -> torch.Tensor:
@@ -110,23 +102,13 @@ def test_lookahead_equals_greedy_on_a_quantized_tiny_model(quantized_tiny_model,
         assert tokens_of(generate_lookahead(quantized_tiny_model, prompt, stop, lookahead=config)) == expected
 
 
-REAL_PROMPTS = [
-    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
-    "List three tips for writing clear emails.",
-]
-
-
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_lookahead_equals_greedy_on_the_quantized_real_model(real_model):
     model = quantize_int8(copy.deepcopy(real_model.model))  # the session's float32 model stays as it is
     tokenizer = real_model.tokenizer
     stop = StopCriteria(max_tokens=40, stop_token_ids=frozenset({tokenizer.eos_token_id}))
-    code = tokenizer(REAL_PROMPTS[0]).input_ids
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": REAL_PROMPTS[1]}], add_generation_prompt=True, tokenize=False
-    )
-    for ids in (code, tokenizer(chat, add_special_tokens=False).input_ids):
+    for ids in real_prompt_ids(tokenizer):
         expected = tokens_of(generate_autoregressive(model, ids, stop))
         for config in (LookaheadConfig(2, 4, 4), LookaheadConfig(7, 5, 7)):
             assert tokens_of(generate_lookahead(model, ids, stop, lookahead=config)) == expected, config

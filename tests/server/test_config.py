@@ -146,20 +146,23 @@ def test_the_shipped_cpu_preset_batches_with_its_measured_curve():
     assert config.batch.step_cost[0] == (1, 1.0) and len(config.batch.step_cost) >= 4
 
 
-def test_quantize_flag_reaches_the_config(monkeypatch):
+@pytest.mark.parametrize(
+    ("flag", "field", "value", "default", "bad"),
+    [
+        ("--quantize", "quantize", "int8", "none", "int4"),
+        ("--weight-layout", "weight_layout", "torch", "auto", "blocked"),
+    ],
+)
+def test_linear_flags_reach_the_config(monkeypatch, flag, field, value, default, bad):
     monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
-    assert cli.build_config(parse(["serve", "--quantize", "int8"])).quantize == "int8"
-    assert cli.build_config(parse(["serve"])).quantize == "none"
+    assert getattr(cli.build_config(parse(["serve", flag, value])), field) == value
+    assert getattr(cli.build_config(parse(["serve"])), field) == default
     with pytest.raises(SystemExit):
-        parse(["serve", "--quantize", "int4"])
+        parse(["serve", flag, bad])
 
 
-def test_weight_layout_flag_reaches_the_config(monkeypatch):
+def test_int8_with_the_packed_layout_is_refused(monkeypatch):
     monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
-    assert cli.build_config(parse(["serve", "--weight-layout", "torch"])).weight_layout == "torch"
-    assert cli.build_config(parse(["serve"])).weight_layout == "auto"
-    with pytest.raises(SystemExit):
-        parse(["serve", "--weight-layout", "blocked"])
     with pytest.raises(ConfigError, match="own weight layout"):
         cli.build_config(parse(["serve", "--quantize", "int8", "--weight-layout", "packed"]))
 
