@@ -30,6 +30,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 
+from decoding import lean
 from decoding.kv_cache import SlotCache
 
 PACKED_ATTENTION = "lookahead_packed"
@@ -88,6 +89,31 @@ class PackedBatch:
             )
             yield part, cached_keys, cached_values
 
+    def attend(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """Layer ``layer_idx``'s attention: store each slice's new keys/values, attend each slice's queries over
+        its own cache. ``[1, heads, T, dim]`` queries in, ``[1, T, heads, dim]`` out."""
+        outputs = []
+        for part, keys, values in self.update(layer_idx, key, value):
+            queries = query[:, :, part.start : part.end]
+            if part.group > 1 and part.mask is not None:
+                outputs.append(_folded_attention(queries, keys, values, part.mask, part.group, scaling))
+                continue
+            outputs.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    queries,
+                    keys,
+                    values,
+                    attn_mask=part.mask,
+                    is_causal=part.mask is None,
+                    scale=scaling,
+                    enable_gqa=True,
+                )
+            )
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        return output.transpose(1, 2)
+
 
 def packed_attention(
     module: torch.nn.Module,
@@ -100,22 +126,10 @@ def packed_attention(
     packed: PackedBatch | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, None]:
-    """Attention for a packed forward: each slice's queries over its own cache. Returns ``[1, T, heads, dim]``."""
+    """transformers' attention interface over ``PackedBatch.attend``. Returns ``[1, T, heads, dim]``."""
     if packed is None:
         raise RuntimeError(f"the {PACKED_ATTENTION!r} attention runs only inside decoding.packed.forward_packed")
-    outputs = []
-    for part, keys, values in packed.update(module.layer_idx, key, value):
-        queries = query[:, :, part.start : part.end]
-        if part.group > 1 and part.mask is not None:
-            outputs.append(_folded_attention(queries, keys, values, part.mask, part.group, scaling))
-            continue
-        outputs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=part.mask, is_causal=part.mask is None, scale=scaling, enable_gqa=True
-            )
-        )
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return output.transpose(1, 2), None
+    return packed.attend(module.layer_idx, query, key, value, scaling), None
 
 
 def _folded_attention(
@@ -188,7 +202,9 @@ def _attention_kernels(device: torch.device) -> Iterator[None]:
 def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torch.Tensor]:
     """Run one forward over every slice; return each slice's logits ``[len(logit_rows), vocab]`` in order.
 
-    Each slice's cache grows by its token count. Raises ``CacheOverflowError`` if a cache would overflow.
+    Each slice's cache grows by its token count. Raises ``CacheOverflowError`` if a cache would overflow. A
+    LLaMA-family model is stepped by ``decoding.lean`` (the same logits, less framework work per step); any
+    other goes through its public forward with the packed attention function selected.
     """
     device = model.device
     group = query_group(model) if device.type == "cuda" else 1
@@ -201,13 +217,27 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
         positions.append(slice_.positions)
         rows.append(slice_.logit_rows + start)
         start = end
-    with _packed_attention_selected(model), _attention_kernels(device):
-        logits = model(
-            input_ids=torch.tensor([tokens], device=device),
-            position_ids=torch.cat(positions).unsqueeze(0).to(device),
+    batch = PackedBatch(parts)
+    input_ids = torch.tensor(tokens, device=device)
+    position_ids, kept = torch.cat(positions).to(device), torch.cat(rows).to(device)
+    with _attention_kernels(device):
+        if lean.supports(model):
+            logits = lean.forward(model, input_ids, position_ids, kept, batch.attend)
+        else:
+            logits = _public_forward(model, input_ids, position_ids, kept, batch)
+    return list(torch.split(logits, [len(slice_.logit_rows) for slice_ in slices]))
+
+
+def _public_forward(
+    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor, batch: PackedBatch
+) -> torch.Tensor:
+    """``model``'s public forward over the packed row with the packed attention selected; logits of ``rows``."""
+    with _packed_attention_selected(model):
+        return model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
             attention_mask=_NO_MASK,
             use_cache=False,
-            logits_to_keep=torch.cat(rows).to(device),
-            packed=PackedBatch(parts),
+            logits_to_keep=rows,
+            packed=batch,
         ).logits[0]
-    return list(torch.split(logits, [len(slice_.logit_rows) for slice_ in slices]))
