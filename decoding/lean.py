@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from decoding.linears import shared_kernel
+
 # model_type values whose decoder layer is LLaMA's: pre-norm attention (q/k/v/o projections, rotate-half
 # rotary) and a gated MLP, each added to the residual. Biases (Qwen2) live inside the projections.
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -72,21 +74,42 @@ def _attention_block(
     """``hidden + o_proj(attention(input_layernorm(hidden)))``, ``[1, T, hidden]`` in and out."""
     attention = layer.self_attn
     normed = layer.input_layernorm(hidden)
-    shape = (*hidden.shape[:-1], -1, attention.head_dim)  # [1, T, heads, head_dim]
-    query = attention.q_proj(normed).view(shape).transpose(1, 2)
-    key = attention.k_proj(normed).view(shape).transpose(1, 2)
-    value = attention.v_proj(normed).view(shape).transpose(1, 2)
-    query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+    query, key, value = _rotated_projections(attention, normed, cos, sin)
     output = attend(attention.layer_idx, query, key, value, attention.scaling)  # [1, T, heads, head_dim]
     output = output.reshape(*hidden.shape[:-1], -1).contiguous()
     return hidden + attention.o_proj(output)
+
+
+def _rotated_projections(
+    attention: torch.nn.Module, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries and keys (rotary applied) and values, ``[1, heads, T, head_dim]`` each. Fused q/k/v projections
+    (``decoding.linears``) run as one product and rotate queries and keys together, element for element as
+    rotating them apart does."""
+    shape = (*normed.shape[:-1], -1, attention.head_dim)  # [1, T, heads, head_dim]
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    kernel = shared_kernel(projections)
+    if kernel is None:
+        query, key, value = (projection(normed).view(shape).transpose(1, 2) for projection in projections)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin), value
+    heads = attention.q_proj.out_features // attention.head_dim
+    kv_heads = attention.k_proj.out_features // attention.head_dim
+    states = kernel(normed.reshape(-1, normed.shape[-1])).view(shape).transpose(1, 2)  # [1, all heads, T, dim]
+    rotated = _rotate(states[:, : heads + kv_heads], cos, sin)
+    return rotated[:, :heads], rotated[:, heads:], states[:, heads + kv_heads :]
 
 
 def _mlp_block(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``hidden + down_proj(act(gate_proj(x)) * up_proj(x))`` with ``x = post_attention_layernorm(hidden)``."""
     mlp = layer.mlp
     normed = layer.post_attention_layernorm(hidden)
-    return hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+    kernel = shared_kernel((mlp.gate_proj, mlp.up_proj))
+    if kernel is None:
+        gate, up = mlp.gate_proj(normed), mlp.up_proj(normed)
+    else:
+        both = kernel(normed.reshape(-1, normed.shape[-1])).view(*normed.shape[:-1], -1)  # [1, T, 2 * inner]
+        gate, up = both.split(mlp.gate_proj.out_features, dim=-1)
+    return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,21 @@ class FusedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, columns={self.start}:{self.stop}"
 
 
+def shared_kernel(modules: Sequence[nn.Module]) -> Kernel | None:
+    """The one kernel computing ``modules``' outputs side by side (``[M, sum of out_features]``, in this order),
+    when they are the whole of one fused group; None otherwise (call the modules one by one)."""
+    if not modules or not all(isinstance(module, FusedLinear) for module in modules):
+        return None
+    fused = modules[0]._fused
+    starts = [module.start for module in modules]
+    stops = [module.stop for module in modules]
+    if any(module._fused is not fused for module in modules) or len(modules) != fused.members:
+        return None
+    if starts[0] != 0 or starts[1:] != stops[:-1]:
+        return None
+    return fused.kernel
+
+
 def _weights(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The concatenated float32 weights [sum N, K] of ``linears`` and their biases (zeros for those without;
     None if none has one)."""

@@ -12,7 +12,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from decoding.decoder import Decoder, check_linear_options, prepare_linears
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
-from decoding.linears import FusedLinear, KernelLinear, PackedFloat32, _replace_below, kernel_linear, pack_float32
+from decoding.linears import (
+    FusedLinear,
+    KernelLinear,
+    PackedFloat32,
+    _replace_below,
+    kernel_linear,
+    pack_float32,
+    shared_kernel,
+)
 from decoding.params import LookaheadConfig, StopCriteria
 from decoding.quantize import Int8Kernel
 from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
@@ -68,6 +76,18 @@ def test_fused_packed_projections_equal_separate_ones_in_any_call_order():
         for name in order:
             torch.testing.assert_close(getattr(packed, name)(x), separate[name](x), rtol=1e-6, atol=1e-6)
     assert packed.gate_proj._fused.output is None  # released once both members took their slice
+
+
+def test_shared_kernel_is_the_fused_groups_kernel_only_for_the_whole_group_in_order():
+    attention = pack_float32(tiny_llama()).model.layers[0].self_attn
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    kernel = shared_kernel(projections)
+    rows = torch.randn(3, TINY_SIZES["hidden_size"])
+    assert torch.equal(kernel(rows), torch.cat([projection(rows) for projection in projections], dim=-1))
+    assert shared_kernel(projections[:2]) is None  # not the whole group
+    assert shared_kernel((attention.k_proj, attention.q_proj, attention.v_proj)) is None  # out of order
+    assert shared_kernel((attention.o_proj,)) is None and shared_kernel(()) is None
+    assert shared_kernel((tiny_llama().model.layers[0].self_attn.q_proj,)) is None  # nn.Linear
 
 
 def test_pack_float32_replaces_every_linear_and_keeps_the_tied_embedding():
