@@ -22,7 +22,7 @@ def test_supports_the_llama_family_and_nothing_else():
     assert not lean.supports(gpt2)
 
 
-def _two_slice_step(model: torch.nn.Module, use_lean: bool, monkeypatch) -> tuple[list[torch.Tensor], list[SlotCache]]:
+def two_slice_step(model: torch.nn.Module, use_lean: bool, monkeypatch) -> tuple[list[torch.Tensor], list[SlotCache]]:
     """One packed forward over a prefill (empty cache) and a masked 4-token step (5 cached tokens), after a
     one-token step on the second cache; returns the logits of both forwards and the caches."""
     monkeypatch.setattr(packed.lean, "supports", lambda model: use_lean)
@@ -46,8 +46,8 @@ def test_lean_step_equals_the_public_forward_bit_for_bit(make_model, layout, mon
     model = make_model()
     if layout == "packed":
         pack_float32(model)
-    expected_logits, expected_caches = _two_slice_step(model, False, monkeypatch)
-    logits, caches = _two_slice_step(model, True, monkeypatch)
+    expected_logits, expected_caches = two_slice_step(model, False, monkeypatch)
+    logits, caches = two_slice_step(model, True, monkeypatch)
     assert len(logits) == len(expected_logits) == 3
     for got, expected in zip(logits, expected_logits, strict=True):
         assert torch.equal(got, expected)
