@@ -25,13 +25,17 @@ def test_default_file_matches_the_field_defaults():
 def test_presets():
     cpu = load_config(device_preset="cpu")
     cuda = load_config(device_preset="cuda")
-    assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (1, 5, 3)
-    assert cpu.lookahead.lazy_window and cpu.lookahead.break_even == 0.5
+    for config, device in ((cpu, "cpu"), (cuda, "cuda")):
+        tuned = read_yaml(CONFIG_DIR / f"tuned-{device}.yaml")["lookahead"]
+        assert (config.lookahead.window_size, config.lookahead.ngram_size, config.lookahead.guess_set_size) == (
+            tuned["window_size"], tuned["ngram_size"], tuned["guess_set_size"]
+        )  # the tuner's preset, measured on the device, layered over configs/<device>.yaml
+        assert (config.lookahead.lazy_window, config.lookahead.break_even) == (
+            tuned["lazy_window"], tuned["break_even"]
+        )
+    assert cpu.lookahead.lazy_window and 0.0 < cpu.lookahead.break_even < 1.0
+    assert cpu.lookahead.copy_length == read_yaml(CONFIG_DIR / "cpu.yaml")["lookahead"]["copy_length"] == 16
     assert not cuda.lookahead.lazy_window and cuda.lookahead.break_even == 0.0
-    tuned = read_yaml(CONFIG_DIR / "tuned-cuda.yaml")["lookahead"]
-    assert (cuda.lookahead.window_size, cuda.lookahead.ngram_size, cuda.lookahead.guess_set_size) == (
-        tuned["window_size"], tuned["ngram_size"], tuned["guess_set_size"]
-    )  # the tuner's preset, measured on a GPU, layered over configs/cuda.yaml
     assert cpu.device == "cpu" and cuda.device == "cuda" and cuda.dtype == "float32"
 
 
