@@ -40,12 +40,8 @@ def two_slice_step(model: torch.nn.Module, use_lean: bool, monkeypatch) -> tuple
     return warm + logits, [first, second]
 
 
-@pytest.mark.parametrize("layout", ["torch", "packed"])
-@pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
-def test_lean_step_equals_the_public_forward_bit_for_bit(make_model, layout, monkeypatch):
-    model = make_model()
-    if layout == "packed":
-        pack_float32(model)
+def assert_lean_step_equals_the_public_forward(model: torch.nn.Module, monkeypatch) -> list[torch.Tensor]:
+    """Run ``two_slice_step`` both ways; assert the logits and caches are identical; return the lean logits."""
     expected_logits, expected_caches = two_slice_step(model, False, monkeypatch)
     logits, caches = two_slice_step(model, True, monkeypatch)
     assert len(logits) == len(expected_logits) == 3
@@ -55,6 +51,16 @@ def test_lean_step_equals_the_public_forward_bit_for_bit(make_model, layout, mon
         assert cache.length == expected.length
         for layer, expected_layer in zip(cache.layers, expected.layers, strict=True):
             assert torch.equal(layer.keys, expected_layer.keys) and torch.equal(layer.values, expected_layer.values)
+    return logits
+
+
+@pytest.mark.parametrize("layout", ["torch", "packed"])
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_lean_step_equals_the_public_forward_bit_for_bit(make_model, layout, monkeypatch):
+    model = make_model()
+    if layout == "packed":
+        pack_float32(model)
+    assert_lean_step_equals_the_public_forward(model, monkeypatch)
 
 
 @pytest.mark.real_model
