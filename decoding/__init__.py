@@ -1,30 +1,43 @@
 """Lookahead decoding for transformers causal LMs: pure torch, no HTTP, no asyncio.
 
 The engine knows nothing about tokenization: token ids in, token ids out.
+
+The names below are imported lazily (PEP 562), so ``decoding.params`` and ``decoding.errors``, which the
+server's configuration reads, can be imported without importing torch.
 """
 
-from decoding.batch import BatchPolicy, step_batch
-from decoding.decoder import Decoder, configure_threads
-from decoding.engine import DecodeStream, Step, StepStats, generate_autoregressive, generate_lookahead
-from decoding.errors import ContextLengthError, DecodingError, EmptyPromptError, InvalidParameterError, ModelLoadError
-from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from __future__ import annotations
 
-__all__ = [
-    "BatchPolicy",
-    "DecodeStream",
-    "ContextLengthError",
-    "Decoder",
-    "DecodingError",
-    "EmptyPromptError",
-    "InvalidParameterError",
-    "LookaheadConfig",
-    "ModelLoadError",
-    "SamplingParams",
-    "Step",
-    "StepStats",
-    "StopCriteria",
-    "configure_threads",
-    "step_batch",
-    "generate_autoregressive",
-    "generate_lookahead",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BatchPolicy": "decoding.batch",
+    "step_batch": "decoding.batch",
+    "Decoder": "decoding.decoder",
+    "configure_threads": "decoding.decoder",
+    "DecodeStream": "decoding.engine",
+    "Step": "decoding.engine",
+    "StepStats": "decoding.engine",
+    "generate_autoregressive": "decoding.engine",
+    "generate_lookahead": "decoding.engine",
+    "ContextLengthError": "decoding.errors",
+    "DecodingError": "decoding.errors",
+    "EmptyPromptError": "decoding.errors",
+    "InvalidParameterError": "decoding.errors",
+    "ModelLoadError": "decoding.errors",
+    "LookaheadConfig": "decoding.params",
+    "SamplingParams": "decoding.params",
+    "StopCriteria": "decoding.params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'decoding' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

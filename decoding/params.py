@@ -12,11 +12,17 @@ from dataclasses import dataclass, field
 
 from decoding.errors import InvalidParameterError
 
-MAX_WINDOW_SIZE = 64
-MAX_NGRAM_SIZE = 16
-MAX_GUESS_SET_SIZE = 64
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the embedded default model (decoding.loading fetches it)
+
+# The one definition of every lookahead integer's range, [low, high]: ``LookaheadConfig.validate`` checks it,
+# and the server's config schema, CLI flags, OpenAPI document and request validation derive theirs from it.
+LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
+    "window_size": (1, 64),
+    "ngram_size": (2, 16),
+    "guess_set_size": (0, 64),
+    "copy_length": (0, 32),
+}
 MAX_STEP_TOKENS = 1024
-MAX_COPY_LENGTH = 32
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,8 @@ class LookaheadConfig:
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` if W, N or G is out of range or the step would be absurdly large."""
-        _check_range("window_size", self.window_size, 1, MAX_WINDOW_SIZE)
-        _check_range("ngram_size", self.ngram_size, 2, MAX_NGRAM_SIZE)
-        _check_range("guess_set_size", self.guess_set_size, 0, MAX_GUESS_SET_SIZE)
-        _check_range("copy_length", self.copy_length, 0, MAX_COPY_LENGTH)
+        for name, (low, high) in LOOKAHEAD_BOUNDS.items():
+            _check_range(name, getattr(self, name), low, high)
         if not math.isfinite(self.break_even) or not 0.0 <= self.break_even <= self.levels:
             raise InvalidParameterError("break_even", f"break_even must be in [0, N-1], got {self.break_even}")
         if self.step_tokens > MAX_STEP_TOKENS:

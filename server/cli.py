@@ -16,80 +16,67 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from server.chat_client import add_chat_flags, chat
-from server.config import ConfigError, ServerConfig, load_config
+from server.config import (
+    ConfigError,
+    Resolved,
+    ServerConfig,
+    config_flags,
+    describe,
+    flag_overrides,
+    reference_markdown,
+    requested_device,
+    resolve,
+)
 from server.tuning import add_tune_flags, tune_command
 
 API_KEY_ENV = "LOOKAHEAD_API_KEY"
 logger = logging.getLogger("server.cli")
 
 
-def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``serve``; every default is None so that only flags given on the command line override."""
-    parser.add_argument("--config", help="YAML config: a path or a name in configs/ (e.g. cpu, cuda)")
-    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default 8000)")
-    parser.add_argument("--model", help="model: the embedded default SmolLM2-135M-Instruct, a directory or hub id")
-    parser.add_argument("--served-model-name", help="the name clients send as 'model'")
-    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (or set ${API_KEY_ENV})")
-    parser.add_argument("--api-keys-file", help="accept any key in this file (one per line, # comments)")
-    parser.add_argument("--protect-health", action=argparse.BooleanOptionalAction, default=None,
-                        help="with keys: /health requires one too (default: open)")
-    parser.add_argument("--protect-metrics", action=argparse.BooleanOptionalAction, default=None,
-                        help="with keys: /metrics requires one too (default: open)")
-    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--quantize", choices=["none", "int8"],
-                        help="int8: int8 weights with per-row activation scales (float32 CPU only)")
-    parser.add_argument("--weight-layout", choices=["auto", "packed", "torch"],
-                        help="packed: float32 weights laid out for the CPU's kernels (auto: on a float32 CPU)")
-    lookahead = parser.add_argument_group("lookahead defaults (requests may override within the maxima)")
-    lookahead.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=None,
-                           help="decode with lookahead by default (--no-lookahead: autoregressive)")
-    lookahead.add_argument("--window-size", type=int, help="W: Jacobi window columns")
-    lookahead.add_argument("--ngram-size", type=int, help="N: n-gram size (a step commits up to N tokens)")
-    lookahead.add_argument("--guess-set-size", type=int, help="G: candidates verified per step")
-    lookahead.add_argument("--max-window-size", type=int)
-    lookahead.add_argument("--max-ngram-size", type=int)
-    lookahead.add_argument("--max-guess-set-size", type=int)
-    limits = parser.add_argument_group("queue and concurrency")
-    limits.add_argument("--max-running", type=int, help="requests decoding at once (each forward batches them)")
-    limits.add_argument("--max-step-tokens", type=int, help="input tokens of one batched forward, all requests")
-    limits.add_argument("--prefill-chunk", type=int, help="prompt tokens per forward while others decode")
-    limits.add_argument("--max-queue", type=int, help="requests waiting for a slot; more -> 429")
-    limits.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
-    limits.add_argument("--max-request-bytes", type=int, help="larger request bodies -> 413")
-    limits.add_argument("--drain-grace-seconds", type=float, help="on SIGTERM, finish in-flight work this long")
-    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                        help="run one tiny decode before reporting ready")
-    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+def add_config_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None = None) -> None:
+    """``--config`` and one flag per config value (``server.config.config_flags``), or only those in ``keys``.
+
+    Every default is None, so that only flags given on the command line override the layers below them.
+    """
+    parser.add_argument("--config", help="YAML config layered over the device preset: a path or a name in configs/")
+    wanted = None if keys is None else set(keys)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flag in config_flags():
+        if wanted is not None and flag.key not in wanted:
+            continue
+        section = flag.key.split(".")[0] if "." in flag.key else ""
+        if section not in groups:
+            groups[section] = parser.add_argument_group(SECTION_TITLES[section]) if section else parser
+        target = groups[section]
+        if flag.kind is bool:
+            target.add_argument(flag.name, dest=flag.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=flag.help)
+        else:
+            metavar = None if flag.choices else flag.name.removeprefix("--").replace("-", "_").upper()
+            target.add_argument(flag.name, dest=flag.dest, type=flag.kind, choices=flag.choices, metavar=metavar,
+                                help=flag.help)
+
+
+SECTION_TITLES = {
+    "lookahead": "lookahead defaults (requests may override W/N/G within the maxima)",
+    "batch": "batching of the running requests' steps",
+}
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
-    """The config-shaped overrides given on the command line (``None`` = not given)."""
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    return {
-        "host": args.host, "port": args.port, "model": args.model, "served_model_name": args.served_model_name,
-        "api_key": api_key, "api_keys_file": args.api_keys_file, "protect_health": args.protect_health,
-        "protect_metrics": args.protect_metrics, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-        "quantize": args.quantize, "weight_layout": args.weight_layout,
-        "max_running": args.max_running, "max_queue": args.max_queue, "default_max_tokens": args.default_max_tokens,
-        "max_request_bytes": args.max_request_bytes, "drain_grace_seconds": args.drain_grace_seconds,
-        "warmup": args.warmup, "log_level": args.log_level,
-        "lookahead": {
-            "enabled": args.lookahead, "window_size": args.window_size, "ngram_size": args.ngram_size,
-            "guess_set_size": args.guess_set_size, "max_window_size": args.max_window_size,
-            "max_ngram_size": args.max_ngram_size, "max_guess_set_size": args.max_guess_set_size,
-        },
-        "batch": {"max_step_tokens": args.max_step_tokens, "prefill_chunk": args.prefill_chunk},
-    }
+    """The config-shaped overrides given on the command line (``None`` = not given); the API key may come from
+    ``$LOOKAHEAD_API_KEY``."""
+    values = {flag.key: getattr(args, flag.dest) for flag in config_flags() if hasattr(args, flag.dest)}
+    if "api_key" in values and values["api_key"] is None:
+        values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    return flag_overrides(values)
 
 
 def device_preset(device: str) -> str:
@@ -101,11 +88,38 @@ def device_preset(device: str) -> str:
     return "cuda" if device.startswith("cuda") else "cpu"
 
 
-def build_config(args: argparse.Namespace) -> ServerConfig:
-    """Config from the layers and flags, with the device preset chosen from the resolved device."""
+def resolve_args(args: argparse.Namespace) -> Resolved:
+    """The config and its sources: the preset of the device the file and flags ask for, then the file, flags."""
     overrides = overrides_from(args)
-    first = load_config(args.config, overrides)
-    return load_config(args.config, overrides, device_preset=device_preset(first.device))
+    preset = device_preset(requested_device(args.config, overrides))
+    return resolve(args.config, overrides, device_preset=preset)
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    """``resolve_args(args).config``."""
+    return resolve_args(args).config
+
+
+def add_show_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``lookahead-server config``: the serve flags, plus ``--reference``."""
+    add_config_flags(parser)
+    parser.add_argument("--reference", action="store_true",
+                        help="print the markdown table of every key (docs/configuration.md) instead")
+
+
+def show_config(args: argparse.Namespace) -> int:
+    """Print the resolved configuration with each value's layer (or the reference table); 0, or 2 when invalid."""
+    if args.reference:
+        print(reference_markdown(), end="")
+        return 0
+    try:
+        resolved = resolve_args(args)
+    except ConfigError as exc:
+        print(f"lookahead-server: {exc}", file=sys.stderr)
+        return 2
+    layers = " < ".join(["default", *dict.fromkeys(resolved.sources.values())])
+    print(describe(resolved, f"# lookahead-server configuration (layers, later wins: {layers})"), end="")
+    return 0
 
 
 class DrainingServer(uvicorn.Server):
@@ -179,10 +193,12 @@ def serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
-    "serve": ("run the OpenAI-compatible server (the default command)", add_serve_flags, serve),
+    "serve": ("run the OpenAI-compatible server (the default command)", add_config_flags, serve),
+    "config": ("print the configuration serve would run, and where each value comes from", add_show_config_flags,
+               show_config),
     "chat": ("chat in the terminal with a running server (or --serve one), multi-token steps coloured",
              add_chat_flags, chat),
-    "tune": ("measure this device and write configs/tuned-<device>.yaml (W/N/G and step policy)",
+    "tune": ("measure this device and write a config file of W/N/G and the step policy (serve it with --config)",
              add_tune_flags, tune_command),
 }
 

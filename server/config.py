@@ -1,47 +1,80 @@
-"""The server's one typed configuration object, loaded from YAML and overridden by command-line flags.
+"""The server's one typed configuration: every configurable value is defined once, here, with its bounds.
 
-Contract: ``load_config(path, overrides, device_preset=...)`` returns a validated, immutable ``ServerConfig``.
-Layers, later wins: field defaults < ``configs/default.yaml`` < the device preset (``configs/cpu.yaml`` or
-``configs/cuda.yaml``, then ``configs/tuned-<device>.yaml`` written by ``lookahead-server tune`` if present;
-only when no ``--config`` is given) < the ``--config`` file < flags. Unknown keys in a
-YAML file are an error (a typo must not be silently ignored). Nothing here imports torch: the caller resolves
-``device: auto`` and passes the preset name in.
+Contract:
+- ``ServerConfig`` is the one definition of each value: its default, its bounds and what it means. The CLI
+  flags (``config_flags``), the reference page ``docs/configuration.md`` (``reference_markdown``), the OpenAPI
+  limits and the per-request validation (``lookahead_bounds``) derive from it. The lookahead defaults and
+  bounds come from ``decoding.params`` (``LookaheadConfig``, ``LOOKAHEAD_BOUNDS``), where the decoder checks them.
+- Layers, later wins: field defaults < the device preset ``configs/<cpu|cuda>.yaml`` (always, for the resolved
+  device) < the ``--config`` file < flags. Nothing else is read: what a device runs is its preset file.
+  ``resolve`` returns the validated, immutable config and, for every value, the layer it came from.
+- Unknown keys in a YAML file are an error (a typo must not be silently ignored). Nothing here imports torch:
+  the caller resolves ``device: auto`` and passes the preset name in.
 """
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+
+from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, LookaheadConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEVICE_PRESETS = ("cpu", "cuda")
+DEFAULT_LAYER = "default"
+FLAG_LAYER = "flag"
+_LIBRARY = LookaheadConfig()  # the decoder's own defaults: the server's unless a preset says otherwise
 
 
 class ConfigError(ValueError):
     """A configuration file or flag is invalid; the message says which and why."""
 
 
+def _lookahead_field(name: str, description: str) -> Any:
+    """A lookahead integer: the decoder's default and bounds (``decoding.params``), with its meaning."""
+    low, high = LOOKAHEAD_BOUNDS[name]
+    return Field(getattr(_LIBRARY, name), ge=low, le=high, description=description)
+
+
+def _maximum_field(name: str, default: int) -> Any:
+    """The largest ``name`` a request may ask for, itself within the decoder's bounds."""
+    low, high = LOOKAHEAD_BOUNDS[name]
+    return Field(default, ge=low, le=high, description=f"largest {name} a request may ask for (larger -> 400)")
+
+
 class LookaheadSettings(BaseModel):
-    """Server-wide lookahead defaults (used when a request leaves a value out) and the per-request maxima."""
+    """Lookahead defaults (used when a request leaves a value out), the step policy and the per-request maxima."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
-    window_size: int = Field(2, ge=1)
-    ngram_size: int = Field(4, ge=2)
-    guess_set_size: int = Field(4, ge=0)
-    max_window_size: int = Field(16, ge=1)
-    max_ngram_size: int = Field(8, ge=2)
-    max_guess_set_size: int = Field(16, ge=0)
-    lazy_window: bool = Field(False, description="plain one-token steps when the pool has no candidate")
-    break_even: float = Field(
-        0.0, ge=0.0, description="accepted guesses per verifying step below which to fall back to one-token steps"
+    enabled: bool = Field(
+        True, description="decode with lookahead unless a request sends lookahead.enabled false",
+        json_schema_extra={"flag": "--lookahead"},
     )
-    copy_length: int = Field(
-        0, ge=0, le=32, description="copy steps: verify up to this many tokens copied from a matching context (0: off)"
+    window_size: int = _lookahead_field("window_size", "W: Jacobi window columns")
+    ngram_size: int = _lookahead_field("ngram_size", "N: n-gram size (a step commits up to N tokens)")
+    guess_set_size: int = _lookahead_field("guess_set_size", "G: candidate n-grams verified per step")
+    max_window_size: int = _maximum_field("window_size", 16)
+    max_ngram_size: int = _maximum_field("ngram_size", 8)
+    max_guess_set_size: int = _maximum_field("guess_set_size", 16)
+    lazy_window: bool = Field(
+        _LIBRARY.lazy_window, description="plain one-token steps when the pool has no candidate for the last token"
+    )
+    break_even: float = Field(
+        _LIBRARY.break_even, ge=0.0,
+        description="accepted guesses per verifying step below which a request falls back to one-token steps "
+        "(capped at N-1; 0: never)",
+    )
+    copy_length: int = _lookahead_field(
+        "copy_length", "copy steps: verify up to this many tokens copied from a matching context (0: off)"
     )
 
     @model_validator(mode="after")
@@ -60,7 +93,8 @@ class BatchSettings(BaseModel):
     max_step_tokens: int = Field(128, ge=1, description="input tokens of one forward, all requests together")
     prefill_chunk: int = Field(128, ge=1, description="prompt tokens per forward while other requests decode")
     step_cost: list[tuple[int, float]] | None = Field(
-        None, description="(tokens, relative cost) points of the step-cost curve; null: the built-in CPU curve"
+        None, description="[[tokens, relative cost], ...] of one forward, as measured by `lookahead-server tune`; "
+        "null: decoding's built-in CPU curve",
     )
 
     @model_validator(mode="after")
@@ -79,28 +113,37 @@ class ServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
-    api_key: str | None = None
-    api_keys_file: str | None = Field(None, description="a file of API keys, one per line (# comments)")
-    protect_health: bool = Field(False, description="/health requires a key too (when keys are configured)")
-    protect_metrics: bool = Field(False, description="/metrics requires a key too (when keys are configured)")
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    quantize: Literal["none", "int8"] = Field("none", description="int8: row-independent int8 linears (CPU)")
-    weight_layout: Literal["auto", "packed", "torch"] = Field(
-        "auto", description="packed: float32 linears laid out for the CPU's kernels; auto: packed on a float32 CPU"
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="port (0: any free port)")
+    model: str = Field(DEFAULT_MODEL, description="the embedded default model, a local model directory or a hub id")
+    served_model_name: str | None = Field(None, description="the name clients send as 'model' (default: "
+                                          "the model's last path part)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1/* "
+                                "(or set $LOOKAHEAD_API_KEY)", json_schema_extra={"secret": True})
+    api_keys_file: str | None = Field(None, description="accept any key in this file (one per line, # comments)")
+    protect_health: bool = Field(False, description="with keys: /health requires one too")
+    protect_metrics: bool = Field(False, description="with keys: /metrics requires one too")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N (auto: CUDA when available); picks the "
+                        "preset configs/<cpu|cuda>.yaml")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)"
     )
-    threads: int = Field(1, ge=0, description="torch intra-op threads; 0 keeps torch's default")
+    quantize: Literal["none", "int8"] = Field(
+        "none", description="int8: int8 weights with per-row activation scales (float32 CPU only)"
+    )
+    weight_layout: Literal["auto", "packed", "torch"] = Field(
+        "auto", description="packed: float32 linears laid out for the CPU's kernels (auto: on a float32 CPU)"
+    )
+    threads: int = Field(1, ge=0, description="torch intra-op threads (0: torch's default)")
     max_running: int = Field(16, ge=1, description="requests decoding at once (their steps share each forward)")
-    max_queue: int = Field(32, ge=0, description="admitted requests waiting for a running slot")
-    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request leaves it out")
-    max_request_bytes: int = Field(1 << 20, ge=1024)
-    drain_grace_seconds: float = Field(30.0, ge=0)
-    warmup: bool = True
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    max_queue: int = Field(32, ge=0, description="requests waiting for a running slot; more -> 429")
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none "
+                                    "(clamped to what fits the context)")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies -> 413")
+    drain_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, finish in-flight work this long, "
+                                       "then cancel")
+    warmup: bool = Field(True, description="run one tiny decode before /health reports ready")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     lookahead: LookaheadSettings = LookaheadSettings()
     batch: BatchSettings = BatchSettings()
 
@@ -114,6 +157,31 @@ class ServerConfig(BaseModel):
     def model_name(self) -> str:
         """The name clients use in ``model``: ``served_model_name``, else the model's last path component."""
         return self.served_model_name or Path(self.model.rstrip("/")).name or self.model
+
+
+def lookahead_bounds(settings: LookaheadSettings) -> dict[str, tuple[int, int]]:
+    """What a request may ask for: W, N and G within the decoder's minimum and this server's maximum.
+
+    >>> lookahead_bounds(LookaheadSettings())["ngram_size"]
+    (2, 8)
+    """
+    names = ("window_size", "ngram_size", "guess_set_size")
+    return {name: (LOOKAHEAD_BOUNDS[name][0], getattr(settings, f"max_{name}")) for name in names}
+
+
+# ---- Layers -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A validated config and, per dotted key (``lookahead.window_size``), the layer its value came from."""
+
+    config: ServerConfig
+    sources: dict[str, str]
+
+    def source(self, key: str) -> str:
+        """The layer of ``key``: a file's name, ``flag``, or ``default``."""
+        return self.sources.get(key, DEFAULT_LAYER)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -153,36 +221,66 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def layered_settings(path: str | None, overrides: dict[str, Any], device_preset: str | None) -> dict[str, Any]:
-    """The merged raw mapping of every layer (see the module docstring), before validation."""
-    settings: dict[str, Any] = {}
-    default_file = CONFIG_DIR / "default.yaml"
-    if default_file.exists():
-        settings = read_yaml(default_file)
-    if path is None and device_preset is not None:
-        for preset in (f"{device_preset}.yaml", f"tuned-{device_preset}.yaml"):
-            if (CONFIG_DIR / preset).exists():
-                settings = merge(settings, read_yaml(CONFIG_DIR / preset))
+def leaves(mapping: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted key, value)`` of every non-mapping value.
+
+    >>> list(leaves({"port": 1, "lookahead": {"window_size": 2}}))
+    [('port', 1), ('lookahead.window_size', 2)]
+    """
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def layers(path: str | None, overrides: dict[str, Any], device_preset: str | None) -> list[tuple[str, dict]]:
+    """The ``(name, mapping)`` layers in order, later wins (see the module docstring)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if device_preset is not None:
+        preset = CONFIG_DIR / f"{device_preset}.yaml"
+        found.append((f"configs/{preset.name}", read_yaml(preset)))
     if path is not None:
-        settings = merge(settings, read_yaml(resolve_config_path(path)))
-    return merge(settings, overrides)
+        found.append((str(resolve_config_path(path)), read_yaml(resolve_config_path(path))))
+    found.append((FLAG_LAYER, drop_none(overrides)))
+    return found
+
+
+def resolve(
+    path: str | None = None, overrides: dict[str, Any] | None = None, device_preset: str | None = None
+) -> Resolved:
+    """Build and validate the config from its layers; raise ``ConfigError`` naming the bad field.
+
+    ``overrides`` uses the config's own shape (``{"lookahead": {"window_size": 7}}``); ``None`` values in it
+    are dropped so unset flags never override a file. ``device_preset`` is ``"cpu"``, ``"cuda"`` or None (no
+    preset: field defaults, then the file and the flags).
+    """
+    if device_preset is not None and device_preset not in DEVICE_PRESETS:
+        raise ConfigError(f"unknown device preset {device_preset!r}: expected one of {', '.join(DEVICE_PRESETS)}")
+    settings: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, mapping in layers(path, overrides or {}, device_preset):
+        settings = merge(settings, mapping)
+        sources.update((key, name) for key, _ in leaves(mapping))
+    try:
+        return Resolved(ServerConfig.model_validate(settings), sources)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "config"
+        raise ConfigError(f"invalid configuration: {where}: {first['msg']}") from exc
 
 
 def load_config(
     path: str | None = None, overrides: dict[str, Any] | None = None, device_preset: str | None = None
 ) -> ServerConfig:
-    """Build and validate the config; raise ``ConfigError`` naming the bad field.
+    """``resolve(...).config``: the validated config alone."""
+    return resolve(path, overrides, device_preset).config
 
-    ``overrides`` uses the config's own shape (``{"lookahead": {"window_size": 7}}``); ``None`` values in it
-    are dropped so unset flags never override a file. ``device_preset`` is ``"cpu"`` or ``"cuda"``.
-    """
-    settings = layered_settings(path, drop_none(overrides or {}), device_preset)
-    try:
-        return ServerConfig.model_validate(settings)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "config"
-        raise ConfigError(f"invalid configuration: {where}: {first['msg']}") from exc
+
+def requested_device(path: str | None, overrides: dict[str, Any]) -> str:
+    """The ``device`` the file and flags ask for (``auto`` when neither does), before any preset."""
+    settings = read_yaml(resolve_config_path(path)) if path is not None else {}
+    return str(drop_none(overrides).get("device", settings.get("device", ServerConfig.model_fields["device"].default)))
 
 
 def drop_none(mapping: dict[str, Any]) -> dict[str, Any]:
@@ -196,3 +294,146 @@ def drop_none(mapping: dict[str, Any]) -> dict[str, Any]:
         elif value is not None:
             cleaned[key] = value
     return cleaned
+
+
+# ---- What derives from the definition: flags, the resolved listing, the reference page ---------------------
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """One command-line flag derived from a config field."""
+
+    key: str  # dotted config key, e.g. "lookahead.window_size"
+    name: str  # e.g. "--window-size"
+    kind: type  # bool, int, float or str
+    choices: tuple[str, ...] | None
+    help: str
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute: the key with dots and dashes made underscores."""
+        return self.key.replace(".", "_")
+
+
+def _scalar(annotation: Any) -> tuple[type | None, tuple[str, ...] | None]:
+    """``(python type, choices)`` of a flag-able annotation; ``(None, None)`` for lists, mappings and models."""
+    if typing.get_origin(annotation) is Literal:
+        return str, tuple(typing.get_args(annotation))
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return _scalar(members[0]) if len(members) == 1 else (None, None)
+    return (annotation, None) if annotation in (bool, int, float, str) else (None, None)
+
+
+def fields(model: type[BaseModel] = ServerConfig, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    """``(dotted key, field)`` of every leaf value of ``model``, in definition order."""
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from fields(annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", info
+
+
+def _extra(info: FieldInfo) -> dict[str, Any]:
+    return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+
+
+def config_flags() -> list[ConfigFlag]:
+    """Every scalar config value as a flag named after its key's last part (``--window-size``), in order.
+
+    A field may rename its flag (``json_schema_extra={"flag": ...}``); lists (``batch.step_cost``) are file-only.
+    """
+    flags = []
+    for key, info in fields():
+        kind, choices = _scalar(info.annotation)
+        if kind is None:
+            continue
+        name = _extra(info).get("flag", "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
+        flags.append(ConfigFlag(key, name, kind, choices, info.description or ""))
+    return flags
+
+
+def flag_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """Config-shaped overrides from ``{dotted key: value}`` (``None`` = not given, kept for ``drop_none``).
+
+    >>> flag_overrides({"port": 1, "lookahead.window_size": None})
+    {'port': 1, 'lookahead': {'window_size': None}}
+    """
+    nested: dict[str, Any] = {}
+    for key, value in values.items():
+        *sections, leaf = key.split(".")
+        target = nested
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[leaf] = value
+    return nested
+
+
+def value_text(value: Any) -> str:
+    """A value as one line of YAML (``null``, ``true``, ``[[1, 1.0], [2, 1.4]]``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+
+
+def describe(resolved: Resolved, header: str = "") -> str:
+    """The resolved config as YAML that ``--config`` accepts, each value commented with the layer it came from.
+
+    Secrets (``api_key``) are not printed: their line is commented out and says where they were set.
+    """
+    lines = [header] if header else []
+    section = ""
+    dumped = resolved.config.model_dump(mode="json")
+    for key, info in fields():
+        *parents, leaf = key.split(".")
+        if parents and parents[0] != section:
+            section = parents[0]
+            lines.append(f"{section}:")
+        indent = "  " * len(parents)
+        value = dumped
+        for part in key.split("."):
+            value = value[part]
+        source = resolved.source(key)
+        if _extra(info).get("secret") and value is not None:
+            lines.append(f"{indent}# {leaf}: <hidden>".ljust(48) + f"  # {source}")
+        else:
+            lines.append(f"{indent}{leaf}: {value_text(value)}".ljust(48) + f"  # {source}")
+    return "\n".join(lines) + "\n"
+
+
+def reference_markdown() -> str:
+    """The table of every config key for ``docs/configuration.md``: flag, default, what each device preset sets,
+    range, meaning."""
+    presets = {name: resolve(device_preset=name) for name in DEVICE_PRESETS}
+    dumped = {name: resolved.config.model_dump(mode="json") for name, resolved in presets.items()}
+    defaults = ServerConfig().model_dump(mode="json")
+    flags = {flag.key: flag.name for flag in config_flags()}
+    rows = ["| key | flag | default | cpu preset | cuda preset | range | meaning |",
+            "|---|---|---|---|---|---|---|"]
+    for key, info in fields():
+        parts = key.split(".")
+        cells = [f"`{key}`", f"`{flags[key]}`" if key in flags else "(file only)",
+                 f"`{value_text(_lookup(defaults, parts))}`"]
+        for name, resolved in presets.items():
+            preset_sets = resolved.source(key) != DEFAULT_LAYER
+            cells.append(f"`{value_text(_lookup(dumped[name], parts))}`" if preset_sets else "")
+        cells += [_range(info), (info.description or "").replace("|", "\\|")]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _lookup(mapping: dict[str, Any], parts: list[str]) -> Any:
+    for part in parts:
+        mapping = mapping[part]
+    return mapping
+
+
+def _range(info: FieldInfo) -> str:
+    """``[low, high]``, ``>= low`` or a Literal's choices, from the field's own constraints."""
+    low = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)
+    high = next((m.le for m in info.metadata if hasattr(m, "le")), None)
+    _, choices = _scalar(info.annotation)
+    if choices:
+        return ", ".join(choices)
+    if low is not None and high is not None:
+        return f"[{low}, {high}]"
+    return f">= {low}" if low is not None else ""

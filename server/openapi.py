@@ -22,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from server.config import ServerConfig
+from server.config import ServerConfig, lookahead_bounds
 from server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -95,14 +95,8 @@ def generation_overrides(config: ServerConfig) -> dict[str, dict[str, Any]]:
 
 def lookahead_schema(config: ServerConfig) -> dict[str, Any]:
     """The ``lookahead`` extension with this server's maxima."""
-    settings = config.lookahead
-    bounds = {
-        "window_size": (1, settings.max_window_size),
-        "ngram_size": (2, settings.max_ngram_size),
-        "guess_set_size": (0, settings.max_guess_set_size),
-    }
     properties: dict[str, Any] = {"enabled": nullable({"type": "boolean"})}
-    for name, (low, high) in bounds.items():
+    for name, (low, high) in lookahead_bounds(config.lookahead).items():
         properties[name] = nullable({"type": "integer", "minimum": low, "maximum": high})
     return {
         "type": "object",

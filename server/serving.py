@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from decoding import InvalidParameterError, LookaheadConfig, SamplingParams, Step, StopCriteria
-from server.config import LookaheadSettings, ServerConfig
+from server.config import LookaheadSettings, ServerConfig, lookahead_bounds
 from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
 from server.protocol import (
     AssistantMessage,
@@ -53,7 +53,6 @@ from server.worker import Output, Summary
 
 logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
-LOOKAHEAD_RANGES = {"window_size": 1, "ngram_size": 2, "guess_set_size": 0}  # name -> minimum
 
 
 class DecoderLike(Protocol):
@@ -132,14 +131,14 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     The server-wide step policy (``lazy_window``, ``break_even``, capped at N-1, ``copy_length``) comes from the
     config.
 
-    Each value must lie in ``[minimum, configured maximum]`` (400 naming ``lookahead.<field>`` otherwise).
+    Each value must lie in ``lookahead_bounds``: the decoder's minimum, the configured maximum (400 naming
+    ``lookahead.<field>`` otherwise).
     """
     request = request or LookaheadRequest()
     values: dict[str, int] = {}
-    for name, low in LOOKAHEAD_RANGES.items():
+    for name, (low, high) in lookahead_bounds(settings).items():
         value = getattr(request, name)
         value = getattr(settings, name) if value is None else value
-        high = getattr(settings, f"max_{name}")
         if not low <= value <= high:
             raise BadRequestError(
                 f"lookahead.{name} must be an integer in [{low}, {high}], got {value}", param=f"lookahead.{name}"

@@ -1,8 +1,11 @@
-"""``lookahead-server tune``: measure this device, choose W/N/G and the step policy, write a config preset.
+"""``lookahead-server tune``: measure this device, choose W/N/G and the step policy, write a config file.
 
-Contract: ``tune_command(args)`` loads the model, takes a few HumanEval and chat prompts, runs
-``decoding.tune.tune`` and writes ``configs/tuned-<device>.yaml`` (or ``--output``). The server applies that
-file over the shipped device preset whenever it exists (see ``server.config``), so the next start uses it.
+Contract: ``tune_command(args)`` resolves the configuration exactly as ``serve`` would (device preset,
+``--config``, flags: the model, device, dtype, threads, linears and copy steps it tunes with are the server's),
+loads the model, takes a few HumanEval and chat prompts, runs ``decoding.tune.tune`` and writes a config file
+of the chosen lookahead settings and the measured step-cost curve to ``--output`` (default
+``tuned-<device>.yaml`` in the current directory). Nothing is applied behind the user's back: the server runs
+it when started with ``--config`` naming that file, or when its values are copied into ``configs/<device>.yaml``.
 """
 
 from __future__ import annotations
@@ -15,24 +18,25 @@ from pathlib import Path
 
 import yaml
 
-from server.config import CONFIG_DIR, load_config
+from server.config import ConfigError
+
+# The config values that decide what is tuned: the model and how it runs, and the copy steps the tuner keeps.
+TUNED_WITH = ("model", "device", "dtype", "quantize", "weight_layout", "threads", "lookahead.copy_length")
 
 
 def add_tune_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``lookahead-server tune``."""
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="default model, local directory or hub id")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--weight-layout", choices=["auto", "packed", "torch"], default="auto",
-                        help="linear layers as the server runs them (auto: packed on a float32 CPU)")
+    """Flags of ``lookahead-server tune``: ``--config`` and the serve flags in ``TUNED_WITH``, then its own."""
+    from server.cli import add_config_flags  # the CLI module imports this one
+
+    add_config_flags(parser, TUNED_WITH)
     parser.add_argument("--prompts-per-set", type=int, default=3, help="HumanEval and chat prompts each (3)")
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per prompt (96)")
-    parser.add_argument("--output", help="preset to write (default configs/tuned-<device>.yaml)")
+    parser.add_argument("--output", help="config file to write (default tuned-<device>.yaml, current directory)")
 
 
 def preset_text(result, device: str, model: str) -> str:
-    """The YAML preset for ``result`` (a ``decoding.tune.TuneResult``), with a header saying what was measured."""
+    """The YAML config file for ``result`` (a ``decoding.tune.TuneResult``), with a header saying what was
+    measured and how to use it."""
     best = result.best
     chosen = next(candidate for candidate in result.candidates if candidate.config == best)
     header = [
@@ -40,13 +44,14 @@ def preset_text(result, device: str, model: str) -> str:
         f"# Measured: {result.measured_speedup:.2f}x the greedy loop over {result.tokens} tokens "
         f"({chosen.tokens_per_step:.2f} tokens/step; predicted {chosen.predicted_speedup:.2f}x); "
         f"output identical to greedy on {result.identical} of {result.prompts} prompts"
-        + (f"; copy steps of {best.copy_length} tokens (the device preset's)." if best.copy_length else "."),
+        + (f"; copy steps of {best.copy_length} tokens (the server's)." if best.copy_length else "."),
         "# Candidates (W, N, G (break_even): tokens/step, predicted speedup): "
         + "; ".join(
             f"{c.config.window_size},{c.config.ngram_size},{c.config.guess_set_size} ({c.config.break_even}): "
             f"{c.tokens_per_step:.2f}, {c.predicted_speedup:.2f}x"
             for c in result.candidates
         ),
+        f"# Serve with: lookahead-server --config <this file> (layered over configs/{device.split(':')[0]}.yaml).",
     ]
     body = {
         "lookahead": {
@@ -67,30 +72,37 @@ def preset_text(result, device: str, model: str) -> str:
 
 
 def tune_command(args: argparse.Namespace) -> int:
-    """Run the tuner and write the preset; 0 on success."""
+    """Run the tuner with the server's configuration and write the config file; 0 on success."""
     from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
     from decoding.bench import encode_prompt
     from decoding.datasets import load_dataset
     from decoding.tune import tune
+    from server.cli import build_config
 
-    configure_threads(args.threads)
     try:
-        decoder = Decoder.load(args.model, device=args.device, dtype=args.dtype, weight_layout=args.weight_layout)
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"lookahead-server tune: {exc}", file=sys.stderr)
+        return 2
+    configure_threads(config.threads)
+    try:
+        decoder = Decoder.load(config.model, config.device, config.dtype, config.quantize, config.weight_layout)
     except (ModelLoadError, InvalidParameterError) as exc:
         print(f"lookahead-server tune: {exc}", file=sys.stderr)
         return 1
     specs = [*load_dataset("humaneval", args.prompts_per_set), *load_dataset("chat", args.prompts_per_set)]
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in specs]
     device = decoder.device.split(":")[0]
-    copy_length = load_config(device_preset=device).lookahead.copy_length  # the preset's, which the tuned layer keeps
+    copy_length = config.lookahead.copy_length
     result = tune(
         decoder.loaded.model, prompts, decoder.eos_token_ids(), args.max_tokens, report=print, copy_length=copy_length
     )
-    output = Path(args.output) if args.output else CONFIG_DIR / f"tuned-{device}.yaml"
+    output = Path(args.output or f"tuned-{device}.yaml")
     output.write_text(preset_text(result, decoder.device, decoder.loaded.name))
     best = result.best
     print(
         f"best W={best.window_size} N={best.ngram_size} G={best.guess_set_size} lazy_window={best.lazy_window} "
-        f"break_even={best.break_even}: measured {result.measured_speedup:.2f}x greedy; wrote {output}"
+        f"break_even={best.break_even}: measured {result.measured_speedup:.2f}x greedy; wrote {output}\n"
+        f"serve it with: lookahead-server --config {output}"
     )
     return 0

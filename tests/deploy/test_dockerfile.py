@@ -168,7 +168,7 @@ def test_dockerignore_keeps_local_state_out(instructions: list[Instruction]) -> 
     patterns = dockerfile.read_dockerignore((ROOT / ".dockerignore").read_text())
     for path in (".venv", ".git", "server/__pycache__", ".pytest_cache", ".ruff_cache", "lookahead_server.egg-info"):
         assert dockerfile.ignored(path, patterns), path
-    for path in ("server/cli.py", "decoding/engine.py", "configs/default.yaml", "pyproject.toml"):
+    for path in ("server/cli.py", "decoding/engine.py", "configs/cpu.yaml", "pyproject.toml"):
         assert not dockerfile.ignored(path, patterns), path
 
 

@@ -1,4 +1,4 @@
-"""Config layering (defaults < default.yaml < device preset < --config < flags) and the CLI's parsing."""
+"""The one config definition: layering (defaults < device preset < --config < flags), sources, derived flags."""
 
 from __future__ import annotations
 
@@ -6,48 +6,134 @@ import pytest
 
 import server.app
 from decoding import ModelLoadError
+from decoding.params import LOOKAHEAD_BOUNDS, LookaheadConfig
 from server import cli
-from server.config import CONFIG_DIR, ConfigError, ServerConfig, load_config, merge, read_yaml
+from server.config import (
+    CONFIG_DIR,
+    ConfigError,
+    LookaheadSettings,
+    ServerConfig,
+    config_flags,
+    fields,
+    load_config,
+    lookahead_bounds,
+    merge,
+    read_yaml,
+    resolve,
+)
 
 
-def test_shipped_configs_are_valid():
-    names = sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
-    assert {"default", "cpu", "cuda"} <= set(names)
-    for name in names:
+def test_the_shipped_configs_are_the_two_device_presets():
+    """What a device runs is its preset file: no hidden layer (default.yaml, tuned-*.yaml) beside it."""
+    assert sorted(path.name for path in CONFIG_DIR.iterdir()) == ["cpu.yaml", "cuda.yaml"]
+    for name in ("cpu", "cuda"):
         assert isinstance(load_config(name), ServerConfig)
 
 
-def test_default_file_matches_the_field_defaults():
-    """configs/default.yaml documents the defaults: it must not drift from the code."""
+def test_without_a_preset_the_field_defaults_apply():
     assert load_config() == ServerConfig()
+    assert all(source == "flag" for source in resolve(overrides={"port": 1}).sources.values())
+
+
+def test_lookahead_defaults_and_bounds_are_the_decoders():
+    """The server's lookahead fields take their defaults and bounds from decoding.params, where they are checked."""
+    settings, library = LookaheadSettings(), LookaheadConfig()
+    for name in ("window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length"):
+        assert getattr(settings, name) == getattr(library, name)
+    for name, (low, high) in LOOKAHEAD_BOUNDS.items():
+        for bad in (low - 1, high + 1):
+            with pytest.raises(ConfigError, match=f"lookahead.{name}"):
+                load_config(overrides={"lookahead": {name: bad, f"max_{name}": high}} if name != "copy_length"
+                            else {"lookahead": {name: bad}})
+    assert lookahead_bounds(settings) == {
+        "window_size": (1, settings.max_window_size),
+        "ngram_size": (2, settings.max_ngram_size),
+        "guess_set_size": (0, settings.max_guess_set_size),
+    }
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_each_device_runs_exactly_its_preset_file(device):
+    preset = read_yaml(CONFIG_DIR / f"{device}.yaml")
+    resolved = resolve(device_preset=device)
+    for section in ("lookahead", "batch"):
+        for key, value in preset[section].items():
+            got = getattr(getattr(resolved.config, section), key)
+            assert (got if key != "step_cost" else [list(point) for point in got]) == value, f"{section}.{key}"
+            assert resolved.source(f"{section}.{key}") == f"configs/{device}.yaml"
 
 
 def test_presets():
     cpu = load_config(device_preset="cpu")
     cuda = load_config(device_preset="cuda")
-    for config, device in ((cpu, "cpu"), (cuda, "cuda")):
-        tuned = read_yaml(CONFIG_DIR / f"tuned-{device}.yaml")["lookahead"]
-        assert (config.lookahead.window_size, config.lookahead.ngram_size, config.lookahead.guess_set_size) == (
-            tuned["window_size"], tuned["ngram_size"], tuned["guess_set_size"]
-        )  # the tuner's preset, measured on the device, layered over configs/<device>.yaml
-        assert (config.lookahead.lazy_window, config.lookahead.break_even) == (
-            tuned["lazy_window"], tuned["break_even"]
-        )
-    assert cpu.lookahead.lazy_window and 0.0 < cpu.lookahead.break_even < 1.0
-    assert cpu.lookahead.copy_length == read_yaml(CONFIG_DIR / "cpu.yaml")["lookahead"]["copy_length"] == 16
+    assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (1, 3, 2)
+    assert cpu.lookahead.lazy_window and 0.0 < cpu.lookahead.break_even < 1.0 and cpu.lookahead.copy_length == 16
+    assert (cuda.lookahead.window_size, cuda.lookahead.ngram_size, cuda.lookahead.guess_set_size) == (5, 4, 5)
     assert not cuda.lookahead.lazy_window and cuda.lookahead.break_even == 0.0
     assert cpu.device == "cpu" and cuda.device == "cuda" and cuda.dtype == "float32"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_step_cost_curves_never_fall(device):
+    """A falling last segment would extrapolate to negative costs past the curve's end."""
+    costs = [cost for _, cost in load_config(device_preset=device).batch.step_cost]
+    assert costs == sorted(costs)
 
 
 def test_layers_in_order(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("port: 9000\nlookahead:\n  window_size: 5\n")
-    config = load_config(str(path), {"port": 9100, "lookahead": {"ngram_size": 3, "guess_set_size": None}},
-                         device_preset="cuda")
-    assert config.port == 9100  # flag beats file
-    assert config.lookahead.window_size == 5  # file beats default
+    resolved = resolve(str(path), {"port": 9100, "lookahead": {"ngram_size": 3, "guess_set_size": None}},
+                       device_preset="cuda")
+    config = resolved.config
+    assert config.port == 9100 and resolved.source("port") == "flag"  # flag beats file
+    assert config.lookahead.window_size == 5 and resolved.source("lookahead.window_size") == str(path)
     assert config.lookahead.ngram_size == 3
-    assert config.lookahead.guess_set_size == 4  # a None flag does not override; an explicit --config skips the preset
+    assert config.lookahead.guess_set_size == 5  # a None flag does not override; the preset still applies
+    assert resolved.source("lookahead.guess_set_size") == "configs/cuda.yaml"
+    assert config.host == "127.0.0.1" and resolved.source("host") == "default"
+
+
+def test_every_scalar_value_has_a_flag_and_every_flag_a_value():
+    keys = [key for key, _ in fields()]
+    flags = config_flags()
+    assert [flag.key for flag in flags] == [key for key in keys if key != "batch.step_cost"]
+    assert len({flag.name for flag in flags}) == len(flags)  # no two values share a flag
+    parser = cli.build_parser()
+    serve_flags = {option for action in parser._subparsers._group_actions[0].choices["serve"]._actions
+                   for option in action.option_strings}
+    assert {flag.name for flag in flags} <= serve_flags
+
+
+def test_a_flag_reaches_its_key_with_the_fields_bounds(monkeypatch):
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    config = cli.build_config(parse(["serve", "--break-even", "0.5", "--copy-length", "4", "--no-lazy-window"]))
+    assert (config.lookahead.break_even, config.lookahead.copy_length, config.lookahead.lazy_window) == (0.5, 4, False)
+    with pytest.raises(ConfigError, match="lookahead.copy_length"):
+        cli.build_config(parse(["serve", "--copy-length", str(LOOKAHEAD_BOUNDS["copy_length"][1] + 1)]))
+
+
+def test_the_config_command_prints_what_serve_runs_and_where_it_came_from(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    assert cli.main(["config", "--window-size", "2", "--api-key", "sekrit"]) == 0
+    out = capsys.readouterr().out
+    assert "sekrit" not in out and "# api_key: <hidden>" in out
+    lines = {line.split("#")[0].strip(): line.rsplit("#", 1)[1].strip() for line in out.splitlines()
+             if ":" in line.split("#")[0] and "#" in line}
+    assert lines["window_size: 2"] == "flag"
+    assert lines["ngram_size: 3"] == "configs/cpu.yaml"
+    assert lines["host: 127.0.0.1"] == "default"
+    saved = tmp_path / "saved.yaml"  # the listing is itself a config file that gives the same config back
+    saved.write_text(out)
+    assert load_config(str(saved)) == cli.build_config(parse(["serve", "--window-size", "2"]))
+
+
+def test_the_reference_page_is_generated_from_the_definition():
+    page = (CONFIG_DIR.parent / "docs" / "configuration.md").read_text()
+    from server.config import reference_markdown
+
+    assert reference_markdown() in page, "docs/configuration.md is stale: regenerate it (see its first lines)"
 
 
 @pytest.mark.parametrize(
@@ -94,7 +180,7 @@ def test_cli_flags_override_config(monkeypatch):
     config = cli.build_config(args)
     assert config.port == 8123 and config.max_running == 2 and config.model_name == "smol"
     assert config.batch.prefill_chunk == 32 and config.batch.max_step_tokens == 1024  # from configs/cuda.yaml
-    assert config.lookahead.window_size == 7 and config.lookahead.ngram_size == 5  # from configs/cuda.yaml
+    assert config.lookahead.window_size == 7 and config.lookahead.ngram_size == 4  # from configs/cuda.yaml
     assert config.lookahead.enabled is False
     assert config.api_key is None
 
@@ -113,7 +199,7 @@ def test_cli_defaults_to_serve(monkeypatch):
         seen["port"] = args.port
         return 0
 
-    monkeypatch.setitem(cli.COMMANDS, "serve", (cli.COMMANDS["serve"][0], cli.add_serve_flags, fake_serve))
+    monkeypatch.setitem(cli.COMMANDS, "serve", (cli.COMMANDS["serve"][0], cli.add_config_flags, fake_serve))
     assert cli.main(["--port", "8001"]) == 0 and seen["port"] == 8001
     assert cli.main([]) == 0 and seen["port"] is None
     assert cli.main(["serve", "--port", "8002"]) == 0 and seen["port"] == 8002

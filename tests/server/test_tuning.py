@@ -1,13 +1,15 @@
-"""``lookahead-server tune``'s preset file, and the config layer that applies it."""
+"""``lookahead-server tune``: the config file it writes, and how the server runs it (``--config``)."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from decoding.bench import StepCost
 from decoding.params import LookaheadConfig
 from decoding.tune import Candidate, TuneResult
-from server import config as config_module
+from server import cli
+from server.config import load_config
 from server.tuning import preset_text
 
 
@@ -28,15 +30,28 @@ def test_preset_text_is_a_valid_layer_with_what_was_measured():
     }
 
 
-def test_a_tuned_preset_overrides_the_device_preset(tmp_path, monkeypatch):
-    (tmp_path / "default.yaml").write_text("lookahead:\n  window_size: 2\n")
-    (tmp_path / "cpu.yaml").write_text("device: cpu\nlookahead:\n  window_size: 3\n  ngram_size: 4\n")
-    monkeypatch.setattr(config_module, "CONFIG_DIR", tmp_path)
-    assert config_module.load_config(device_preset="cpu").lookahead.window_size == 3
-    (tmp_path / "tuned-cpu.yaml").write_text(preset_text(result(), "cpu", "m"))
-    tuned = config_module.load_config(device_preset="cpu").lookahead
-    assert (tuned.window_size, tuned.ngram_size, tuned.guess_set_size, tuned.break_even) == (1, 5, 3, 0.5)
-    assert config_module.load_config(device_preset="cpu").batch.step_cost == [(1, 1.0), (8, 1.6)]
-    assert config_module.load_config(device_preset="cuda").lookahead.window_size == 2
-    flagged = config_module.load_config(overrides={"lookahead": {"window_size": 4}}, device_preset="cpu")
+def test_a_tuned_file_is_served_by_naming_it(tmp_path, monkeypatch):
+    """The tuner's file changes nothing until ``--config`` names it; then it layers over the device preset."""
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    path = tmp_path / "tuned-cpu.yaml"
+    path.write_text(preset_text(result(), "cpu", "m"))
+    assert "--config <this file> (layered over configs/cpu.yaml)" in path.read_text()
+    untouched = cli.build_config(cli.build_parser().parse_args(["serve"]))
+    assert untouched == load_config(device_preset="cpu")
+    tuned = cli.build_config(cli.build_parser().parse_args(["serve", "--config", str(path)]))
+    assert (tuned.lookahead.window_size, tuned.lookahead.ngram_size, tuned.lookahead.guess_set_size) == (1, 5, 3)
+    assert tuned.lookahead.break_even == 0.5 and tuned.batch.step_cost == [(1, 1.0), (8, 1.6)]
+    assert tuned.lookahead.copy_length == untouched.lookahead.copy_length  # the preset's, kept
+    flagged = cli.build_config(cli.build_parser().parse_args(["serve", "--config", str(path), "--window-size", "4"]))
     assert flagged.lookahead.window_size == 4
+
+
+def test_tune_takes_the_servers_configuration(monkeypatch):
+    """The tuner runs the model, device and copy steps that serve would, flags included."""
+    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    args = cli.build_parser().parse_args(["tune", "--copy-length", "8", "--dtype", "float32"])
+    config = cli.build_config(args)
+    assert (config.lookahead.copy_length, config.dtype, config.threads) == (8, "float32", 1)
+    assert config.weight_layout == load_config(device_preset="cpu").weight_layout
+    with pytest.raises(SystemExit):  # serve-only flags are not tune's
+        cli.build_parser().parse_args(["tune", "--port", "1"])
