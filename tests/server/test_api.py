@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from server.config import LookaheadSettings
 from tests.server.conftest import make_config
 from tests.server.helpers import chat_body, running_app, scrape, sse_events
 
@@ -33,7 +34,10 @@ async def test_chat_completion_shape(client):
     assert 1 <= usage["completion_tokens"] <= 12
     decoding = data["decoding"]
     assert decoding["method"] == "lookahead"
-    assert (decoding["window_size"], decoding["ngram_size"], decoding["guess_set_size"]) == (2, 4, 4)
+    defaults = LookaheadSettings()  # make_config's: the field defaults
+    assert (decoding["window_size"], decoding["ngram_size"], decoding["guess_set_size"]) == (
+        defaults.window_size, defaults.ngram_size, defaults.guess_set_size
+    )
     assert 1 <= decoding["steps"] <= usage["completion_tokens"]
     assert decoding["tokens_per_step"] == pytest.approx(usage["completion_tokens"] / decoding["steps"], abs=1e-3)
     assert 0 <= decoding["accepted_tokens"] <= usage["completion_tokens"]
@@ -216,4 +220,4 @@ async def test_metrics_after_requests_are_consistent(decoder):
     assert samples["lookahead_steps_per_token_count"] == 2
     assert samples["lookahead_requests_running"] == 0 and samples["lookahead_requests_waiting"] == 0
     info = next(k for k in samples if k.startswith("lookahead_config_info"))
-    assert 'window_size="2"' in info and 'model="SmolLM2-135M-Instruct"' in info and 'device="cpu"' in info
+    assert f'window_size="{LookaheadSettings().window_size}"' in info and 'model="SmolLM2-135M-Instruct"' in info and 'device="cpu"' in info
