@@ -26,7 +26,7 @@ from decoding.engine import DecodeStream, Proposal, Step
 from decoding.packed import forward_packed
 
 # Relative cost of one forward by input tokens, over a ~300-token cache: SmolLM2-135M, float32 with packed
-# linears, 1 thread on the 2-core AVX2 CPU this project is measured on (README, "Step-cost curve"; the median of
+# linears, 1 thread on the 2-core AVX2 CPU this project is measured on (docs/benchmarks.md, "Step-cost curve"; median of
 # three noisy runs). The tuner measures the real curve.
 CPU_STEP_COST = ((1, 1.0), (2, 1.41), (4, 1.59), (8, 1.73), (16, 2.24), (32, 3.58), (64, 6.18), (128, 11.1))
 

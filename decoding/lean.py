@@ -7,8 +7,8 @@ returns with ``attend`` as its attention function: the same modules (embedding, 
 projections, activation, output projection) run the same operations on the same tensors in the same order.
 What it leaves out is the framework work around them: keyword plumbing through every module, mask builders,
 output records, per-call checks. On the 2-core CPU a forward of SmolLM2-135M with packed linears
-(``decoding.linears``) took 0.84-0.99x the public forward's time this way, 1 to 16 tokens (README, "The lean
-step").
+(``decoding.linears``) took 0.84-0.99x the public forward's time this way, 1 to 16 tokens (docs/benchmarks.md,
+"The lean step").
 
 ``attend(layer_idx, query, key, value, scaling)`` takes ``[1, heads, T, head_dim]`` queries and
 ``[1, kv_heads, T, head_dim]`` new keys/values (rotary applied), stores the keys/values wherever the caller

@@ -3,7 +3,7 @@
 Skipped where torch sees no CUDA device (CI has none); run on a GPU machine with
 ``pytest tests/decoding/test_cuda.py``. Exactness is asserted in float32. In bfloat16 a multi-token step and
 a one-token step round differently, so a near-tie between two tokens can break the other way; the benchmark's
-``identical`` column reports how often that happens on the real model (README, "GPU").
+``identical`` column reports how often that happens on the real model (docs/benchmarks.md, "On a GPU").
 """
 
 from __future__ import annotations
