@@ -6,7 +6,7 @@ server flags through ``--server-arg``, repeated), waits for ``/health``, and sto
 ``localhost`` and ``::1`` is refused (exit status 2).
 
 For each prompt set (``--sets``: HumanEval code prompts, sent raw to ``/v1/completions``; chat questions, sent
-as one user message to ``/v1/chat/completions``, as ``decoding.bench`` encodes them), each lookahead mode
+as one user message to ``/v1/chat/completions``, as ``python -m bench`` encodes them), each lookahead mode
 (``--lookahead on,off``: "off" sends ``"lookahead": {"enabled": false}``, "on" sends nothing, the server's
 default) and each concurrency level (``--concurrency 1,2,4,8,16``), that many clients of the official async
 OpenAI SDK each send ``--requests-per-client`` greedy streaming requests back to back, with ``max_tokens``
@@ -65,9 +65,9 @@ from openai import AsyncOpenAI
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a file: decoding.datasets lives in the repository root
+    sys.path.insert(0, str(ROOT))  # run as a file: bench.datasets lives in the repository root
 
-from decoding.datasets import PromptSpec, load_dataset  # noqa: E402
+from bench.datasets import PromptSpec, load_dataset  # noqa: E402
 
 PROMPT_SETS = ("humaneval", "chat")
 MODES = ("on", "off")
@@ -510,7 +510,7 @@ def spawned_server(extra: Sequence[str], timeout: float) -> Iterator[SpawnedServ
 
 
 def load_prompt_sets(names: Sequence[str], limit: int | None) -> dict[str, list[PromptSpec]]:
-    """The named prompt sets from ``decoding.datasets`` (HumanEval is fetched and cached on first use)."""
+    """The named prompt sets from ``bench.datasets`` (HumanEval is fetched and cached on first use)."""
     return {name: load_dataset(name, limit) for name in names}
 
 

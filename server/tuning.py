@@ -1,7 +1,7 @@
 """``lookahead-server tune``: measure this device, choose W/N/G and the step policy, write a config preset.
 
 Contract: ``tune_command(args)`` loads the model, takes a few HumanEval and chat prompts, runs
-``decoding.tune.tune`` and writes ``configs/tuned-<device>.yaml`` (or ``--output``). The server applies that
+``bench.tune.tune`` and writes ``configs/tuned-<device>.yaml`` (or ``--output``). The server applies that
 file over the shipped device preset whenever it exists (see ``server.config``), so the next start uses it.
 """
 
@@ -32,7 +32,7 @@ def add_tune_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def preset_text(result, device: str, model: str) -> str:
-    """The YAML preset for ``result`` (a ``decoding.tune.TuneResult``), with a header saying what was measured."""
+    """The YAML preset for ``result`` (a ``bench.tune.TuneResult``), with a header saying what was measured."""
     best = result.best
     chosen = next(candidate for candidate in result.candidates if candidate.config == best)
     header = [
@@ -58,7 +58,7 @@ def preset_text(result, device: str, model: str) -> str:
         }
     }
     if len(result.step_cost) >= 2:  # the batching policy prices lookahead tokens with this device's curve
-        from decoding.tune import monotone  # the curve the tuner predicted with (noise dips pooled away)
+        from bench.tune import monotone  # the curve the tuner predicted with (noise dips pooled away)
 
         ms = monotone([cost.ms_last_logits for cost in result.step_cost])
         points = zip(result.step_cost, ms, strict=True)
@@ -68,10 +68,9 @@ def preset_text(result, device: str, model: str) -> str:
 
 def tune_command(args: argparse.Namespace) -> int:
     """Run the tuner and write the preset; 0 on success."""
+    from bench.datasets import encode_prompt, load_dataset
+    from bench.tune import tune
     from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
-    from decoding.bench import encode_prompt
-    from decoding.datasets import load_dataset
-    from decoding.tune import tune
 
     configure_threads(args.threads)
     try:

@@ -8,8 +8,9 @@ import importlib
 import pytest
 
 MODULES = [
+    "bench.tune",
+    "decoding.fetch",
     "decoding.pool",
-    "decoding.tune",
     "server.body",
     "server.chat_client",
     "server.config",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import yaml
 
-from decoding.bench import StepCost
+from bench.measure import StepCost
+from bench.tune import Candidate, TuneResult
 from decoding.params import LookaheadConfig
-from decoding.tune import Candidate, TuneResult
 from server import config as config_module
 from server.tuning import preset_text
 
