@@ -16,6 +16,7 @@ MODULES = [
     "server.config",
     "server.errors",
     "server.serving",
+    "server.sse",
 ]
 
 
