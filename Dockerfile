@@ -45,6 +45,7 @@ RUN python3 -m venv /opt/venv \
 # (<package>/../configs), which a regular install into site-packages would lose. The runtime copies /app.
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY bench ./bench
 COPY decoding ./decoding
 COPY server ./server
 COPY configs ./configs

@@ -36,10 +36,10 @@ test: model tools
 	$(PYTHON) -m pytest -q $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check decoding server tests scripts
+	$(VENV)/bin/ruff check decoding server tests scripts bench
 
 bench: model
-	$(PYTHON) -m decoding.bench $(ARGS)
+	$(PYTHON) -m bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

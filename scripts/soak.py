@@ -22,11 +22,7 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +37,12 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a file: the server package lives in the repository root
+
+from server.spawn import ServerProcess, start_server  # noqa: E402
+from server.sse import data_events  # noqa: E402
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MODEL = "SmolLM2-135M-Instruct"
 CHAT_PROMPTS = (
@@ -137,7 +139,7 @@ def bad_plan(rng: random.Random, max_request_bytes: int) -> Plan:
 
 def parse_stream(text: str) -> tuple[str, str | None]:
     """(text, a problem or None) of an SSE body: JSON events without an error, then ``[DONE]``."""
-    events = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    events = data_events(text)
     if not events or events[-1] != "[DONE]":
         return "", f"stream did not end with [DONE]: {events[-2:]}"
     pieces: list[str] = []
@@ -295,34 +297,6 @@ def counter_check(tally: Tally, before: dict[str, float], after: dict[str, float
             tally.fail("metrics", f"the server counted {count:.0f} requests ending with {reason}")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    """``python -m server`` on a free loopback port; returns once /health is 200 (or raises)."""
-    port = free_port()
-    log = log_path.open("w")
-    command = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *extra]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return process, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"server not ready in 300 s; see {log_path}")
-
-
 def pid_listening_on(port: int) -> int | None:
     """The pid of the process listening on a local TCP port (same user), if any."""
     for connection in psutil.net_connections(kind="tcp"):
@@ -416,7 +390,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    process: subprocess.Popen | None = None
+    server: ServerProcess | None = None
     log_path = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
     if args.base_url:
         base_url = args.base_url.rstrip("/")
@@ -425,22 +399,18 @@ def main(argv: list[str] | None = None) -> int:
             print("soak: cannot find the server's pid from its port; pass --pid", file=sys.stderr)
             return 2
     else:
-        process, base_url = start_server(args.server_arg, log_path)
-        pid = process.pid
+        server = start_server(args.server_arg, log_path, timeout=300, cwd=ROOT)
+        base_url, pid = server.base_url, server.process.pid
     try:
         report = asyncio.run(run_load(args, base_url, pid, headers))
     finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(90)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    if process is not None:
-        report["server"] = {"exit_status": process.returncode, "log": str(log_path)}
-        if process.returncode != 0:
-            report["unexplained"]["server exit"] = process.returncode
+        if server is not None:
+            server.stop(90)
+    if server is not None:
+        returncode = server.process.returncode
+        report["server"] = {"exit_status": returncode, "log": str(log_path)}
+        if returncode != 0:
+            report["unexplained"]["server exit"] = returncode
         tracebacks = log_path.read_text(errors="replace").count("Traceback")
         if tracebacks:
             report["unexplained"]["tracebacks in the server log"] = tracebacks

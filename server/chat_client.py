@@ -7,7 +7,8 @@ text of multi-token steps coloured by the step's token count (ANSI, off when std
 ``--no-color``), then one stats line: tokens, steps, tokens per step, acceptance, tokens per second. ``/reset``
 clears the history; ``/quit`` or end of input exits 0. Ctrl-C during an answer closes the connection (the server
 cancels the request) and returns to the prompt. ``--serve`` starts ``python -m server`` on a free port first and
-stops it at exit. Standard library only (``urllib``), so the client needs nothing beyond the server's install.
+stops it at exit (``server.spawn``); streams are read with ``server.sse``. Standard library only (``urllib``), so
+the client needs nothing beyond the server's install.
 """
 
 from __future__ import annotations
@@ -17,16 +18,15 @@ import json
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
+
+from server.spawn import ServerProcess, ServerStartError, launch
+from server.sse import iter_data
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_KEY_ENV = "LOOKAHEAD_API_KEY"
@@ -97,24 +97,6 @@ def error_message(payload: bytes) -> str:
         return json.loads(payload)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return payload.decode(errors="replace").strip() or "no details"
-
-
-def sse_data(lines: Iterator[bytes]) -> Iterator[str]:
-    """The ``data:`` payloads of a server-sent event stream, one per event (comments and pings skipped).
-
-    >>> list(sse_data(iter([b'data: {"a": 1}\\n', b'\\n', b': ping\\n', b'data: [DONE]\\n', b'\\n'])))
-    ['{"a": 1}', '[DONE]']
-    """
-    pending: list[str] = []
-    for raw in lines:
-        line = raw.decode("utf-8").rstrip("\r\n")
-        if line.startswith("data:"):
-            pending.append(line[5:].removeprefix(" "))
-        elif not line and pending:
-            yield "\n".join(pending)
-            pending = []
-    if pending:
-        yield "\n".join(pending)
 
 
 # ---- one answer -------------------------------------------------------------------------------------------
@@ -188,7 +170,7 @@ def stream_answer(base_url: str, api_key: str | None, body: dict[str, Any], out:
     response = None
     try:
         response = open_request(f"{base_url}/v1/chat/completions", api_key, body)
-        for data in sse_data(response):
+        for data in iter_data(response):
             if data == "[DONE]":
                 break
             handle_chunk(json.loads(data), answer, out, color)
@@ -314,54 +296,27 @@ def server_models(base_url: str, api_key: str | None) -> list[str]:
 # ---- a local server ---------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def start_server(args: argparse.Namespace, api_key: str | None) -> ServerProcess:
+    """Start ``python -m server`` on a free local port (``server.spawn``, not waiting for it), in its own session:
+    Ctrl-C in the chat must not reach it."""
+    flags = (["--api-key", api_key] if api_key else []) + shlex.split(args.server_args)
+    server = launch(flags, new_session=True)
+    print(f"starting a local server on {server.base_url} (log: {server.log_path}) ...", file=sys.stderr, flush=True)
+    return server
 
 
-def start_server(args: argparse.Namespace, api_key: str | None) -> tuple[subprocess.Popen, str, str]:
-    """Start ``python -m server`` on a free local port (not waiting for it). Returns (process, url, log path)."""
-    port = free_port()
-    command = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)]
-    if api_key:
-        command += ["--api-key", api_key]
-    command += shlex.split(args.server_args)
-    with tempfile.NamedTemporaryFile("w", prefix="lookahead-chat-server-", suffix=".log", delete=False) as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)  # Ctrl-C in the chat must not reach the server
-    url = f"http://127.0.0.1:{port}"
-    print(f"starting a local server on {url} (log: {log.name}) ...", file=sys.stderr, flush=True)
-    return process, url, log.name
-
-
-def wait_until_ready(process: subprocess.Popen, url: str, log_path: str, timeout: float = 300) -> None:
+def wait_until_ready(server: ServerProcess, timeout: float = 300) -> None:
     """Poll ``/health`` until 200; ``ClientError`` if the server exits or takes too long."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ClientError(f"the server exited with status {process.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    raise ClientError(f"the server was not ready within {timeout:.0f} s; see {log_path}")
+    try:
+        server.wait_ready(timeout)
+    except ServerStartError as exc:
+        raise ClientError(str(exc).splitlines()[0]) from exc
 
 
-def stop_server(process: subprocess.Popen, log_path: str, timeout: float = 30) -> None:
+def stop_server(server: ServerProcess, timeout: float = 30) -> None:
     """SIGTERM (the server drains), then kill if it lingers; the log is removed after a clean exit."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    if process.returncode == 0:
-        os.unlink(log_path)
+    if server.stop(timeout) == 0:
+        os.unlink(server.log_path)
 
 
 # ---- the command ------------------------------------------------------------------------------------------
@@ -378,12 +333,13 @@ def chat(args: argparse.Namespace) -> int:
             pass
         # Ctrl-C stops an answer even when the client was started with SIGINT ignored (a background job).
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    process, log_path = None, ""
+    server = None
     try:
         base_url = args.url.rstrip("/")
         if args.serve:
-            process, base_url, log_path = start_server(args, api_key)
-            wait_until_ready(process, base_url, log_path)
+            server = start_server(args, api_key)
+            base_url = server.base_url
+            wait_until_ready(server)
         models = server_models(base_url, api_key)
         print(f"connected to {base_url} ({', '.join(models)}). {HELP}", flush=True)
         print(legend(color), end="", flush=True)
@@ -394,5 +350,5 @@ def chat(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if process is not None:
-            stop_server(process, log_path)
+        if server is not None:
+            stop_server(server)

@@ -2,7 +2,7 @@
 
 Contract: ``tune_command(args)`` resolves the configuration exactly as ``serve`` would (device preset,
 ``--config``, flags: the model, device, dtype, threads, linears and copy steps it tunes with are the server's),
-loads the model, takes a few HumanEval and chat prompts, runs ``decoding.tune.tune`` and writes a config file
+loads the model, takes a few HumanEval and chat prompts, runs ``bench.tune.tune`` and writes a config file
 of the chosen lookahead settings and the measured step-cost curve to ``--output`` (default
 ``tuned-<device>.yaml`` in the current directory). Nothing is applied behind the user's back: the server runs
 it when started with ``--config`` naming that file, or when its values are copied into ``configs/<device>.yaml``.
@@ -35,7 +35,7 @@ def add_tune_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def preset_text(result, device: str, model: str) -> str:
-    """The YAML config file for ``result`` (a ``decoding.tune.TuneResult``), with a header saying what was
+    """The YAML config file for ``result`` (a ``bench.tune.TuneResult``), with a header saying what was
     measured and how to use it."""
     best = result.best
     chosen = next(candidate for candidate in result.candidates if candidate.config == best)
@@ -63,7 +63,7 @@ def preset_text(result, device: str, model: str) -> str:
         }
     }
     if len(result.step_cost) >= 2:  # the batching policy prices lookahead tokens with this device's curve
-        from decoding.tune import monotone  # the curve the tuner predicted with (noise dips pooled away)
+        from bench.tune import monotone  # the curve the tuner predicted with (noise dips pooled away)
 
         ms = monotone([cost.ms_last_logits for cost in result.step_cost])
         points = zip(result.step_cost, ms, strict=True)
@@ -73,10 +73,9 @@ def preset_text(result, device: str, model: str) -> str:
 
 def tune_command(args: argparse.Namespace) -> int:
     """Run the tuner with the server's configuration and write the config file; 0 on success."""
+    from bench.datasets import encode_prompt, load_dataset
+    from bench.tune import tune
     from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
-    from decoding.bench import encode_prompt
-    from decoding.datasets import load_dataset
-    from decoding.tune import tune
     from server.cli import build_config
 
     try:

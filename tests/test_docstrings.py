@@ -8,13 +8,15 @@ import importlib
 import pytest
 
 MODULES = [
+    "bench.tune",
+    "decoding.fetch",
     "decoding.pool",
-    "decoding.tune",
     "server.body",
     "server.chat_client",
     "server.config",
     "server.errors",
     "server.serving",
+    "server.sse",
 ]
 
 

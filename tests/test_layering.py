@@ -1,4 +1,7 @@
-"""Dependencies point one way: server -> decoding -> torch/transformers; server never imports torch."""
+"""Dependencies point one way: server -> decoding -> torch/transformers; server never imports torch.
+
+The tooling package ``bench`` sits beside them: it measures ``decoding`` and reads the server's settings
+(``server.config``) but nothing else of the server; ``decoding`` never imports it."""
 
 from __future__ import annotations
 
@@ -27,12 +30,30 @@ def imported_modules(package: str) -> dict[str, set[str]]:
 @pytest.mark.parametrize(
     "package, forbidden",
     [
-        ("decoding", {"server", "fastapi", "starlette", "sse_starlette", "uvicorn", "prometheus_client", "asyncio"}),
+        (
+            "decoding",
+            {"server", "bench", "fastapi", "starlette", "sse_starlette", "uvicorn", "prometheus_client", "asyncio"},
+        ),
         ("server", {"torch"}),
+        ("bench", {"fastapi", "starlette", "sse_starlette", "uvicorn", "prometheus_client", "asyncio"}),
     ],
 )
 def test_imports_point_one_way(package, forbidden):
     modules = imported_modules(package)
     assert modules, f"no modules found in {package}"
     offenders = {path: names & forbidden for path, names in modules.items() if names & forbidden}
+    assert offenders == {}
+
+
+def test_bench_reads_only_the_server_config() -> None:
+    """``bench`` takes the server's defaults from ``server.config`` and imports no other server module."""
+    offenders = {}
+    for path in (ROOT / "bench").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            bad = [name for name in names if name.split(".")[0] == "server" and name != "server.config"]
+            if bad:
+                offenders[str(path.relative_to(ROOT))] = bad
     assert offenders == {}

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import httpx
 import pytest
 import yaml
 
+from server.spawn import ServerStartError, free_port, start_server
 from tests.deploy import promql
 from tests.deploy.conftest import ROOT
 from tests.deploy.test_dashboard import ISSUE_4_SERIES, readme_queries
@@ -63,13 +63,6 @@ class Process:
         """Fail with the log tail when the process has exited."""
         if self.popen.poll() is not None:
             pytest.fail(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
-
-
-def free_port() -> int:
-    """A TCP port that is free on the loopback interface right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(name: str, command: list[str], log: Path, env: dict[str, str] | None = None) -> Process:
@@ -127,16 +120,15 @@ def prometheus_binary() -> str:
 @pytest.fixture(scope="module")
 def server(prometheus_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The real server on a free loopback port, ready (GET /health 200); yields its base URL."""
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    process = start("server", [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)], log)
-    base = f"http://127.0.0.1:{port}"
     try:
-        wait_for("the server's /health", lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200,
-                 SERVER_START_SECONDS, process)  # fmt: skip
-        yield base
+        running = start_server(log_path=log, timeout=SERVER_START_SECONDS, cwd=ROOT)
+    except ServerStartError as error:
+        pytest.fail(str(error))
+    try:
+        yield running.base_url
     finally:
-        stop(process)
+        running.stop(15)
 
 
 def chat(base: str, prompt: str) -> dict:

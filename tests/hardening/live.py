@@ -14,6 +14,8 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.sse import data_events
+
 MODEL = "SmolLM2-135M-Instruct"
 ERROR_FIELDS = {"message", "type", "param", "code"}
 # A prompt whose greedy continuation keeps counting, so a request never ends early on its own.
@@ -118,8 +120,8 @@ def chat_body(content: str, max_tokens: int = 8, **fields: Any) -> dict[str, Any
 
 
 def sse_data(body: str) -> list[str]:
-    """The ``data:`` payloads of an SSE body."""
-    return [line[len("data:"):].strip() for line in body.splitlines() if line.startswith("data:")]
+    """The ``data:`` payloads of an SSE body (``server.sse``)."""
+    return data_events(body)
 
 
 def stream_text(events: list[str]) -> str:

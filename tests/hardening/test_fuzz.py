@@ -30,6 +30,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from server.sse import data_events
 from tests.hardening.live import ERROR_FIELDS
 
 pytestmark = pytest.mark.real_model
@@ -58,7 +59,7 @@ def well_formed_stream(ctx: Any, response: Any, case: Any) -> bool | None:
     content_type = response.headers.get("content-type", [""])[0]
     if response.status_code != 200 or not content_type.startswith("text/event-stream") or response.stream_cut_short:
         return None
-    events = [line[5:].strip() for line in response.content.decode().splitlines() if line.startswith("data:")]
+    events = data_events(response.content.decode())
     assert events and events[-1] == "[DONE]", events[-3:]
     for event in events[:-1]:
         assert "error" not in json.loads(event), event

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from decoding.datasets import DatasetError, PromptSpec, ensure_humaneval
+from bench.datasets import DatasetError, PromptSpec, ensure_humaneval
 from tests.scripts.module import ROOT, load_script, script_path
 
 SCRIPT = script_path("loadtest")

@@ -22,6 +22,7 @@ from decoding import Step, StepStats
 from decoding.errors import InvalidParameterError
 from server.app import create_app
 from server.config import ServerConfig
+from server.sse import data_events
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
@@ -49,8 +50,8 @@ async def running_app(
 
 
 def sse_events(body: str) -> list[str]:
-    """The ``data:`` payloads of an SSE body, in order."""
-    return [line[len("data: "):] for line in body.splitlines() if line.startswith("data: ")]
+    """The ``data:`` payloads of an SSE body, in order (``server.sse``)."""
+    return data_events(body)
 
 
 def scrape(app: Any) -> dict[str, float]:

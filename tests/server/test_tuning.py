@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from decoding.bench import StepCost
+from bench.measure import StepCost
+from bench.tune import Candidate, TuneResult
 from decoding.params import LookaheadConfig
-from decoding.tune import Candidate, TuneResult
 from server import cli
 from server.config import load_config
 from server.tuning import preset_text

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-import decoding.tune as tune_module
-from decoding.bench import StepCost
+import bench.tune as tune_module
+from bench.measure import StepCost
+from bench.tune import cost_function, evaluate, monotone, step_policy, trajectory, tune
 from decoding.params import LookaheadConfig, StopCriteria
-from decoding.tune import cost_function, evaluate, monotone, step_policy, trajectory, tune
 
 
 def test_cost_function_interpolates_and_extrapolates():

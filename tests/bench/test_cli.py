@@ -1,0 +1,99 @@
+"""The benchmark's command line end to end on a saved tiny model: tables, JSON, partial files, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import cli, measure
+from server.config import load_config
+from tests.bench.helpers import save_tiny_model
+
+ALL_METHODS = "greedy,lookahead,generate,prompt_lookup"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run 10-100x slower with 2 threads on this busy 2-core machine; restore the count after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_main_end_to_end_on_a_saved_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_tiny_model(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "w10 w11 w12 w10 w11 w12 w10"})
+        + "\n"
+        + json.dumps({"id": "chat", "messages": [{"role": "user", "content": "w20 w21 w22"}]})
+        + "\n"
+    )
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tmp_path / "model"), "--prompts", str(prompts), "--limit", "0", "--max-tokens", "16"]
+    argv += ["--window-size", "2", "--ngram-size", "3", "--guess-set-size", "2", "--methods", ALL_METHODS]
+    argv += ["--device", "cpu", "--dtype", "float32", "--threads", "0", "--json", str(out)]
+    threads = torch.get_num_threads()
+    assert cli.main(argv) == 0
+    assert torch.get_num_threads() == threads
+    printed = capsys.readouterr().out
+    assert printed.startswith("settings (server preset cpu unless marked [flag]):\n")  # printed before loading
+    assert "window_size=2 [flag]" in printed and "threads=0 [flag]" in printed
+    assert "W=2 N=3 G=2" in printed and "per prompt" in printed and "total" in printed
+    payload = json.loads(out.read_text())
+    assert "partial" not in payload  # the finished benchmark replaced the partial file
+    runs = payload["runs"]
+    assert len(runs) == 2 * 4
+    assert {run["id"] for run in runs} == {"prompts/1", "chat"}
+    assert set(runs[0]) >= {"id", "method", "new_tokens", "steps", "seconds", "output_ids"}
+    summary = {s["method"]: s for s in payload["summary"]["methods"]}
+    assert summary["lookahead"]["identical_to_greedy"] == 2
+    assert summary["greedy"]["new_tokens"] == sum(r["new_tokens"] for r in runs if r["method"] == "greedy")
+    assert payload["config"]["lookahead"]["window_size"] == 2
+
+
+def test_a_cut_off_benchmark_leaves_its_runs_so_far(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_tiny_model(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w10 w11 w12 w10"}) + "\n" + json.dumps({"prompt": "w20 w21"}) + "\n")
+    timed = measure.time_run
+    calls = []
+
+    def interrupted_after_three(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # a time limit's kill, as far as the file is concerned
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "time_run", interrupted_after_three)
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tmp_path / "model"), "--prompts", str(prompts), "--limit", "0", "--max-tokens", "8"]
+    argv += ["--methods", "greedy,lookahead", "--device", "cpu", "--dtype", "float32", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(argv)
+    payload = json.loads(out.read_text())
+    assert payload["partial"] is True and len(payload["runs"]) == 3
+    assert [run["method"] for run in payload["runs"]] == ["greedy", "lookahead", "lookahead"]
+    # no flag: the server's CPU preset, as `lookahead-server --device cpu` runs
+    assert payload["config"]["lookahead"]["window_size"] == load_config(device_preset="cpu").lookahead.window_size
+
+
+def test_main_rejects_bad_arguments_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--methods", "greedy,beam", "--model", "/nonexistent"])
+    with pytest.raises(SystemExit):
+        cli.main(["--ngram-size", "1", "--model", "/nonexistent"])
+    assert "ngram_size" in capsys.readouterr().err
+
+
+def test_main_reports_a_bad_prompt_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_tiny_model(tmp_path / "model")
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": 1}\n')
+    argv = ["--model", str(tmp_path / "model"), "--prompts", str(prompts), "--device", "cpu", "--threads", "0"]
+    assert cli.main(argv) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err

