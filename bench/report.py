@@ -5,7 +5,7 @@ returns one ``MethodSummary`` per method; ``prompt_rows`` / ``total_rows`` / ``s
 into printable cells for ``format_table``; ``environment`` describes the machine, the libraries and the loaded
 model; ``to_json`` writes the ``{"config", "runs", "summary"}`` payload with one run per line.
 
-Definitions (see docs/lookahead.md, "What to measure"): tokens per step = new tokens / forward passes (prefill
+Definitions (docs/benchmarks.md, "What is measured"): tokens per step = new tokens / forward passes (prefill
 included); speedup of A vs B = B's total seconds / A's total seconds over the prompts both ran; the median
 speedup is the median of the per-prompt ratios.
 """
