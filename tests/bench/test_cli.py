@@ -15,15 +15,6 @@ from tests.bench.helpers import save_tiny_model
 ALL_METHODS = "greedy,lookahead,generate,prompt_lookup"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run 10-100x slower with 2 threads on this busy 2-core machine; restore the count after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_main_end_to_end_on_a_saved_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     save_tiny_model(tmp_path / "model")
     prompts = tmp_path / "prompts.jsonl"

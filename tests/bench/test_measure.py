@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bench import measure, report
 from decoding.batch import BatchPolicy
@@ -14,15 +13,6 @@ from tests.conftest import tiny_llama
 
 EOS = 2
 ALL_METHODS = "greedy,lookahead,generate,prompt_lookup"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run 10-100x slower with 2 threads on this busy 2-core machine; restore the count after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_rotation_gives_each_method_each_slot() -> None:
