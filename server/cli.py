@@ -117,7 +117,7 @@ def show_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"lookahead-server: {exc}", file=sys.stderr)
         return 2
-    layers = " < ".join(["default", *dict.fromkeys(resolved.sources.values())])
+    layers = " < ".join(resolved.layers)
     print(describe(resolved, f"# lookahead-server configuration (layers, later wins: {layers})"), end="")
     return 0
 

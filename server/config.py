@@ -174,10 +174,12 @@ def lookahead_bounds(settings: LookaheadSettings) -> dict[str, tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Resolved:
-    """A validated config and, per dotted key (``lookahead.window_size``), the layer its value came from."""
+    """A validated config, its layers in order, and per dotted key (``lookahead.window_size``) the layer its
+    value came from."""
 
     config: ServerConfig
     sources: dict[str, str]
+    layers: tuple[str, ...] = ()
 
     def source(self, key: str) -> str:
         """The layer of ``key``: a file's name, ``flag``, or ``default``."""
@@ -259,11 +261,12 @@ def resolve(
         raise ConfigError(f"unknown device preset {device_preset!r}: expected one of {', '.join(DEVICE_PRESETS)}")
     settings: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for name, mapping in layers(path, overrides or {}, device_preset):
+    found = layers(path, overrides or {}, device_preset)
+    for name, mapping in found:
         settings = merge(settings, mapping)
         sources.update((key, name) for key, _ in leaves(mapping))
     try:
-        return Resolved(ServerConfig.model_validate(settings), sources)
+        return Resolved(ServerConfig.model_validate(settings), sources, (DEFAULT_LAYER, *(name for name, _ in found)))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "config"

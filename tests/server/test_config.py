@@ -119,6 +119,7 @@ def test_the_config_command_prints_what_serve_runs_and_where_it_came_from(monkey
     assert cli.main(["config", "--window-size", "2", "--api-key", "sekrit"]) == 0
     out = capsys.readouterr().out
     assert "sekrit" not in out and "# api_key: <hidden>" in out
+    assert out.startswith("# lookahead-server configuration (layers, later wins: default < configs/cpu.yaml < flag)")
     lines = {line.split("#")[0].strip(): line.rsplit("#", 1)[1].strip() for line in out.splitlines()
              if ":" in line.split("#")[0] and "#" in line}
     assert lines["window_size: 2"] == "flag"
