@@ -3,13 +3,14 @@
 The engine knows nothing about tokenization: token ids in, token ids out.
 """
 
-from decoding.batch import BatchPolicy, step_batch
+from decoding.batch import BatchEngine, BatchPolicy, step_batch
 from decoding.decoder import Decoder, configure_threads
-from decoding.engine import DecodeStream, Step, StepStats, generate_autoregressive, generate_lookahead
+from decoding.engine import DecodeStream, Step, StepCounts, StepStats, generate_autoregressive, generate_lookahead
 from decoding.errors import ContextLengthError, DecodingError, EmptyPromptError, InvalidParameterError, ModelLoadError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 
 __all__ = [
+    "BatchEngine",
     "BatchPolicy",
     "DecodeStream",
     "ContextLengthError",
@@ -21,6 +22,7 @@ __all__ = [
     "ModelLoadError",
     "SamplingParams",
     "Step",
+    "StepCounts",
     "StepStats",
     "StopCriteria",
     "configure_threads",
