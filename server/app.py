@@ -77,7 +77,7 @@ def configure_worker_thread(config: ServerConfig) -> Callable[[], None]:
 
 
 def batch_policy(config: ServerConfig) -> BatchPolicy:
-    """The worker's batching policy from the ``batch`` settings (the built-in CPU curve when none is given)."""
+    """The engine's batching policy from the ``batch`` settings (the built-in CPU curve when none is given)."""
     settings = config.batch
     curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
     return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve)
@@ -98,7 +98,7 @@ class Runtime:
         self.config = config
         self.keys = KeyChecker(load_api_keys(config))
         self.metrics = Metrics()
-        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config), batch_policy(config))
+        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
         self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
         self.decoder = decoder
         self.load_decoder = load_decoder or load_default_decoder
@@ -124,6 +124,7 @@ class Runtime:
         try:
             if self.decoder is None:
                 self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
+            self.worker.attach(self.decoder.batch_engine(batch_policy(self.config)))
             engine = Engine(self.config, self.decoder, TextCodec(self.decoder.tokenizer), self.scheduler)
             self._publish_config(engine)
             self.state = "warming"

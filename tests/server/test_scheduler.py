@@ -1,4 +1,5 @@
-"""Scheduling, isolation, cancellation, queue limits, readiness and drain, with a scripted stand-in decoder.
+"""Scheduling, isolation, cancellation, queue limits, readiness and drain, with a scripted stand-in decoder
+(whose engine has ``decoding.BatchEngine``'s interface, so the worker runs its production loop).
 
 The scripted decoder uses the real tokenizer, so text and token accounting are real; its steps are instant,
 slowed by ``delay`` or held by a gate where a test needs a request to be in a given state.
@@ -10,10 +11,11 @@ import asyncio
 import json
 import threading
 
+from decoding import SamplingParams, StopCriteria
 from server.metrics import Metrics
 from server.scheduler import Scheduler
 from server.text import TextStream
-from server.worker import Output, Worker
+from server.worker import GenerationPlan, Output, Worker
 from tests.server.conftest import make_config
 from tests.server.helpers import (
     Script,
@@ -50,12 +52,13 @@ def aborted_and_disconnects(app) -> tuple[float, float]:
 
 async def test_worker_interleaves_running_jobs_round_robin(tokenizer):
     decoder = decoder_with(tokenizer, {})
-    worker = Worker(max_running=2)
+    worker = Worker(max_running=2, engine=decoder.batch_engine())
     scheduler = Scheduler(worker, max_queue=4)
     handles = []
     for name in ("alpha", "bravo", "charlie"):
-        steps = decoder._steps(name, Script(token_steps(tokenizer, WORDS[:3])), 64)
-        handles.append(scheduler.submit(steps, TextStream(lambda ids: tokenizer.decode(ids)), 1, None))
+        ids = tokenizer.encode(name, add_special_tokens=False)
+        plan = GenerationPlan(ids, StopCriteria(64), SamplingParams(), None, ())
+        handles.append(scheduler.submit(plan, TextStream(lambda ids: tokenizer.decode(ids))))
     worker.start()  # all three are queued before the first round: alpha and bravo run, charlie waits
     try:
         results = [await handle.collect() for handle in handles]
@@ -106,7 +109,7 @@ async def test_failure_in_one_generation_fails_only_that_request(tokenizer):
 
 async def test_synchronous_decoder_error_is_a_500_envelope(tokenizer):
     decoder = decoder_with(tokenizer, {})
-    decoder.raise_on_decode = RuntimeError("boom")
+    decoder.raise_on_validate = RuntimeError("boom")
     async with running_app(make_config(), decoder) as (_, client):
         response = await client.post("/v1/completions", json=completion("x"))
     assert response.status_code == 500
@@ -254,3 +257,4 @@ def test_metrics_registries_are_independent():
     first, second = Metrics(), Metrics()
     first.reject("queue_full")
     assert second.rejected.labels(reason="queue_full")._value.get() == 0
+
