@@ -6,7 +6,8 @@ arrive through ``submit`` (any thread) and wait in a FIFO until one of ``max_run
 worker then adds them to the engine (continuous batching: jobs join and leave between iterations). Each
 iteration: jobs whose cancel flag is set end (``abort``) and leave the engine (freeing their cache), newly
 admitted jobs join it, and one ``engine.step()`` advances every running job (one batched forward in
-production). Each job's steps become text in its own ``TextStream`` here, on this thread; a stop string ends
+production). Each job's steps become text in its own ``TextStream`` here, on this thread (detokenization and
+stop strings never wait on a lock the event loop's encoding holds, see ``server.text``); a stop string ends
 the job.
 Counts flow as one ``decoding.StepCounts`` record per step into the job's totals, its outputs and the metrics.
 Each job reports through its own ``post`` callable: ``Output`` items, the last one carrying ``finish_reason``

@@ -12,6 +12,7 @@ knows about them.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -82,6 +83,9 @@ class FaultyTokenizer:
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    def __deepcopy__(self, memo: dict) -> FaultyTokenizer:
+        return FaultyTokenizer(copy.deepcopy(self.inner, memo))
 
     def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
         if MARKER in text:

@@ -8,8 +8,10 @@ slowed by ``delay`` or held by a gate where a test needs a request to be in a gi
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
+from typing import Any
 
 from decoding import SamplingParams, StopCriteria
 from server.metrics import Metrics
@@ -258,3 +260,46 @@ def test_metrics_registries_are_independent():
     first.reject("queue_full")
     assert second.rejected.labels(reason="queue_full")._value.get() == 0
 
+
+class HeldTokenizer:
+    """The real tokenizer, except that encoding a text holding "HOLD" blocks until ``release`` is set."""
+
+    def __init__(self, inner: Any, entered: threading.Event, release: threading.Event) -> None:
+        self.inner, self.entered, self.release = inner, entered, release
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __deepcopy__(self, memo: dict) -> HeldTokenizer:
+        return HeldTokenizer(copy.deepcopy(self.inner, memo), self.entered, self.release)
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
+        if "HOLD" in text:
+            self.entered.set()
+            assert self.release.wait(30)
+        return self.inner.encode(text, *args, **kwargs)
+
+
+async def test_a_long_prompt_encode_does_not_stall_other_streams(tokenizer):
+    """While one request's prompt is being tokenized (held here), a running stream still gets every chunk:
+    the encode runs off the event loop, and the worker's detokenization does not wait for its lock."""
+    entered, release = threading.Event(), threading.Event()
+    scripts = {"alpha": Script(token_steps(tokenizer, WORDS), delay=0.02)}
+    decoder = ScriptedDecoder(HeldTokenizer(tokenizer, entered, release), decoder_with(tokenizer, scripts).script_for)
+    async with running_app(make_config(), decoder) as (_, client):
+        streamed = asyncio.create_task(client.post("/v1/completions", json=completion("alpha", stream=True)))
+        await wait_for(lambda: decoder.step_log, what="alpha started")
+        held = asyncio.create_task(client.post("/v1/completions", json=completion("HOLD bravo")))
+        try:
+            await wait_for(entered.is_set, what="the held encode")
+            response = await asyncio.wait_for(streamed, 20)
+            assert not release.is_set() and not held.done()  # alpha finished while bravo's encode was held
+        finally:
+            release.set()
+        events = sse_events(response.text)
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1]) == "".join(WORDS)
+        assert (await held).status_code == 200
