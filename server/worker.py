@@ -246,7 +246,7 @@ class Worker:
             elif job.started is None:
                 self._begin(job)
         running = [job for job in jobs if not job.done]
-        if not running:
+        if not running or self.engine is None:
             return
         if self.engine.has_work:
             self._step(running)
