@@ -12,12 +12,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "BatchEngine": "decoding.batch",
     "BatchPolicy": "decoding.batch",
     "step_batch": "decoding.batch",
     "Decoder": "decoding.decoder",
     "configure_threads": "decoding.decoder",
     "DecodeStream": "decoding.engine",
     "Step": "decoding.engine",
+    "StepCounts": "decoding.engine",
     "StepStats": "decoding.engine",
     "generate_autoregressive": "decoding.engine",
     "generate_lookahead": "decoding.engine",

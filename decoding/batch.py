@@ -1,6 +1,13 @@
 """Batched lookahead: one forward pass per iteration over every running stream (continuous batching).
 
-Contract: ``step_batch(streams, policy)`` advances each ``DecodeStream`` by one step and returns, in order,
+Contract: ``BatchEngine`` is the continuous batch behind one interface: ``add(request_id, prompt_ids, stop,
+sampling, lookahead)`` starts a decode (validated first: typed errors, nothing added), ``step()`` advances
+every running decode in one packed forward and returns ``(request_id, Step | exception)`` for each decode that
+took part, ``cancel(request_id)`` ends one early; a decode whose step carried a finish reason or raised leaves
+the batch by itself, and its cache is freed at once. Only the thread that owns the device calls ``add``,
+``step`` and ``cancel``; ``validate`` (the same checks ``add`` runs) may be called from any thread.
+
+Underneath, ``step_batch(streams, policy)`` advances each ``DecodeStream`` by one step and returns, in order,
 its ``Step`` or the exception that ended it. All streams share one packed forward (``decoding.packed``):
 each keeps its own cache, window, pool, W/N/G and sampling state, and accepts its own number of tokens, so
 streams join and leave between calls and none waits for another. An exception raised by one stream's
@@ -17,13 +24,15 @@ the budgets.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
-from decoding.engine import DecodeStream, Proposal, Step
+from decoding.engine import DecodeStream, Proposal, Step, validate_request
 from decoding.packed import forward_packed
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 
 # Relative cost of one forward by input tokens, over a ~300-token cache: SmolLM2-135M, float32 with packed
 # linears, 1 thread on the 2-core AVX2 CPU this project is measured on (docs/benchmarks.md, "Step-cost curve"; median of
@@ -138,3 +147,79 @@ def _forward_and_finish(
                 results[index] = streams[index].finish(stream_logits)
         except Exception as error:
             results[index] = error
+
+
+# (model, prompt_ids, stop, sampling, lookahead) -> a new decode
+OpenStream = Callable[..., DecodeStream]
+
+
+class BatchEngine:
+    """The running decodes of one model, keyed by the caller's request ids, stepped together (module contract).
+
+    ``open_stream`` builds each decode's ``DecodeStream`` (``DecodeStream`` itself unless a test injects a
+    variant). Not thread-safe: one thread owns the device and calls ``add``, ``step`` and ``cancel``.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, policy: BatchPolicy = BatchPolicy(), open_stream: OpenStream = DecodeStream
+    ) -> None:
+        self.model = model
+        self.policy = policy
+        self._open_stream = open_stream
+        self._streams: dict[Hashable, DecodeStream] = {}
+
+    @property
+    def has_work(self) -> bool:
+        """True while any decode is running."""
+        return bool(self._streams)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._streams
+
+    def validate(
+        self,
+        prompt_ids: Sequence[int],
+        stop: StopCriteria,
+        sampling: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+    ) -> None:
+        """Raise ``InvalidParameterError`` (naming the parameter) if ``add`` would refuse these arguments."""
+        validate_request(self.model, prompt_ids, stop, sampling, lookahead)
+
+    def add(
+        self,
+        request_id: Hashable,
+        prompt_ids: Sequence[int],
+        stop: StopCriteria,
+        sampling: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+    ) -> None:
+        """Start decoding ``prompt_ids``; its prefill runs in the next ``step``. Raises ``InvalidParameterError``
+        on bad arguments and ``ValueError`` on a request id already running, adding nothing."""
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already running")
+        self._streams[request_id] = self._open_stream(self.model, prompt_ids, stop, sampling, lookahead)
+
+    def step(self) -> list[tuple[Hashable, Step | BaseException]]:
+        """One packed forward over every running decode: each participant's ``Step`` or the exception that
+        ended it, in the order they were added. A decode waiting for its prefill chunk is left out; a
+        finished or failed one leaves the batch."""
+        request_ids = list(self._streams)
+        results = step_batch([self._streams[request_id] for request_id in request_ids], self.policy)
+        reported: list[tuple[Hashable, Step | BaseException]] = []
+        for request_id, result in zip(request_ids, results, strict=True):
+            if result is None:
+                continue
+            reported.append((request_id, result))
+            if isinstance(result, BaseException) or result.finish_reason is not None:
+                self.cancel(request_id)
+        return reported
+
+    def cancel(self, request_id: Hashable) -> None:
+        """End ``request_id``'s decode and free its cache; a no-op for an unknown or finished request."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.close()

@@ -1,8 +1,12 @@
-"""The facade the server uses: one loaded model, decode calls in, step generators out.
+"""The facade the server uses: one loaded model, its continuous batch, and single decodes.
 
-Contract: ``Decoder.decode`` validates every argument before any forward pass and returns a generator of
-``Step`` (see ``decoding.engine``); ``lookahead=None`` selects plain autoregressive decoding. Only the thread
-that owns the device may iterate the generators. Everything crossing this boundary is plain Python data.
+Contract: ``Decoder.batch_engine(policy)`` gives the server its ``BatchEngine`` (``decoding.batch``): requests
+added by id, all of them stepped in one forward per ``step``, cancelled by id. ``Decoder.validate`` is the
+one check of a request's decoding parameters (``InvalidParameterError`` naming the parameter, no forward
+pass); the engine runs the same check. ``Decoder.decode`` validates and returns one decode's generator of
+``Step`` (see ``decoding.engine``), for callers that decode alone (benchmarks, tests); ``lookahead=None``
+selects plain autoregressive decoding. Only the thread that owns the device may step the engine or iterate
+the generators. Everything crossing this boundary is plain Python data.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
 from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
@@ -106,6 +111,24 @@ class Decoder:
         ids.update(_as_ids(self.loaded.tokenizer.eos_token_id))
         return frozenset(ids)
 
+    def validate(
+        self,
+        prompt_ids: Sequence[int],
+        stop: StopCriteria,
+        sampling: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+    ) -> None:
+        """Raise ``InvalidParameterError`` (and subclasses) naming the parameter if the request cannot be decoded.
+
+        Safe from any thread: it reads only the model's config.
+        """
+        validate_request(self.loaded.model, prompt_ids, stop, sampling, lookahead)
+
+    def batch_engine(self, policy: BatchPolicy | None = None) -> BatchEngine:
+        """A new, empty continuous batch over this model that spends each forward's tokens as ``policy`` says
+        (``BatchPolicy()`` when None)."""
+        return BatchEngine(self.loaded.model, policy or BatchPolicy())
+
     def decode(
         self,
         prompt_ids: Sequence[int],
@@ -118,7 +141,6 @@ class Decoder:
         Raises ``InvalidParameterError`` (and subclasses) here, synchronously, on bad arguments; the
         generator runs its first forward pass (the prefill) on the first ``next``.
         """
-        validate_request(self.loaded.model, prompt_ids, stop, sampling, lookahead)
         if lookahead is None:
             return generate_autoregressive(self.loaded.model, prompt_ids, stop, sampling)
         return generate_lookahead(self.loaded.model, prompt_ids, stop, sampling, lookahead)

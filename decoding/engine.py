@@ -4,11 +4,12 @@ Contract: token ids in, token ids out (no tokenizer here). ``generate_autoregres
 ``generate_lookahead`` take a causal LM, the prompt ids, ``StopCriteria`` and ``SamplingParams`` (validated
 at once: typed errors, no forward pass) and return a ``DecodeStream``, an iterator of one ``Step`` per
 forward pass: the tokens that pass committed (never a stop token, never past ``max_tokens``) and its
-statistics. The last step carries ``finish_reason`` "stop" or "length". ``close()`` cancels the decode and
+statistics (``StepStats``; ``StepStats.counts`` turns them into the ``StepCounts`` record that callers sum).
+The last step carries ``finish_reason`` "stop" or "length". ``close()`` cancels the decode and
 frees its cache. With greedy sampling both produce exactly the same tokens; with sampling lookahead
 preserves the output distribution. The same stream can instead be stepped inside a batch
-(``decoding.batch``): its steps then share forward passes with other streams, and its greedy tokens stay
-the same.
+(``decoding.batch.BatchEngine``): its steps then share forward passes with other streams, and its greedy
+tokens stay the same.
 """
 
 from __future__ import annotations
@@ -45,6 +46,54 @@ class StepStats:
     accepted_per_position: tuple[bool, ...] = ()
     seconds: float = 0.0
     prefill: bool = False
+
+    def counts(self, kept: int | None = None) -> StepCounts:
+        """This step's counts when only its first ``kept`` tokens are kept (all committed ones by default).
+
+        Accepted guesses beyond the kept tokens are not counted. Example: a step that committed 3 tokens,
+        2 of them accepted guesses (``accepted_per_position=(True, True, False)``, N=4), with ``kept=1`` (a stop
+        string ended the text after its first token) counts ``tokens=1, steps=1, offered=3, accepted=1,
+        accepted_per_position=(1, 0, 0)``.
+        """
+        kept = self.committed if kept is None else kept
+        accepted = min(self.accepted, kept)
+        positions = tuple(int(flag and k < accepted) for k, flag in enumerate(self.accepted_per_position))
+        return StepCounts(kept, 1 if kept > 0 else 0, self.offered, accepted, positions)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """The one record of output counts: of one step (``StepStats.counts``), or a sum of steps (``+``, ``-``).
+
+    ``tokens``: tokens kept; ``steps``: steps that kept at least one token (prefill included); ``offered``:
+    guessed tokens offered for verification; ``accepted``: guessed tokens accepted and kept;
+    ``accepted_per_position[k]``: how many of those were at guessed position k+1.
+    """
+
+    tokens: int = 0
+    steps: int = 0
+    offered: int = 0
+    accepted: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    def __add__(self, other: StepCounts) -> StepCounts:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: StepCounts) -> StepCounts:
+        return self._combine(other, -1)
+
+    def _combine(self, other: StepCounts, sign: int) -> StepCounts:
+        """Field-wise ``self + sign * other``; positions missing on one side count as 0."""
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + (0,) * (width - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + (0,) * (width - len(other.accepted_per_position))
+        return StepCounts(
+            self.tokens + sign * other.tokens,
+            self.steps + sign * other.steps,
+            self.offered + sign * other.offered,
+            self.accepted + sign * other.accepted,
+            tuple(a + sign * b for a, b in zip(mine, theirs, strict=True)),
+        )
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Contract: ``create_app(config, decoder=None, load_decoder=None)`` returns an ASGI app whose lifespan starts the
 worker thread and, in the background, loads the decoder (unless one is injected), publishes the config
 metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and again while draining. Routes
-only parse, authorize and delegate to ``server.serving``; every error goes through ``server.errors``.
+only parse, authorize and delegate to ``server.serving``; prompts are tokenized off the event loop (in a
+thread), so a huge prompt never stalls other streams; every error goes through ``server.errors``.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and the playground page: ``GET /`` and
 ``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
@@ -77,7 +78,7 @@ def configure_worker_thread(config: ServerConfig) -> Callable[[], None]:
 
 
 def batch_policy(config: ServerConfig) -> BatchPolicy:
-    """The worker's batching policy from the ``batch`` settings (the built-in CPU curve when none is given)."""
+    """The engine's batching policy from the ``batch`` settings (the built-in CPU curve when none is given)."""
     settings = config.batch
     curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
     return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve)
@@ -98,7 +99,7 @@ class Runtime:
         self.config = config
         self.keys = KeyChecker(load_api_keys(config))
         self.metrics = Metrics()
-        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config), batch_policy(config))
+        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
         self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
         self.decoder = decoder
         self.load_decoder = load_decoder or load_default_decoder
@@ -124,6 +125,7 @@ class Runtime:
         try:
             if self.decoder is None:
                 self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
+            self.worker.attach(self.decoder.batch_engine(batch_policy(self.config)))
             engine = Engine(self.config, self.decoder, TextCodec(self.decoder.tokenizer), self.scheduler)
             self._publish_config(engine)
             self.state = "warming"
@@ -248,7 +250,8 @@ async def generate(
     model = serving.check_model(runtime.config, body.model)
     serving.check_supported(body)
     engine = runtime.require_engine()
-    generation = serving.plan(engine, body, prompt_of(engine.codec, body), prompt_param)
+    prompt_ids = await asyncio.to_thread(prompt_of, engine.codec, body)  # a long prompt must not stall the loop
+    generation = serving.plan(engine, body, prompt_ids, prompt_param)
     handle = serving.start(engine, generation)
     renderer = renderer_type(model, body.include_usage, body.include_steps)
     return await respond(request, handle, renderer, bool(body.stream))

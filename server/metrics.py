@@ -1,8 +1,9 @@
 """Every Prometheus collector the server exports, declared here and nowhere else.
 
 Contract: ``Metrics`` owns its own ``CollectorRegistry`` (so tests can build many apps in one process) and is
-fed plain records by the scheduler and the worker: ``StepRecord`` per forward pass, ``RequestRecord`` per
-finished request, plus ``rejected``, ``client_disconnected`` and the queue gauges. It never sees tensors.
+fed plain data by the scheduler and the worker: per forward pass of a request, its ``decoding.StepCounts``
+(what the step kept) with its timings; per finished request, its reason and summed ``StepCounts``; plus
+``rejected``, ``client_disconnected`` and the queue gauges. It never sees tensors.
 
 Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
 - token and step counters count what requests really produced, cancelled and failed requests included
@@ -22,10 +23,13 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:  # only read here; importing decoding would load torch for the deployment tests
+    from decoding import StepCounts
 
 PREFIX = "lookahead"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -40,31 +44,6 @@ RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TOKENS_PER_STEP_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 BATCH_REQUESTS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One forward pass of one request, as the worker saw it."""
-
-    tokens: int  # tokens kept (sent) from this step
-    seconds: float  # the forward pass itself
-    since_previous: float  # wall time since this request's previous step (or since prefill start)
-    offered: int  # guessed tokens offered (N-1 if any candidate was verified, else 0)
-    accepted: int  # guessed tokens accepted and kept
-    accepted_positions: tuple[bool, ...] = ()  # per guessed position 1..N-1: accepted and kept
-    prefill: bool = False
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One request's end: why, and its totals."""
-
-    finish_reason: str  # stop | length | abort | error
-    completion_tokens: int
-    steps: int  # forward passes that produced at least one kept token
-    offered: int
-    accepted: int
-    e2e_seconds: float
 
 
 class Metrics:
@@ -142,21 +121,22 @@ class Metrics:
     def first_token(self, seconds_since_arrival: float) -> None:
         self.ttft.observe(seconds_since_arrival)
 
-    def step(self, record: StepRecord) -> None:
-        """Count one forward pass."""
-        self.step_duration.observe(record.seconds)
-        self.draft_tokens.inc(record.offered)
-        self.accepted_tokens.inc(record.accepted)
-        for position, accepted in enumerate(record.accepted_positions, start=1):
+    def step(self, counts: StepCounts, seconds: float, since_previous: float, prefill: bool = False) -> None:
+        """Count one forward pass of one request: what it kept (``counts``), the pass's own ``seconds``, and the
+        wall time ``since_previous`` step of the same request (or since its prefill started)."""
+        self.step_duration.observe(seconds)
+        self.draft_tokens.inc(counts.offered)
+        self.accepted_tokens.inc(counts.accepted)
+        for position, accepted in enumerate(counts.accepted_per_position, start=1):
             if accepted:
-                self.accepted_per_position.labels(position=str(position)).inc()
-        if record.tokens <= 0:
+                self.accepted_per_position.labels(position=str(position)).inc(accepted)
+        if counts.tokens <= 0:
             return
-        self.generation_tokens.inc(record.tokens)
-        self.decode_steps.inc()
-        if not record.prefill:
-            per_token = record.since_previous / record.tokens
-            for _ in range(record.tokens):
+        self.generation_tokens.inc(counts.tokens)
+        self.decode_steps.inc(counts.steps)
+        if not prefill:
+            per_token = since_previous / counts.tokens
+            for _ in range(counts.tokens):
                 self.itl.observe(per_token)
 
     def forward(self, requests: int, input_tokens: int) -> None:
@@ -164,17 +144,18 @@ class Metrics:
         self.batch_requests.observe(requests)
         self.batch_input_tokens.observe(input_tokens)
 
-    def request_finished(self, record: RequestRecord) -> None:
-        """Count a finished request; per-request ratios only for requests that ran to stop or length."""
-        self.requests.labels(finish_reason=record.finish_reason).inc()
-        if record.finish_reason not in ("stop", "length"):
+    def request_finished(self, finish_reason: str, counts: StepCounts, e2e_seconds: float) -> None:
+        """Count a finished request (``finish_reason``: stop | length | abort | error; ``counts``: all its
+        steps); per-request ratios only for requests that ran to stop or length."""
+        self.requests.labels(finish_reason=finish_reason).inc()
+        if finish_reason not in ("stop", "length"):
             return
-        self.e2e.observe(record.e2e_seconds)
-        if record.offered > 0:
-            self.acceptance_rate.observe(record.accepted / record.offered)
-        if record.completion_tokens > 0 and record.steps > 0:
-            self.steps_per_token.observe(record.steps / record.completion_tokens)
-            self.tokens_per_step.observe(record.completion_tokens / record.steps)
+        self.e2e.observe(e2e_seconds)
+        if counts.offered > 0:
+            self.acceptance_rate.observe(counts.accepted / counts.offered)
+        if counts.tokens > 0 and counts.steps > 0:
+            self.steps_per_token.observe(counts.steps / counts.tokens)
+            self.tokens_per_step.observe(counts.tokens / counts.steps)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
-from decoding import LookaheadConfig, Step
 from server.errors import QueueFullError, ServiceUnavailableError
 from server.metrics import Metrics
 from server.text import TextStream
-from server.worker import Job, Output, Worker
+from server.worker import GenerationPlan, Job, Output, Worker
 
 logger = logging.getLogger("server.scheduler")
 
@@ -78,16 +77,9 @@ class Scheduler:
         """Requests the server holds at once: running slots plus waiting places."""
         return self.worker.max_running + self.max_queue
 
-    def submit(
-        self,
-        steps: Iterator[Step],
-        text: TextStream,
-        prompt_tokens: int,
-        lookahead: LookaheadConfig | None,
-        tracked: bool = True,
-        force: bool = False,
-    ) -> Handle:
-        """Admit one validated generation; raise ``ServiceUnavailableError`` or ``QueueFullError`` if refused.
+    def submit(self, plan: GenerationPlan, text: TextStream, tracked: bool = True, force: bool = False) -> Handle:
+        """Admit one validated generation (its text comes out of ``text``); raise ``ServiceUnavailableError`` or
+        ``QueueFullError`` if refused.
 
         ``tracked=False`` keeps the request out of the metrics; ``force=True`` admits even while draining or
         full (the warm-up request).
@@ -108,7 +100,7 @@ class Scheduler:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        job = Job(steps, text, prompt_tokens, lookahead, post, self.metrics if tracked else None)
+        job = Job(plan, text, post, self.metrics if tracked else None)
         handle = Handle(job, queue, self)
         self.worker.submit(job)
         return handle

@@ -2,13 +2,15 @@
 
 Contract: ``check_model``, ``check_supported``, ``chat_prompt`` / ``completion_prompt`` and ``plan`` check
 everything that depends on the server (model name, unsupported options, lookahead maxima, the context window)
-and build a ``GenerationPlan``; ``start`` validates it with the decoder (which raises before any forward pass)
-and submits it. ``complete`` waits for the whole
+and build a ``GenerationPlan``; ``start`` has the decoder validate its decoding parameters (``validate``, the one
+check of their ranges: a 400 naming the parameter) and submits it to the scheduler, whose worker runs it in the
+decoder's ``batch_engine``. ``complete`` waits for the whole
 text, cancelling if the client disconnects; ``stream`` yields the SSE data of OpenAI's chunk sequence: a role
 chunk (chat only), one chunk per step that produced text, a finish chunk, the usage chunk when asked, ``[DONE]``;
 with ``stream_steps`` the content and finish chunks carry a ``step`` object (``step_of``).
 An error after the stream started becomes one ``{"error": ...}`` data event. Both paths concatenate the same
-``Output`` texts, so a stream and a non-stream give the same text.
+``Output`` texts, so a stream and a non-stream give the same text. Every count (``usage``, ``decoding``,
+``step``) is read from the ``decoding.StepCounts`` the worker summed.
 
 ``max_tokens`` rule: when a request gives none, it is ``min(default_max_tokens, context_length -
 prompt_tokens)``; when it gives one and prompt + max_tokens exceeds the context, the request fails with 400.
@@ -21,11 +23,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decoding import InvalidParameterError, LookaheadConfig, SamplingParams, Step, StopCriteria
+from decoding import BatchPolicy, InvalidParameterError, LookaheadConfig, SamplingParams, StopCriteria
 from server.config import LookaheadSettings, ServerConfig, lookahead_bounds
 from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
 from server.protocol import (
@@ -49,7 +51,7 @@ from server.protocol import (
 )
 from server.scheduler import Handle, Scheduler
 from server.text import TemplateError, TextCodec, TextStream
-from server.worker import Output, Summary
+from server.worker import EngineLike, GenerationPlan, Output, Summary
 
 logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
@@ -66,24 +68,15 @@ class DecoderLike(Protocol):
 
     def eos_token_ids(self) -> frozenset[int]: ...
 
-    def decode(
+    def validate(
         self,
         prompt_ids: Sequence[int],
         stop: StopCriteria,
         sampling: SamplingParams,
         lookahead: LookaheadConfig | None,
-    ) -> Iterator[Step]: ...
+    ) -> None: ...
 
-
-@dataclass(frozen=True)
-class GenerationPlan:
-    """Everything the decoder needs for one request, in its own types."""
-
-    prompt_ids: list[int]
-    stop: StopCriteria
-    sampling: SamplingParams
-    lookahead: LookaheadConfig | None
-    stop_strings: tuple[str, ...]
+    def batch_engine(self, policy: BatchPolicy | None) -> EngineLike: ...
 
 
 @dataclass(frozen=True)
@@ -232,42 +225,33 @@ def plan(engine: Engine, request: GenerationFields, prompt_ids: list[int], promp
 def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, force: bool = False) -> Handle:
     """Validate with the decoder (400 on bad parameters) and submit to the scheduler (429 / 503 when refused)."""
     try:
-        steps = engine.decoder.decode(
-            generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead
-        )
+        engine.decoder.validate(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
     except InvalidParameterError:
         raise
     except Exception as exc:
         logger.exception("the decoder refused a request")
         raise InternalError("The server had an error while processing your request.") from exc
     text = TextStream(engine.codec.decode, generation.stop_strings)
-    return engine.scheduler.submit(
-        steps,
-        text,
-        len(generation.prompt_ids),
-        generation.lookahead,
-        tracked=tracked,
-        force=force,
-    )
+    return engine.scheduler.submit(generation, text, tracked=tracked, force=force)
 
 
 def usage_of(summary: Summary) -> Usage:
     return Usage(
         prompt_tokens=summary.prompt_tokens,
-        completion_tokens=summary.completion_tokens,
-        total_tokens=summary.prompt_tokens + summary.completion_tokens,
+        completion_tokens=summary.counts.tokens,
+        total_tokens=summary.prompt_tokens + summary.counts.tokens,
     )
 
 
 def decoding_of(summary: Summary) -> DecodingInfo:
     """The ``decoding`` extension object."""
-    lookahead = summary.lookahead
+    lookahead, counts = summary.lookahead, summary.counts
     return DecodingInfo(
         method="lookahead" if lookahead is not None else "autoregressive",
-        steps=summary.steps,
-        tokens_per_step=round(summary.completion_tokens / summary.steps, 4) if summary.steps else 0.0,
-        accepted_tokens=summary.accepted,
-        offered_tokens=summary.offered,
+        steps=counts.steps,
+        tokens_per_step=round(counts.tokens / counts.steps, 4) if counts.steps else 0.0,
+        accepted_tokens=counts.accepted,
+        offered_tokens=counts.offered,
         window_size=lookahead.window_size if lookahead else None,
         ngram_size=lookahead.ngram_size if lookahead else None,
         guess_set_size=lookahead.guess_set_size if lookahead else None,
@@ -276,7 +260,8 @@ def decoding_of(summary: Summary) -> DecodingInfo:
 
 def step_of(output: Output) -> StepInfo:
     """The ``step`` extension object of the chunk that carries ``output``'s text."""
-    return StepInfo(tokens=output.tokens, accepted=output.accepted, offered=output.offered)
+    counts = output.counts
+    return StepInfo(tokens=counts.tokens, accepted=counts.accepted, offered=counts.offered)
 
 
 class Renderer(Protocol):

@@ -1,8 +1,11 @@
 """Text on both sides of the decoder: chat templates in, incremental detokenization and stop strings out.
 
 Contract:
-- ``TextCodec`` wraps the Hugging Face tokenizer behind a lock (the event loop encodes while the worker
-  thread decodes) and deals only in lists of ints and strings.
+- ``TextCodec`` wraps the Hugging Face tokenizer and deals only in lists of ints and strings. Encoding (the
+  request threads) and decoding (the worker thread's detokenization) never share a lock or a tokenizer:
+  decoding uses a private copy of the tokenizer under its own lock, because an encode may reconfigure the
+  shared Rust tokenizer (``no_truncation`` / ``no_padding`` take it mutably, and a concurrent decode would
+  then fail with "Already borrowed"); so a long encode never holds up the detokenization of other requests.
 - ``IncrementalDetokenizer`` turns token ids, fed one at a time, into text pieces whose concatenation equals
   ``decode(all ids)``; a piece never ends inside a multi-byte character (text ending in U+FFFD is held back
   until the character completes, or until ``flush``).
@@ -14,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,11 +32,16 @@ class TemplateError(ValueError):
 
 
 class TextCodec:
-    """Thread-safe encode/decode on top of a Hugging Face tokenizer."""
+    """Thread-safe encode/decode on top of a Hugging Face tokenizer; encode and decode never wait on each other.
+
+    ``decode`` runs on ``copy.deepcopy(tokenizer)`` (made once, here), each side under its own lock.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # encoding
+        self._detokenizer = copy.deepcopy(tokenizer)
+        self._decode_lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
@@ -60,8 +69,8 @@ class TextCodec:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Token ids to text, special tokens skipped."""
-        with self._lock:
-            return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        with self._decode_lock:
+            return self._detokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:

@@ -1,28 +1,34 @@
-"""The one thread that runs the model: every iteration, one batched step of all running requests.
+"""The one thread that runs the model: a thin loop around the decoder's continuous batch.
 
-Contract: ``Worker`` owns the device. Jobs arrive through ``submit`` (any thread) and wait in a FIFO until one
-of ``max_running`` slots is free (continuous batching: jobs join and leave between iterations). Every
-iteration advances each running job by one step: the jobs whose steps are decoder streams
-(``decoding.DecodeStream``) share one forward pass (``decoding.step_batch``, under the ``BatchPolicy``: a
-shared token budget, chunked prefill); any other step iterator (a test's scripted decoder) advances on its
-own. A job's cancel flag is checked before each of its steps; a cancelled or finished job's steps are
-closed at once (freeing its cache). Each job reports through its own ``post`` callable: ``Output`` items,
-the last one carrying ``finish_reason`` and a ``Summary``, or one exception that ends it. An exception
-inside one job ends that job only (a failed batched forward ends the jobs in it). Greedy output does not
-depend on what else runs: every job has its own cache, window and pool.
+Contract: ``Worker`` owns the device and drives one engine (``EngineLike``: ``decoding.BatchEngine`` in
+production; the server's tests plug in a stand-in with the same interface, so they drive the same loop). Jobs
+arrive through ``submit`` (any thread) and wait in a FIFO until one of ``max_running`` slots is free; the
+worker then adds them to the engine (continuous batching: jobs join and leave between iterations). Each
+iteration: jobs whose cancel flag is set end (``abort``) and leave the engine (freeing their cache), newly
+admitted jobs join it, and one ``engine.step()`` advances every running job (one batched forward in
+production). Each job's steps become text in its own ``TextStream`` here, on this thread (detokenization and
+stop strings never wait on a lock the event loop's encoding holds, see ``server.text``); a stop string ends
+the job.
+Counts flow as one ``decoding.StepCounts`` record per step into the job's totals, its outputs and the metrics.
+Each job reports through its own ``post`` callable: ``Output`` items, the last one carrying ``finish_reason``
+and a ``Summary``, or one exception that ends it. An exception reported for one job ends that job only (a
+failed batched forward ends the jobs in it); an exception from ``step`` itself ends every running job. Greedy
+output does not depend on what else runs: every job has its own cache, window and pool.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from decoding import BatchPolicy, DecodeStream, LookaheadConfig, Step, step_batch
-from server.metrics import Metrics, RequestRecord, StepRecord
+from decoding import LookaheadConfig, SamplingParams, Step, StepCounts, StopCriteria
+from server.metrics import Metrics
 from server.text import TextStream
 
 logger = logging.getLogger("server.worker")
@@ -33,18 +39,48 @@ class RequestCancelled(Exception):
 
 
 class GenerationEnded(RuntimeError):
-    """A step generator stopped without reporting a finish reason (a decoder bug)."""
+    """The engine dropped a request without reporting a finish reason or an error (an engine bug)."""
+
+
+class EngineLike(Protocol):
+    """The continuous batch the worker drives (``decoding.BatchEngine``); only the worker thread calls it."""
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def __contains__(self, request_id: Hashable) -> bool: ...
+
+    def add(
+        self,
+        request_id: Hashable,
+        prompt_ids: Sequence[int],
+        stop: StopCriteria,
+        sampling: SamplingParams,
+        lookahead: LookaheadConfig | None,
+    ) -> None: ...
+
+    def step(self) -> list[tuple[Hashable, Step | BaseException]]: ...
+
+    def cancel(self, request_id: Hashable) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """Everything the decoder needs for one request, in its own types, plus the stop strings."""
+
+    prompt_ids: list[int]
+    stop: StopCriteria
+    sampling: SamplingParams
+    lookahead: LookaheadConfig | None
+    stop_strings: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Summary:
-    """Totals of a finished request: the ``usage`` and ``decoding`` numbers."""
+    """A finished request: the ``usage`` and ``decoding`` numbers (``counts`` sums all its steps)."""
 
     prompt_tokens: int
-    completion_tokens: int
-    steps: int  # forward passes that produced at least one kept token, prefill included
-    offered: int
-    accepted: int
+    counts: StepCounts
     lookahead: LookaheadConfig | None
 
 
@@ -52,86 +88,66 @@ class Summary:
 class Output:
     """Text produced by one step; the last output of a request has ``finish_reason`` and ``summary``.
 
-    ``tokens``, ``accepted`` and ``offered`` count what the steps since the previous output committed,
-    accepted from guesses and offered for verification: normally one step's, more when a step's text was
-    held back (an incomplete character, a possible stop-string prefix, EOS), so they add up to the totals.
+    ``counts`` covers the steps since the previous output: normally one step's, more when a step's text was
+    held back (an incomplete character, a possible stop-string prefix, EOS), so outputs add up to the totals.
     """
 
     text: str
     finish_reason: str | None = None
     summary: Summary | None = None
-    tokens: int = 0
-    accepted: int = 0
-    offered: int = 0
-
-
-@dataclass
-class Tally:
-    """Running totals of one request."""
-
-    completion_tokens: int = 0
-    steps: int = 0
-    offered: int = 0
-    accepted: int = 0
-
-    def add(self, tokens: int, offered: int, accepted: int) -> None:
-        self.completion_tokens += tokens
-        self.steps += 1 if tokens > 0 else 0
-        self.offered += offered
-        self.accepted += accepted
+    counts: StepCounts = StepCounts()
 
 
 @dataclass(eq=False)
 class Job:
     """One request as the worker sees it. ``post`` must be safe to call from the worker thread."""
 
-    steps: Iterator[Step]
+    plan: GenerationPlan
     text: TextStream
-    prompt_tokens: int
-    lookahead: LookaheadConfig | None
     post: Callable[[Output | BaseException], None]
     metrics: Metrics | None = None  # None: not counted (the warm-up request)
     arrived: float = field(default_factory=time.perf_counter)
-    tally: Tally = field(default_factory=Tally)
+    request_id: int = -1  # set by the worker when it adds the job to the engine
+    totals: StepCounts = StepCounts()
+    reported: StepCounts = StepCounts()  # the totals as of the last posted output
     cancel_requested: bool = False
     cancel_error: BaseException | None = None
     started: float | None = None
     last_step: float = 0.0
     first_token_seen: bool = False
-    step_count: int = 0
     done: bool = False
-    reported: Tally = field(default_factory=Tally)  # the tally as of the last posted output
 
     def summary(self) -> Summary:
-        t = self.tally
-        return Summary(self.prompt_tokens, t.completion_tokens, t.steps, t.offered, t.accepted, self.lookahead)
+        return Summary(len(self.plan.prompt_ids), self.totals, self.plan.lookahead)
 
     def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
-        """An output carrying the counts tallied since the previous one."""
-        t, r = self.tally, self.reported
-        output = Output(text, finish_reason, summary, t.completion_tokens - r.completion_tokens,
-                        t.accepted - r.accepted, t.offered - r.offered)
-        self.reported = Tally(t.completion_tokens, t.steps, t.offered, t.accepted)
+        """An output carrying the counts since the previous one."""
+        output = Output(text, finish_reason, summary, self.totals - self.reported)
+        self.reported = self.totals
         return output
 
 
 class Worker:
-    """The decode thread and its two queues (waiting FIFO, running list)."""
+    """The decode thread, its two queues (waiting FIFO, running list) and the engine it drives.
+
+    The engine comes with the constructor or, once the model is loaded, with ``attach`` (before any job).
+    """
 
     def __init__(
         self,
         max_running: int,
         metrics: Metrics | None = None,
         thread_setup: Callable[[], None] | None = None,
-        policy: BatchPolicy | None = None,
+        engine: EngineLike | None = None,
     ) -> None:
         self.max_running = max_running
         self.metrics = metrics
-        self.policy = policy or BatchPolicy()
+        self.engine = engine
         self._thread_setup = thread_setup
         self._condition = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
+        self._ids = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -148,6 +164,10 @@ class Worker:
     def busy(self) -> bool:
         """True while any job is waiting or running."""
         return bool(self._waiting) or self.running > 0
+
+    def attach(self, engine: EngineLike) -> None:
+        """Drive ``engine`` from now on (call before submitting jobs)."""
+        self.engine = engine
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
@@ -219,29 +239,50 @@ class Worker:
         self._publish_queue()
 
     def _iterate(self, jobs: list[Job]) -> None:
-        """One step of every job: decoder streams batched into one forward, other iterators one by one."""
-        batched: list[Job] = []
+        """End cancelled jobs, add new ones to the engine, then one engine step for all of them."""
         for job in jobs:
             if job.cancel_requested:
                 self._finish(job, "abort", error=job.cancel_error or RequestCancelled("cancelled"))
-            elif isinstance(job.steps, DecodeStream):
-                batched.append(job)
-            else:
-                self._advance(job)
-        if batched:
-            self._advance_batch(batched)
-
-    def _advance_batch(self, jobs: list[Job]) -> None:
-        """One packed forward for ``jobs``; each job consumes its own step or ends with its own error."""
-        for job in jobs:
-            if job.started is None:
+            elif job.started is None:
                 self._begin(job)
-        results = step_batch([job.steps for job in jobs], self.policy)
-        stepped = [result for result in results if result is not None and not isinstance(result, BaseException)]
+        running = [job for job in jobs if not job.done]
+        if not running or self.engine is None:
+            return
+        if self.engine.has_work:
+            self._step(running)
+        for job in running:
+            if not job.done and job.request_id not in self.engine:
+                self._finish(job, "error", error=GenerationEnded("the engine dropped a request without a finish"))
+
+    def _begin(self, job: Job) -> None:
+        """Count the job as started and add it to the engine (its prefill runs in the next step)."""
+        job.started = job.last_step = time.perf_counter()
+        if job.metrics is not None:
+            job.metrics.request_started(len(job.plan.prompt_ids), job.started - job.arrived)
+        job.request_id = next(self._ids)
+        plan = job.plan
+        try:
+            self.engine.add(job.request_id, plan.prompt_ids, plan.stop, plan.sampling, plan.lookahead)
+        except Exception as exc:
+            logger.exception("generation failed")
+            self._finish(job, "error", error=exc)
+
+    def _step(self, jobs: list[Job]) -> None:
+        """One engine step; each job consumes its own step or ends with its own error."""
+        try:
+            results = self.engine.step()
+        except Exception as exc:  # the engine itself failed: every job in it ends
+            logger.exception("generation failed")
+            for job in jobs:
+                self._finish(job, "error", error=exc)
+            return
+        stepped = [result for _, result in results if isinstance(result, Step)]
         if self.metrics is not None and stepped:
             self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped))
-        for job, result in zip(jobs, results, strict=True):
-            if result is None:  # waiting for its prefill chunk
+        by_id = {job.request_id: job for job in jobs}
+        for request_id, result in results:
+            job = by_id.get(request_id)
+            if job is None or job.done:
                 continue
             if isinstance(result, BaseException):
                 logger.error("generation failed", exc_info=result)
@@ -253,55 +294,19 @@ class Worker:
                 logger.exception("generation failed")
                 self._finish(job, "error", error=exc)
 
-    def _advance(self, job: Job) -> None:
-        """Run one step of ``job`` (or finish it if cancelled); errors end this job only."""
-        if job.cancel_requested:
-            self._finish(job, "abort", error=job.cancel_error or RequestCancelled("cancelled"))
-            return
-        try:
-            if job.started is None:
-                self._begin(job)
-            step = next(job.steps)
-            self._consume(job, step)
-        except StopIteration:
-            self._end_of_steps(job)
-        except Exception as exc:
-            logger.exception("generation failed")
-            self._finish(job, "error", error=exc)
-
-    def _end_of_steps(self, job: Job) -> None:
-        """The generator ended without a step carrying a finish reason: a decoder contract violation."""
-        self._finish(job, "error", error=GenerationEnded("the decoder stopped without a finish reason"))
-
-    def _begin(self, job: Job) -> None:
-        job.started = job.last_step = time.perf_counter()
-        if job.metrics is not None:
-            job.metrics.request_started(job.prompt_tokens, job.started - job.arrived)
-
     def _consume(self, job: Job, step: Step) -> None:
         """Turn one step into text, count it, post it; finish the job on its last step."""
         now = time.perf_counter()
-        job.step_count += 1
         delta = job.text.feed(step.token_ids)
         finish_reason = "stop" if delta.stopped else step.finish_reason
-        accepted = min(step.stats.accepted, delta.tokens)
-        positions = tuple(flag and k < accepted for k, flag in enumerate(step.stats.accepted_per_position))
-        job.tally.add(delta.tokens, step.stats.offered, accepted)
-        record = StepRecord(
-            tokens=delta.tokens,
-            seconds=step.stats.seconds,
-            since_previous=now - job.last_step,
-            offered=step.stats.offered,
-            accepted=accepted,
-            accepted_positions=positions,
-            prefill=step.stats.prefill,
-        )
-        job.last_step = now
+        counts = step.stats.counts(delta.tokens)
+        job.totals += counts
         if job.metrics is not None:
-            job.metrics.step(record)
-            if delta.tokens > 0 and not job.first_token_seen:
+            job.metrics.step(counts, step.stats.seconds, now - job.last_step, step.stats.prefill)
+            if counts.tokens > 0 and not job.first_token_seen:
                 job.metrics.first_token(now - job.arrived)
-        job.first_token_seen = job.first_token_seen or delta.tokens > 0
+        job.last_step = now
+        job.first_token_seen = job.first_token_seen or counts.tokens > 0
         if finish_reason is None:
             if delta.text:
                 job.post(job.output(delta.text))
@@ -312,22 +317,20 @@ class Worker:
     def _finish(
         self, job: Job, reason: str, output: Output | None = None, error: BaseException | None = None
     ) -> None:
-        """End ``job`` once: close its generator, post its last item, count it."""
+        """End ``job`` once: take it out of the engine (freeing its cache), post its last item, count it.
+
+        Only the worker thread finishes a job the engine holds; ``cancel`` finishes waiting jobs only.
+        """
         with self._condition:
             if job.done:
                 return
             job.done = True
             self._publish_queue()
-        try:
-            close = getattr(job.steps, "close", None)
-            if close is not None:
-                close()
-        except Exception:
-            logger.exception("closing a step generator failed")
+        if job.started is not None and self.engine is not None:
+            try:
+                self.engine.cancel(job.request_id)
+            except Exception:
+                logger.exception("removing a request from the engine failed")
         if job.metrics is not None:  # counted before the client can see its response
-            t = job.tally
-            elapsed = time.perf_counter() - job.arrived
-            job.metrics.request_finished(
-                RequestRecord(reason, t.completion_tokens, t.steps, t.offered, t.accepted, elapsed)
-            )
+            job.metrics.request_finished(reason, job.totals, time.perf_counter() - job.arrived)
         job.post(output if output is not None else error or RequestCancelled(reason))

@@ -1,11 +1,13 @@
-"""Batched steps: a stream's greedy tokens do not depend on its neighbours, budgets or chunked prefill."""
+"""Batched steps: a stream's greedy tokens do not depend on its neighbours, budgets or chunked prefill; the
+``BatchEngine`` adds, steps, cancels and drops finished or failed requests by id."""
 
 from __future__ import annotations
 
 import pytest
 
-from decoding.batch import BatchPolicy, allocate, step_batch
-from decoding.engine import Proposal, generate_autoregressive, generate_lookahead
+from decoding.batch import BatchEngine, BatchPolicy, allocate, step_batch
+from decoding.engine import DecodeStream, Proposal, StepCounts, StepStats, generate_autoregressive, generate_lookahead
+from decoding.errors import InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from tests.decoding.stubs import cycle_model
 
@@ -161,3 +163,82 @@ def test_allocation_chunks_prefill_and_keeps_decoders_running():
 def test_step_cost_curve_interpolates_and_extrapolates():
     policy = BatchPolicy(step_cost=((1, 1.0), (9, 2.0), (17, 4.0)))
     assert policy.cost(1) == 1.0 and policy.cost(5) == 1.5 and policy.cost(13) == 3.0 and policy.cost(25) == 6.0
+
+
+def run_engine(engine: BatchEngine, requests: dict[str, tuple], join_at: dict[str, int]) -> dict[str, list[int]]:
+    """Add each request (``(prompt, config)``) at its iteration and step until none runs; its tokens by id."""
+    outputs: dict[str, list[int]] = {name: [] for name in requests}
+    iteration = 0
+    while iteration <= max(join_at.values()) or engine.has_work:
+        for name, (prompt, config) in requests.items():
+            if join_at[name] == iteration:
+                engine.add(name, prompt, StopCriteria(40), SamplingParams(), config)
+        for name, step in engine.step():
+            assert not isinstance(step, BaseException), step
+            outputs[name].extend(step.token_ids)
+        iteration += 1
+        assert iteration < 2000
+    return outputs
+
+
+def test_engine_requests_join_and_leave_with_their_greedy_tokens(tiny_model):
+    requests = {f"r{i}": (prompt, config) for i, (prompt, config) in enumerate(zip(PROMPTS, CONFIGS, strict=True))}
+    alone = {name: tokens_of(make_stream(tiny_model, prompt, config)) for name, (prompt, config) in requests.items()}
+    engine = BatchEngine(tiny_model, BatchPolicy(max_step_tokens=16, prefill_chunk=4))
+    assert run_engine(engine, requests, {"r0": 0, "r1": 0, "r2": 2, "r3": 5, "r4": 9}) == alone
+    assert len(engine) == 0 and not engine.has_work  # finished requests left by themselves
+
+
+def test_engine_cancel_frees_the_request_and_leaves_the_others():
+    model = cycle_model()
+    closed: list[str] = []
+
+    class Recorded(DecodeStream):
+        def close(self) -> None:
+            super().close()
+            closed.append(self.sequence.tokens[0])
+
+    engine = BatchEngine(model, open_stream=Recorded)
+    engine.add("a", [1, 2], StopCriteria(20))
+    engine.add("b", [4, 5], StopCriteria(20))
+    assert [name for name, _ in engine.step()] == ["a", "b"]
+    before = model.forward_calls
+    engine.step()
+    assert model.forward_calls == before + 1  # both requests in one forward
+    engine.cancel("a")
+    engine.cancel("a")  # idempotent
+    assert closed == [1] and "a" not in engine and "b" in engine
+    assert [name for name, _ in engine.step()] == ["b"]
+
+
+def test_engine_a_failing_request_leaves_alone(tiny_model):
+    engine = BatchEngine(tiny_model)
+    engine.add("good", PROMPTS[0], StopCriteria(10), SamplingParams(), CONFIGS[0])
+    engine.add("bad", PROMPTS[1], StopCriteria(10), SamplingParams(), CONFIGS[0])
+    engine._streams["bad"].propose = lambda: (_ for _ in ()).throw(RuntimeError("broken stream"))
+    results = dict(engine.step())
+    assert isinstance(results["bad"], RuntimeError) and results["good"].token_ids
+    assert "bad" not in engine and "good" in engine
+
+
+def test_engine_validates_before_adding(tiny_model):
+    engine = BatchEngine(tiny_model)
+    with pytest.raises(InvalidParameterError) as error:
+        engine.validate([1, 2], StopCriteria(0))
+    assert error.value.param == "max_tokens"
+    with pytest.raises(InvalidParameterError):
+        engine.add("x", [], StopCriteria(4))
+    assert not engine.has_work
+    engine.add("x", [1], StopCriteria(4))
+    with pytest.raises(ValueError):
+        engine.add("x", [1], StopCriteria(4))
+
+
+def test_step_counts_keep_only_kept_tokens_and_sum():
+    stats = StepStats(input_tokens=12, committed=3, offered=3, accepted=2, accepted_per_position=(True, True, False))
+    assert stats.counts() == StepCounts(3, 1, 3, 2, (1, 1, 0))
+    assert stats.counts(1) == StepCounts(1, 1, 3, 1, (1, 0, 0))
+    assert stats.counts(0) == StepCounts(0, 0, 3, 0, (0, 0, 0))
+    total = StepCounts() + stats.counts() + StepStats(1, 1).counts()
+    assert total == StepCounts(4, 2, 3, 2, (1, 1, 0))
+    assert total - stats.counts() == StepCounts(1, 1, 0, 0, (0, 0, 0))

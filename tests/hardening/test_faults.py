@@ -4,19 +4,22 @@ own request (a 500 envelope, or an error event mid-stream), concurrent requests 
 exception that escapes every handler is one 500 envelope, not an exception thrown at the ASGI server (which
 would log it twice and drop the client's keep-alive connection).
 
-The faults come from wrappers around the real decoder and tokenizer that misbehave on a marker prompt only;
-nothing in the server knows about them.
+The faults come from wrappers around the real decoder and tokenizer that misbehave on a marker prompt only:
+the decoder's real ``BatchEngine`` opens a failing ``DecodeStream`` for those prompts. Nothing in the server
+knows about them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
+from decoding import BatchEngine, BatchPolicy, DecodeStream
 from server.config import ServerConfig
 from tests.hardening.live import assert_envelope, sse_data, stream_text
 from tests.server.helpers import running_app, scrape
@@ -31,16 +34,23 @@ class InjectedFault(RuntimeError):
     """The fault a test injects."""
 
 
-def failing(steps: Iterator[Any], fail_at: int, closed: list[str]) -> Iterator[Any]:
-    """``steps`` until step ``fail_at``, which raises; records that the real generator was closed."""
-    try:
-        for index, step in enumerate(steps):
-            if index == fail_at:
-                raise InjectedFault("injected fault")
-            yield step
-    finally:
-        steps.close()
-        closed.append("closed")
+class FailingStream(DecodeStream):
+    """A real decode whose step ``FAIL_AT_STEP`` raises inside the batched step; records when it is closed."""
+
+    def __init__(self, closed: list[str], *args: Any) -> None:
+        super().__init__(*args)
+        self.closed_log = closed
+        self.steps = 0
+
+    def finish(self, logits: Any) -> Any:
+        if self.steps == FAIL_AT_STEP:
+            raise InjectedFault("injected fault")
+        self.steps += 1
+        return super().finish(logits)
+
+    def close(self) -> None:
+        super().close()
+        self.closed_log.append("closed")
 
 
 class FaultyDecoder:
@@ -53,11 +63,13 @@ class FaultyDecoder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def decode(self, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any) -> Iterator[Any]:
-        steps = self.inner.decode(prompt_ids, stop, sampling, lookahead)
+    def batch_engine(self, policy: Any = None) -> BatchEngine:
+        return BatchEngine(self.inner.loaded.model, policy or BatchPolicy(), open_stream=self._open)
+
+    def _open(self, model: Any, prompt_ids: Sequence[int], *args: Any) -> DecodeStream:
         if MARKER in self.inner.tokenizer.decode(list(prompt_ids)):
-            return failing(steps, FAIL_AT_STEP, self.closed)
-        return steps
+            return FailingStream(self.closed, model, prompt_ids, *args)
+        return DecodeStream(model, prompt_ids, *args)
 
 
 class FaultyTokenizer:
@@ -71,6 +83,9 @@ class FaultyTokenizer:
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    def __deepcopy__(self, memo: dict) -> FaultyTokenizer:
+        return FaultyTokenizer(copy.deepcopy(self.inner, memo))
 
     def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
         if MARKER in text:
@@ -113,7 +128,7 @@ async def test_a_failing_generation_fails_only_its_own_request(real_decoder):
         after = await client.post("/v1/completions", json=body(PROMPT))
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == alone
         samples = scrape(app)
-    assert decoder.closed == ["closed", "closed"]  # both failed generators closed (their caches freed)
+    assert decoder.closed == ["closed", "closed"]  # both failed decodes closed (their caches freed)
     assert samples['lookahead_requests_total{finish_reason="error"}'] == 2
     assert samples['lookahead_requests_total{finish_reason="length"}'] + samples[
         'lookahead_requests_total{finish_reason="stop"}'] == 4

@@ -1,7 +1,9 @@
 """Test helpers: run an app with its lifespan in-process, a scripted stand-in decoder, raw ASGI calls.
 
 ``ScriptedDecoder`` replays token-id steps chosen by the prompt's text (through the real tokenizer), so
-scheduler and HTTP tests control timing (gates), failures and token accounting exactly.
+scheduler and HTTP tests control timing (gates), failures and token accounting exactly. Its ``batch_engine``
+is a ``ScriptedEngine``: the same add / step / cancel interface as ``decoding.BatchEngine``, so the worker
+runs the very loop it runs in production.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,18 +93,24 @@ class ScriptedDecoder:
     linears: str = "torch"
     step_log: list[tuple[str, int]] = field(default_factory=list)  # (prompt text, step index) in run order
     closed: list[str] = field(default_factory=list)
-    raise_on_decode: Exception | None = None
+    raise_on_validate: Exception | None = None
 
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({self.tokenizer.eos_token_id})
 
-    def decode(self, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any) -> Any:
-        if self.raise_on_decode is not None:
-            raise self.raise_on_decode
+    def validate(self, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any) -> None:
+        if self.raise_on_validate is not None:
+            raise self.raise_on_validate
         if stop.max_tokens < 1:
             raise InvalidParameterError("max_tokens", "max_tokens must be >= 1")
+
+    def batch_engine(self, policy: Any = None) -> ScriptedEngine:
+        return ScriptedEngine(self)
+
+    def steps_for(self, prompt_ids: Sequence[int], max_tokens: int) -> Iterator[Step]:
+        """The scripted steps of one request: the script its prompt's text selects."""
         text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
-        return self._steps(text, self.script_for(text), stop.max_tokens)
+        return self._steps(text, self.script_for(text), max_tokens)
 
     def _steps(self, text: str, script: Script, max_tokens: int):
         produced = 0
@@ -131,6 +139,45 @@ class ScriptedDecoder:
                     return
         finally:
             self.closed.append(text)
+
+
+class ScriptedEngine:
+    """``decoding.BatchEngine``'s interface over scripted steps: each ``step`` advances every request once, in
+    the order they were added; a request whose step finishes or raises leaves by itself; ``cancel`` closes it."""
+
+    def __init__(self, decoder: ScriptedDecoder) -> None:
+        self.decoder = decoder
+        self._requests: dict[Hashable, Iterator[Step]] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._requests
+
+    def add(self, request_id: Hashable, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any) -> None:
+        self.decoder.validate(prompt_ids, stop, sampling, lookahead)
+        self._requests[request_id] = self.decoder.steps_for(prompt_ids, stop.max_tokens)
+
+    def step(self) -> list[tuple[Hashable, Step | BaseException]]:
+        results: list[tuple[Hashable, Step | BaseException]] = []
+        for request_id, steps in list(self._requests.items()):
+            try:
+                step = next(steps)
+            except Exception as exc:
+                results.append((request_id, exc))
+                self.cancel(request_id)
+                continue
+            results.append((request_id, step))
+            if step.finish_reason is not None:
+                self.cancel(request_id)
+        return results
+
+    def cancel(self, request_id: Hashable) -> None:
+        steps = self._requests.pop(request_id, None)
+        if steps is not None:
+            steps.close()
 
 
 def token_steps(tokenizer: Any, pieces: Sequence[str]) -> list[list[int]]:

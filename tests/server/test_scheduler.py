@@ -1,4 +1,5 @@
-"""Scheduling, isolation, cancellation, queue limits, readiness and drain, with a scripted stand-in decoder.
+"""Scheduling, isolation, cancellation, queue limits, readiness and drain, with a scripted stand-in decoder
+(whose engine has ``decoding.BatchEngine``'s interface, so the worker runs its production loop).
 
 The scripted decoder uses the real tokenizer, so text and token accounting are real; its steps are instant,
 slowed by ``delay`` or held by a gate where a test needs a request to be in a given state.
@@ -7,13 +8,16 @@ slowed by ``delay`` or held by a gate where a test needs a request to be in a gi
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
+from typing import Any
 
+from decoding import SamplingParams, StopCriteria
 from server.metrics import Metrics
 from server.scheduler import Scheduler
 from server.text import TextStream
-from server.worker import Output, Worker
+from server.worker import GenerationPlan, Output, Worker
 from tests.server.conftest import make_config
 from tests.server.helpers import (
     Script,
@@ -50,12 +54,13 @@ def aborted_and_disconnects(app) -> tuple[float, float]:
 
 async def test_worker_interleaves_running_jobs_round_robin(tokenizer):
     decoder = decoder_with(tokenizer, {})
-    worker = Worker(max_running=2)
+    worker = Worker(max_running=2, engine=decoder.batch_engine())
     scheduler = Scheduler(worker, max_queue=4)
     handles = []
     for name in ("alpha", "bravo", "charlie"):
-        steps = decoder._steps(name, Script(token_steps(tokenizer, WORDS[:3])), 64)
-        handles.append(scheduler.submit(steps, TextStream(lambda ids: tokenizer.decode(ids)), 1, None))
+        ids = tokenizer.encode(name, add_special_tokens=False)
+        plan = GenerationPlan(ids, StopCriteria(64), SamplingParams(), None, ())
+        handles.append(scheduler.submit(plan, TextStream(lambda ids: tokenizer.decode(ids))))
     worker.start()  # all three are queued before the first round: alpha and bravo run, charlie waits
     try:
         results = [await handle.collect() for handle in handles]
@@ -106,7 +111,7 @@ async def test_failure_in_one_generation_fails_only_that_request(tokenizer):
 
 async def test_synchronous_decoder_error_is_a_500_envelope(tokenizer):
     decoder = decoder_with(tokenizer, {})
-    decoder.raise_on_decode = RuntimeError("boom")
+    decoder.raise_on_validate = RuntimeError("boom")
     async with running_app(make_config(), decoder) as (_, client):
         response = await client.post("/v1/completions", json=completion("x"))
     assert response.status_code == 500
@@ -254,3 +259,47 @@ def test_metrics_registries_are_independent():
     first, second = Metrics(), Metrics()
     first.reject("queue_full")
     assert second.rejected.labels(reason="queue_full")._value.get() == 0
+
+
+class HeldTokenizer:
+    """The real tokenizer, except that encoding a text holding "HOLD" blocks until ``release`` is set."""
+
+    def __init__(self, inner: Any, entered: threading.Event, release: threading.Event) -> None:
+        self.inner, self.entered, self.release = inner, entered, release
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __deepcopy__(self, memo: dict) -> HeldTokenizer:
+        return HeldTokenizer(copy.deepcopy(self.inner, memo), self.entered, self.release)
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
+        if "HOLD" in text:
+            self.entered.set()
+            assert self.release.wait(30)
+        return self.inner.encode(text, *args, **kwargs)
+
+
+async def test_a_long_prompt_encode_does_not_stall_other_streams(tokenizer):
+    """While one request's prompt is being tokenized (held here), a running stream still gets every chunk:
+    the encode runs off the event loop, and the worker's detokenization does not wait for its lock."""
+    entered, release = threading.Event(), threading.Event()
+    scripts = {"alpha": Script(token_steps(tokenizer, WORDS), delay=0.02)}
+    decoder = ScriptedDecoder(HeldTokenizer(tokenizer, entered, release), decoder_with(tokenizer, scripts).script_for)
+    async with running_app(make_config(), decoder) as (_, client):
+        streamed = asyncio.create_task(client.post("/v1/completions", json=completion("alpha", stream=True)))
+        await wait_for(lambda: decoder.step_log, what="alpha started")
+        held = asyncio.create_task(client.post("/v1/completions", json=completion("HOLD bravo")))
+        try:
+            await wait_for(entered.is_set, what="the held encode")
+            response = await asyncio.wait_for(streamed, 20)
+            assert not release.is_set() and not held.done()  # alpha finished while bravo's encode was held
+        finally:
+            release.set()
+        events = sse_events(response.text)
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1]) == "".join(WORDS)
+        assert (await held).status_code == 200

@@ -1,6 +1,9 @@
-"""The text pipeline: UTF-8-safe incremental detokenization, stop strings across pieces, per-step deltas."""
+"""The text pipeline: UTF-8-safe incremental detokenization, stop strings across pieces, per-step deltas, and
+decoding that never waits for an encode."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -113,3 +116,41 @@ def test_chat_template_maps_developer_to_system(tokenizer):
     as_system = codec.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert as_developer == as_system
     assert tokenizer.decode(as_system).endswith("<|im_start|>assistant\n")
+
+
+class HeldEncoder:
+    """A tokenizer whose ``encode`` blocks until ``release`` is set (a huge prompt being tokenized)."""
+
+    def __init__(self, entered: threading.Event, release: threading.Event) -> None:
+        self.entered, self.release = entered, release
+
+    def __deepcopy__(self, memo: dict) -> HeldEncoder:
+        return HeldEncoder(self.entered, self.release)
+
+    def __len__(self) -> int:
+        return 4
+
+    def encode(self, text: str, **_: object) -> list[int]:
+        self.entered.set()
+        assert self.release.wait(10)
+        return [1]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "x" * len(ids)
+
+
+def test_decode_does_not_wait_for_an_encode_in_progress():
+    entered, release = threading.Event(), threading.Event()
+    codec = TextCodec(HeldEncoder(entered, release))
+    encoding = threading.Thread(target=codec.encode_text, args=("a huge prompt",))
+    encoding.start()
+    try:
+        assert entered.wait(10)
+        decoded = []
+        decoding = threading.Thread(target=lambda: decoded.append(codec.decode([1, 2, 3])))
+        decoding.start()
+        decoding.join(5)
+        assert decoded == ["xxx"]  # done while the encode still holds its lock
+    finally:
+        release.set()
+        encoding.join(10)
