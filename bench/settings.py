@@ -20,7 +20,9 @@ from decoding.batch import BatchPolicy
 from decoding.loading import resolve_device
 from server.config import ServerConfig, load_config
 
-LOOKAHEAD_FIELDS = ("window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length")
+LOOKAHEAD_FIELDS = (
+    "window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length", "copy_min_match"
+)
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
 FLAG = "flag"
 

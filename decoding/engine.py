@@ -164,8 +164,6 @@ UNBOUNDED = 1 << 30
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 64
 ACCEPT_SMOOTHING = 0.3
-# A copy step needs the last COPY_MIN_MATCH tokens before ``last`` to match an earlier context exactly.
-COPY_MIN_MATCH = 5
 
 
 @dataclass(frozen=True)
@@ -541,7 +539,7 @@ class _Lookahead:
         config = self.config
         if not (config.copy_length and config.rank_by_context):
             return None
-        copy = self.context.best_copy(self.sequence.tokens, config.copy_length, COPY_MIN_MATCH)
+        copy = self.context.best_copy(self.sequence.tokens, config.copy_length, config.copy_min_match)
         return copy if copy is not None and self.copying.pays(config.break_even) else None
 
     def _verify(

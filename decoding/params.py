@@ -21,6 +21,7 @@ LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
     "ngram_size": (2, 16),
     "guess_set_size": (0, 64),
     "copy_length": (0, 32),
+    "copy_min_match": (1, 8),
 }
 MAX_STEP_TOKENS = 1024
 
@@ -85,11 +86,13 @@ class LookaheadConfig:
       sequence's running mean of accepted guesses is below it, steps are plain one-token steps, with verifying
       probes that back off (after ``PROBE_INTERVAL`` steps, then twice the previous wait, up to
       ``MAX_PROBE_INTERVAL``). ``0`` never falls back. Greedy output is unchanged.
-    - ``copy_length`` (0 = off, needs ``rank_by_context``): when the last ``COPY_MIN_MATCH`` tokens of the text
+    - ``copy_length`` (0 = off, needs ``rank_by_context``): when the last ``copy_min_match`` tokens of the text
       also precede an earlier occurrence of ``last``, the step verifies that occurrence's continuation, up to
       ``copy_length`` tokens, alone (no window, prompt-lookup style): copying text such as code can then commit
       many more than N tokens in one step. Copy steps are gated by their own running mean of accepted tokens
       against ``break_even``, like verifying steps.
+    - ``copy_min_match`` (1..8): tokens before ``last`` that must match an earlier context for a copy step
+      (1 is prompt lookup's 2-gram match). Among matching occurrences a stronger match (up to 5) wins first.
     """
 
     window_size: int = 5
@@ -102,6 +105,7 @@ class LookaheadConfig:
     break_even: float = 0.0
     rank_by_context: bool = True
     copy_length: int = 0
+    copy_min_match: int = 5
 
     @property
     def levels(self) -> int:

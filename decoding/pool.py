@@ -82,6 +82,7 @@ class ContextIndex:
     """
 
     MAX_MATCH = 8
+    STRONG_MATCH = 5  # best_copy: matches this long count alike, so longer continuations win among them
 
     def __init__(self) -> None:
         self._positions: dict[int, list[int]] = {}
@@ -122,9 +123,10 @@ class ContextIndex:
         """The continuation (up to ``length`` tokens, at least 2) of the earlier occurrence of ``tokens[-1]``
         whose preceding context matches the text's best, if at least ``min_match`` tokens match; else None.
 
-        Among the occurrences that match enough, the longest continuation wins, then the better match, then the
-        most recent: in periodic text ("()()()") the latest occurrence is a period back and its continuation runs
-        into the present after a few tokens, while an older one continues for ``length`` tokens.
+        Among the occurrences that match enough, the stronger match wins (matches of ``STRONG_MATCH`` or more
+        tokens count alike), then the longest continuation, then the better match, then the most recent: in
+        periodic text ("()()()") the latest occurrence is a period back and its continuation runs into the present
+        after a few tokens, while an older one continues for ``length`` tokens.
 
         >>> index = ContextIndex()
         >>> tokens = [4, 5, 6, 1, 2, 3, 9, 8, 7, 5, 6, 1, 2]
@@ -138,18 +140,24 @@ class ContextIndex:
         >>> index.extend(periodic)
         >>> index.best_copy(periodic, length=4, min_match=3)
         (2, 1, 2, 1)
+        >>> weak = [3, 1, 9, 9, 9, 9, 4, 2, 1, 8, 2, 1]  # "2 1" matches before "8 2 1", not before "9 9 9 9"
+        >>> index = ContextIndex()
+        >>> index.extend(weak)
+        >>> index.best_copy(weak, length=4, min_match=0)  # the stronger match beats the longer continuation
+        (8, 2, 1)
         """
         end = len(tokens) - 1
-        best: tuple[int, int, int] | None = None  # (continuation length, match, position)
+        best: tuple[int, int, int, int] | None = None  # (strength, continuation length, match, position)
         for position in self._positions.get(tokens[end], ()):
             if position >= end - 1:
                 continue
             match = self._match(tokens, position, end)
             if match >= min_match:
-                best = max(best or (0, 0, 0), (min(end - position, length), match, position))
+                ranked = (min(match, self.STRONG_MATCH), min(end - position, length), match, position)
+                best = max(best or ranked, ranked)
         if best is None:
             return None
-        available, _, position = best
+        _, available, _, position = best
         return tuple(tokens[position + 1 : position + 1 + available])
 
     def _match(self, tokens: Sequence[int], position: int, end: int) -> int:

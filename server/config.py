@@ -76,6 +76,9 @@ class LookaheadSettings(BaseModel):
     copy_length: int = _lookahead_field(
         "copy_length", "copy steps: verify up to this many tokens copied from a matching context (0: off)"
     )
+    copy_min_match: int = _lookahead_field(
+        "copy_min_match", "copy steps: tokens before the last one that must match the earlier context (1: a 2-gram)"
+    )
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> LookaheadSettings:

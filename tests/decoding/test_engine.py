@@ -54,9 +54,11 @@ def test_lookahead_equals_greedy_over_grid(tiny_model, window_size, ngram_size, 
         LookaheadConfig(3, 4, 3, break_even=2.5),
         LookaheadConfig(2, 4, 3, lazy_window=True, break_even=0.5, copy_length=10),
         LookaheadConfig(1, 3, 2, copy_length=32),
+        LookaheadConfig(1, 3, 2, lazy_window=True, break_even=0.85, copy_length=16, copy_min_match=1),
+        LookaheadConfig(5, 4, 5, copy_length=16, copy_min_match=2),
     ],
     ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned", "gated-lazy", "gated",
-         "copy", "copy-long"],
+         "copy", "copy-long", "copy-2gram", "copy-3gram"],
 )
 def test_lookahead_equals_greedy_for_variants(tiny_model, config):
     stop = StopCriteria(max_tokens=60)
@@ -259,6 +261,8 @@ def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
         (LookaheadConfig(window_size=0), "window_size"),
         (LookaheadConfig(copy_length=33), "copy_length"),
         (LookaheadConfig(copy_length=-1), "copy_length"),
+        (LookaheadConfig(copy_min_match=0), "copy_min_match"),
+        (LookaheadConfig(copy_min_match=9), "copy_min_match"),
         (LookaheadConfig(ngram_size=1), "ngram_size"),
         (LookaheadConfig(guess_set_size=-1), "guess_set_size"),
         (LookaheadConfig(window_size=1000), "window_size"),

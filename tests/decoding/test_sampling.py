@@ -9,7 +9,6 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoding import engine
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.verify import verify_sampling, warp
@@ -100,11 +99,11 @@ def exact_two_token_distribution(model, prompt: list[int], sampling: SamplingPar
     ],
     ids=["plain", "warped", "copy-steps"],
 )
-def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling, copy_length, monkeypatch):
+def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling, copy_length):
     model = tiny_vocab_model()
     prompt = [0, 1, 2, 0, 1, 3, 0, 1, 2, 4, 5, 0, 1]
-    config = LookaheadConfig(window_size=2, ngram_size=3, guess_set_size=3, copy_length=copy_length)
-    monkeypatch.setattr(engine, "COPY_MIN_MATCH", 1)  # this short prompt repeats 2-token contexts only
+    # copy_min_match 1: this short prompt repeats 2-token contexts only
+    config = LookaheadConfig(window_size=2, ngram_size=3, guess_set_size=3, copy_length=copy_length, copy_min_match=1)
     samples, accepted_runs, copy_steps = Counter(), 0, 0
     total = 2000
     for seed in range(total):
