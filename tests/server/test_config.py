@@ -270,3 +270,17 @@ def test_serve_loads_the_model_with_the_configured_linears(monkeypatch, capsys):
     assert cli.main(["serve", "--quantize", "int8", "--weight-layout", "torch"]) == 1
     assert seen == [("int8", "torch")]
     assert "not in this test" in capsys.readouterr().err
+
+
+def test_the_step_policy_reaches_each_requests_lookahead_config():
+    """A request's LookaheadConfig carries the configured step policy (copy steps included) with its own W/N/G."""
+    from server.protocol import LookaheadRequest
+    from server.serving import resolve_lookahead
+
+    settings = load_config(device_preset="cpu").lookahead
+    config = resolve_lookahead(LookaheadRequest(window_size=2), settings)
+    assert (config.window_size, config.ngram_size) == (2, settings.ngram_size)
+    assert (config.copy_length, config.copy_min_match, config.lazy_window) == (
+        settings.copy_length, settings.copy_min_match, settings.lazy_window
+    )
+    assert resolve_lookahead(LookaheadRequest(enabled=False), settings) is None
