@@ -246,7 +246,8 @@ def layers(path: str | None, overrides: dict[str, Any], device_preset: str | Non
         preset = CONFIG_DIR / f"{device_preset}.yaml"
         found.append((f"configs/{preset.name}", read_yaml(preset)))
     if path is not None:
-        found.append((str(resolve_config_path(path)), read_yaml(resolve_config_path(path))))
+        resolved = resolve_config_path(path)
+        found.append((str(resolved), read_yaml(resolved)))
     found.append((FLAG_LAYER, drop_none(overrides)))
     return found
 
