@@ -36,7 +36,7 @@ class StepStats:
 
     ``offered`` counts guessed tokens offered for verification (N-1 when at least one candidate was
     verified, else 0), ``accepted`` those accepted, ``accepted_per_position[k]`` whether guessed position
-    k+1 was accepted.
+    k+1 was accepted, ``memory_accepted`` how many accepted guesses came from the shared n-gram memory.
     """
 
     input_tokens: int
@@ -46,6 +46,7 @@ class StepStats:
     accepted_per_position: tuple[bool, ...] = ()
     seconds: float = 0.0
     prefill: bool = False
+    memory_accepted: int = 0
 
     def counts(self, kept: int | None = None) -> StepCounts:
         """This step's counts when only its first ``kept`` tokens are kept (all committed ones by default).
@@ -58,7 +59,8 @@ class StepStats:
         kept = self.committed if kept is None else kept
         accepted = min(self.accepted, kept)
         positions = tuple(int(flag and k < accepted) for k, flag in enumerate(self.accepted_per_position))
-        return StepCounts(kept, 1 if kept > 0 else 0, self.offered, accepted, positions)
+        return StepCounts(kept, 1 if kept > 0 else 0, self.offered, accepted, positions,
+                          min(self.memory_accepted, accepted))
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,8 @@ class StepCounts:
 
     ``tokens``: tokens kept; ``steps``: steps that kept at least one token (prefill included); ``offered``:
     guessed tokens offered for verification; ``accepted``: guessed tokens accepted and kept;
-    ``accepted_per_position[k]``: how many of those were at guessed position k+1.
+    ``accepted_per_position[k]``: how many of those were at guessed position k+1; ``memory_accepted``: how many
+    of the accepted came from the engine's shared n-gram memory.
     """
 
     tokens: int = 0
@@ -75,6 +78,7 @@ class StepCounts:
     offered: int = 0
     accepted: int = 0
     accepted_per_position: tuple[int, ...] = ()
+    memory_accepted: int = 0
 
     def __add__(self, other: StepCounts) -> StepCounts:
         return self._combine(other, 1)
@@ -93,6 +97,7 @@ class StepCounts:
             self.offered + sign * other.offered,
             self.accepted + sign * other.accepted,
             tuple(a + sign * b for a, b in zip(mine, theirs, strict=True)),
+            self.memory_accepted + sign * other.memory_accepted,
         )
 
 

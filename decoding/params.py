@@ -93,6 +93,8 @@ class LookaheadConfig:
       against ``break_even``, like verifying steps.
     - ``copy_min_match`` (1..8): tokens before ``last`` that must match an earlier context for a copy step
       (1 is prompt lookup's 2-gram match). Among matching occurrences a stronger match (up to 5) wins first.
+    - ``shared_memory``: draw candidates from, and add this decode's output to, the engine's server-wide n-gram
+      memory (``decoding.memory.NGramMemory``) when the engine has one; False opts this decode out of both.
     """
 
     window_size: int = 5
@@ -106,6 +108,7 @@ class LookaheadConfig:
     rank_by_context: bool = True
     copy_length: int = 0
     copy_min_match: int = 5
+    shared_memory: bool = True
 
     @property
     def levels(self) -> int:
