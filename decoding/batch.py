@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -33,6 +34,9 @@ from transformers import PreTrainedModel
 from decoding.engine import DecodeStream, Proposal, Step, validate_request
 from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+
+if TYPE_CHECKING:
+    from decoding.memory import NGramMemory
 
 # Relative cost of one forward by input tokens, over a ~300-token cache: SmolLM2-135M, float32 with packed
 # linears, 1 thread on the 2-core AVX2 CPU this project is measured on (docs/benchmarks.md, "Step-cost curve"; median of
@@ -149,7 +153,7 @@ def _forward_and_finish(
             results[index] = error
 
 
-# (model, prompt_ids, stop, sampling, lookahead) -> a new decode
+# (model, prompt_ids, stop, sampling, lookahead, memory) -> a new decode
 OpenStream = Callable[..., DecodeStream]
 
 
@@ -157,14 +161,19 @@ class BatchEngine:
     """The running decodes of one model, keyed by the caller's request ids, stepped together (module contract).
 
     ``open_stream`` builds each decode's ``DecodeStream`` (``DecodeStream`` itself unless a test injects a
-    variant). Not thread-safe: one thread owns the device and calls ``add``, ``step`` and ``cancel``.
+    variant); ``memory``, the server-wide n-gram memory shared by its lookahead decodes (None: off). Not thread-safe: one thread owns the device and calls ``add``, ``step`` and ``cancel``.
     """
 
     def __init__(
-        self, model: PreTrainedModel, policy: BatchPolicy = BatchPolicy(), open_stream: OpenStream = DecodeStream
+        self,
+        model: PreTrainedModel,
+        policy: BatchPolicy = BatchPolicy(),
+        open_stream: OpenStream = DecodeStream,
+        memory: NGramMemory | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
+        self.memory = memory
         self._open_stream = open_stream
         self._streams: dict[Hashable, DecodeStream] = {}
 
@@ -201,7 +210,7 @@ class BatchEngine:
         on bad arguments and ``ValueError`` on a request id already running, adding nothing."""
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
-        self._streams[request_id] = self._open_stream(self.model, prompt_ids, stop, sampling, lookahead)
+        self._streams[request_id] = self._open_stream(self.model, prompt_ids, stop, sampling, lookahead, self.memory)
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]:
         """One packed forward over every running decode: each participant's ``Step`` or the exception that

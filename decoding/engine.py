@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -26,8 +27,12 @@ from decoding.kv_cache import SlotCache, new_cache
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.pool import ContextIndex, NGramPool
+from decoding.tree import TokenTree
 from decoding.verify import Verdict, sample, verify_greedy, verify_sampling, warp
 from decoding.window import Window, context_filler, step_layout
+
+if TYPE_CHECKING:
+    from decoding.memory import NGramMemory
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,7 @@ def validate_request(
 
 
 UNBOUNDED = 1 << 30
+MEMORY_PROMPT_TAIL = 16  # prompt tokens stored before a completion in the shared memory, to match its start
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 64
 ACCEPT_SMOOTHING = 0.3
@@ -196,7 +202,9 @@ class DecodeStream:
     ``budget`` tokens, at least one), a forward pass over that slice (alone or packed with others), then
     ``finish(logits)`` with that slice's logits, which returns the ``Step``. Prefill runs in chunks when the
     budget is smaller than the prompt; a chunk that does not reach the prompt's end yields an empty ``Step``
-    with ``stats.prefill`` set. A greedy stream commits the same tokens whatever its budgets were.
+    with ``stats.prefill`` set. A greedy stream commits the same tokens whatever its budgets were. A lookahead
+    stream given a shared ``memory`` (and not opted out by ``LookaheadConfig.shared_memory``) draws candidates
+    from it and, once finished, adds the end of its prompt and its output to it.
     """
 
     def __init__(
@@ -206,12 +214,14 @@ class DecodeStream:
         stop: StopCriteria,
         sampling: SamplingParams = SamplingParams(),
         lookahead: LookaheadConfig | None = None,
+        memory: NGramMemory | None = None,
     ) -> None:
         validate_request(model, prompt_ids, stop, sampling, lookahead)
         step_tokens = lookahead.step_tokens if lookahead is not None else 1
         self.model = model
         self.sampling = sampling
         self.lookahead = lookahead
+        self.memory = memory if lookahead is not None and lookahead.shared_memory else None
         self.sequence = _Sequence(
             list(prompt_ids), len(prompt_ids), stop, new_cache(model, len(prompt_ids) + stop.max_tokens + step_tokens)
         )
@@ -267,6 +277,8 @@ class DecodeStream:
         if planned is None:
             raise RuntimeError("finish() without a planned step")
         step = planned(logits)
+        if step.finish_reason is not None and self.memory is not None:
+            self.memory.add(self.sequence.tokens[max(0, self.sequence.prompt_length - MEMORY_PROMPT_TAIL) :])
         return Step(step.token_ids, replace(step.stats, seconds=time.perf_counter() - self._started),
                     step.finish_reason)
 
@@ -287,7 +299,7 @@ class DecodeStream:
                 self._policy = (
                     _Plain(sequence, self.sampling)
                     if self.lookahead is None
-                    else _Lookahead(self.model, sequence, self.sampling, self.lookahead)
+                    else _Lookahead(self.model, sequence, self.sampling, self.lookahead, self.memory)
                 )
             return Step(committed, StepStats(end - start, len(committed), prefill=True), sequence.finish_reason)
 
@@ -385,31 +397,47 @@ class _Gate:
 
 @dataclass(frozen=True)
 class _Shape:
-    """The shape a lookahead step takes: the window (or not), the candidates verified and their common
-    ``length`` (N-1, or a copy step's continuation length with ``copy`` set)."""
+    """The shape a lookahead step takes: the window (or not) and the candidates it verifies, best first, with
+    each one's source (``COPY``, ``MEMORY`` or ``POOL``); ``copy`` marks a copy step (gated by ``copying``)."""
 
     window: bool
-    candidates: list[tuple[int, ...]]
-    length: int = 0
+    candidates: tuple[tuple[int, ...], ...] = ()
+    sources: tuple[str, ...] = ()
     copy: bool = False
+
+    def keep(self, count: int, window: bool | None = None) -> _Shape:
+        """The same step with only its first ``count`` candidates (and the window when ``window`` says so)."""
+        window = self.window if window is None else window
+        return _Shape(window, self.candidates[:count], self.sources[:count], self.copy)
+
+
+COPY, MEMORY, POOL = "copy", "memory", "pool"
 
 
 class _Lookahead:
     """Window, pool and acceptance estimate of one lookahead decode; plans and finishes its steps.
 
-    A step runs at most N-1 window rows and G candidates; it shrinks to fit the budget (candidates first,
-    then the window: a verification-only step, then a plain one-token step), and falls back to a plain step
-    when no candidate is found and the window is lazy, or while verifying does not pay (``break_even``).
-    With ``copy_length``, a step whose context matches an earlier one is a copy step instead (see
-    ``LookaheadConfig``), shortened to fit the budget.
+    A step runs at most N-1 window rows and a token tree of candidates (``decoding.tree``); it shrinks to
+    fit the budget (candidates first, then the window: a verification-only step, then a plain one-token
+    step), and falls back to a plain step when no candidate is found and the window is lazy, or while
+    verifying does not pay (``break_even``). With ``copy_length``, a step whose context matches an earlier one
+    also verifies copied continuations (see ``LookaheadConfig``), shortened to fit the budget. With a shared
+    ``memory`` (``decoding.memory.NGramMemory``), its continuations join the copies (or, without copy steps,
+    the pool's candidates).
     """
 
     def __init__(
-        self, model: PreTrainedModel, sequence: _Sequence, sampling: SamplingParams, lookahead: LookaheadConfig
+        self,
+        model: PreTrainedModel,
+        sequence: _Sequence,
+        sampling: SamplingParams,
+        lookahead: LookaheadConfig,
+        memory: NGramMemory | None = None,
     ) -> None:
         self.sequence = sequence
         self.sampling = sampling
         self.config = lookahead
+        self.memory = memory
         filler = context_filler(sequence.tokens, exclude=sequence.stop.stop_token_ids)
         self.window = Window(lookahead.window_size, lookahead.levels, filler)
         self.pool = NGramPool(lookahead.levels, lookahead.guess_set_size)
@@ -423,27 +451,32 @@ class _Lookahead:
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
         self.verifying = _Gate(float(lookahead.levels))
         self.copying = _Gate(float(lookahead.copy_length))
-        self._wanted = _Shape(False, [])
+        self._wanted = _Shape(False)
 
     def propose(self) -> Proposal:
         """Find this step's candidates and decide whether to verify them; say how many tokens that takes."""
         config = self.config
-        copy = self._copy()
-        if copy is not None:
-            self._wanted = _Shape(False, [copy], len(copy), copy=True)
+        copies = self._copies()
+        if copies.candidates and config.lazy_window:
+            self._wanted = copies
             probe = self.copying.expected < config.break_even
-            return Proposal(1 + len(copy), self.copying.expected, probe, smallest=2)
+            return Proposal(1 + len(TokenTree.build(copies.candidates)), self.copying.expected, probe, smallest=2)
         paying = self.verifying.pays(config.break_even)
-        candidates = self._candidates() if paying else []
-        window = bool(candidates) or (paying and not config.lazy_window)
-        self._wanted = _Shape(window, candidates, config.levels)
-        if not window:
+        found = self._candidates() if paying else _Shape(False)
+        window = bool(found.candidates) or (paying and not config.lazy_window)
+        shape = _Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
+                       copy=bool(copies.candidates))
+        self._wanted = shape
+        if not window and not shape.candidates:
             return Proposal(1)
-        tokens = len(self.window.rows) * config.window_size + len(candidates) * config.levels
-        if not candidates:
+        window_tokens = len(self.window.rows) * config.window_size if window else 1
+        tokens = window_tokens + len(TokenTree.build(shape.candidates))
+        if not shape.candidates:
             return Proposal(tokens)
-        probe = self.verifying.expected < config.break_even
-        return Proposal(tokens, self.verifying.expected, probe, smallest=1 + config.levels)
+        gains = ([self.copying.expected] if copies.candidates else []) + ([self.verifying.expected] if found.candidates else [])
+        probe = max(gains) < config.break_even
+        smallest = 2 if copies.candidates else 1 + config.levels
+        return Proposal(tokens, max(gains), probe, smallest=smallest)
 
     def plan(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
         """The proposed step, shrunk to ``budget`` tokens."""
@@ -456,26 +489,25 @@ class _Lookahead:
             width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
         else:
             width, levels, tokens = 1, 1, [last]
-        layout = step_layout(width, levels, len(shape.candidates), shape.length)
-        tokens += [token for candidate in shape.candidates for token in candidate]
+        tree = TokenTree.build(shape.candidates)
+        layout = step_layout(width, levels, tree.parents)
+        tokens += tree.tokens
         slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache)
-        return slice_, lambda logits: self._finish(logits, shape, width, levels, position)
+        return slice_, lambda logits: self._finish(logits, shape, tree, width, levels, position)
 
     def _fit(self, shape: _Shape, budget: int) -> _Shape:
-        """Drop candidates, then the window, until the step holds at most ``budget`` tokens (a copy step is
-        shortened instead)."""
-        levels = shape.length
-        window_tokens = len(self.window.rows) * self.config.window_size if shape.window else 0
-        if window_tokens + len(shape.candidates) * levels <= budget:
+        """Drop candidates (last first), then the window, until the step holds at most ``budget`` tokens; when
+        not even the first candidate fits whole, it is shortened to the room left."""
+        window_tokens = len(self.window.rows) * self.config.window_size if shape.window else 1
+        if window_tokens + len(TokenTree.build(shape.candidates)) <= budget:
             return shape
-        if shape.copy:
-            if budget < 2:
-                return _Shape(False, [])
-            return _Shape(False, [shape.candidates[0][: budget - 1]], budget - 1, copy=True)
-        if window_tokens and window_tokens + levels <= budget and shape.candidates:
-            return _Shape(True, shape.candidates[: (budget - window_tokens) // levels], levels)
-        fitting = (budget - 1) // levels
-        return _Shape(False, shape.candidates[:fitting], levels)
+        if shape.window and shape.candidates and window_tokens + len(shape.candidates[0]) <= budget:
+            return shape.keep(_fitting(shape.candidates, budget - window_tokens))
+        count = _fitting(shape.candidates, budget - 1)
+        if count or not shape.candidates or budget < 2:
+            return shape.keep(count, window=False)
+        first = shape.candidates[0][: budget - 1]
+        return _Shape(False, (first,), shape.sources[:1], shape.copy)
 
     def _finish_plain(self, logits: torch.Tensor) -> Step:
         """A plain one-token step: the window only re-aligns."""
@@ -484,18 +516,20 @@ class _Lookahead:
         self._scan_output()
         return step
 
-    def _finish(self, logits: torch.Tensor, shape: _Shape, width: int, levels: int, position: int) -> Step:
+    def _finish(
+        self, logits: torch.Tensor, shape: _Shape, tree: TokenTree, width: int, levels: int, position: int
+    ) -> Step:
         """Verify the candidates, commit, fix up the KV cache, and feed the window's new n-grams to the pool."""
         sequence, config, candidates = self.sequence, self.config, shape.candidates
         last = sequence.tokens[-1]
 
         def candidate_row(candidate: int, k: int) -> int:
-            return 1 + width + candidate * shape.length + k
+            return 1 + width + tree.paths[candidate][k]
 
         predicted = logits.argmax(dim=-1).tolist()
-        verdict = self._verify(logits, predicted, candidates, candidate_row)
+        verdict = self._verify(logits, predicted, list(candidates), candidate_row)
         committed = sequence.accept(verdict.tokens)
-        self._commit_cache(position, levels * width, shape.length, verdict, len(committed))
+        self._commit_cache(position, levels * width, tree, verdict, len(committed))
         if shape.window:
             new_row = self._clean_row(predicted[1 : 1 + width])
             for key, ngram in self.window.ngrams(last, new_row):
@@ -505,28 +539,42 @@ class _Lookahead:
             self.window.skip(len(committed), config.align_window)
         self._scan_output()
         accepted = min(verdict.num_accepted, len(committed))
-        if candidates:
-            (self.copying if shape.copy else self.verifying).update(verdict.num_accepted)
+        reach = _reach_by_source(shape, verdict.tokens[: verdict.num_accepted])
+        if COPY in reach or MEMORY in reach:
+            self.copying.update(max(reach.get(COPY, 0), reach.get(MEMORY, 0)))
+        if POOL in reach:
+            self.verifying.update(reach[POOL])
+        others = max(reach.get(COPY, 0), reach.get(POOL, 0))
+        depth = tree.depth
         stats = StepStats(
-            input_tokens=levels * width + len(candidates) * shape.length,
+            input_tokens=levels * width + len(tree),
             committed=len(committed),
-            offered=shape.length if candidates else 0,
+            offered=depth,
             accepted=accepted,
-            accepted_per_position=tuple(k < accepted for k in range(shape.length)) if candidates else (),
+            accepted_per_position=tuple(k < accepted for k in range(depth)),
+            memory_accepted=min(accepted, max(0, reach.get(MEMORY, 0) - others)),
         )
         return Step(committed, stats, sequence.finish_reason)
 
-    def _candidates(self) -> list[tuple[int, ...]]:
+    def _candidates(self) -> _Shape:
         """Up to G n-grams to verify after ``last``: copied continuations ranked by context match, then the
-        pool's (Jacobi, and prompt/output n-grams when not ranked by context)."""
-        config, tokens = self.config, self.sequence.tokens
-        found = self.context.candidates(tokens, config.levels, config.guess_set_size) if config.rank_by_context else []
-        for candidate in self.pool.candidates(tokens[-1], config.guess_set_size):
-            if len(found) == config.guess_set_size:
+        shared memory's when there are no copy steps to take them, then the pool's (Jacobi, and prompt/output
+        n-grams when not ranked by context)."""
+        config, tokens, limit = self.config, self.sequence.tokens, self.config.guess_set_size
+        found = self.context.candidates(tokens, config.levels, limit) if config.rank_by_context else []
+        sources = [POOL] * len(found)
+        if self.memory is not None and not config.copy_length:
+            for candidate in self.memory.candidates(tokens, config.levels, limit, config.copy_min_match):
+                if len(found) < limit and candidate not in found:
+                    found.append(candidate)
+                    sources.append(MEMORY)
+        for candidate in self.pool.candidates(tokens[-1], limit):
+            if len(found) == limit:
                 break
             if candidate not in found:
                 found.append(candidate)
-        return found
+                sources.append(POOL)
+        return _Shape(True, tuple(found), tuple(sources))
 
     def _scan_output(self) -> None:
         """Index (or insert the n-grams of) newly committed tokens, when the output is a candidate source."""
@@ -537,15 +585,23 @@ class _Lookahead:
         else:
             self.scanned = self.pool.add_sequence(self.sequence.tokens, self.scanned)
 
-    def _copy(self) -> tuple[int, ...] | None:
-        """This step's copied continuation, when copy steps are on, the context matches and copying pays
-        (its running mean of accepted tokens is at least ``break_even``, else a backed-off probe among
-        copy opportunities, see ``_Gate``)."""
-        config = self.config
+    def _copies(self) -> _Shape:
+        """This step's copied continuations (``copy_candidates`` from the context, as many from the shared
+        memory), when copy steps are on, some match and copying pays (its running mean of accepted tokens is
+        at least ``break_even``, else a backed-off probe among copy opportunities, see ``_Gate``)."""
+        config, tokens = self.config, self.sequence.tokens
         if not (config.copy_length and config.rank_by_context):
-            return None
-        copy = self.context.best_copy(self.sequence.tokens, config.copy_length, config.copy_min_match)
-        return copy if copy is not None and self.copying.pays(config.break_even) else None
+            return _Shape(False)
+        copies = self.context.best_copies(tokens, config.copy_length, config.copy_min_match, config.copy_candidates)
+        sources = [COPY] * len(copies)
+        if self.memory is not None:
+            for copy in self.memory.candidates(tokens, config.copy_length, config.copy_candidates, config.copy_min_match):
+                if not any(chosen[: len(copy)] == copy for chosen in copies):
+                    copies.append(copy)
+                    sources.append(MEMORY)
+        if not copies or not self.copying.pays(config.break_even):
+            return _Shape(False)
+        return _Shape(False, tuple(copies), tuple(sources), copy=True)
 
     def _verify(
         self,
@@ -559,21 +615,43 @@ class _Lookahead:
         probs = warp(logits, self.sampling).cpu()
         return verify_sampling(probs, candidates, candidate_row, self.sequence.generator)
 
-    def _commit_cache(self, position: int, window_tokens: int, length: int, verdict: Verdict, committed: int) -> None:
-        """KV fix-up: keep the old prefix, ``last`` and the accepted candidate tokens that stay committed.
+    def _commit_cache(
+        self, position: int, window_tokens: int, tree: TokenTree, verdict: Verdict, committed: int
+    ) -> None:
+        """KV fix-up: keep the old prefix, ``last`` and the accepted tree nodes that stay committed.
 
         The cache must hold every committed token except the new ``last``: that is the old ``last`` (slot
-        ``position``) when at least one token was committed, plus candidate tokens 1..committed-1.
+        ``position``) when at least one token was committed, plus the winning path's nodes 1..committed-1.
         """
         sources: list[int] = []
         if committed >= 1:
             sources.append(position)
         if verdict.candidate is not None and committed >= 2:
-            start = position + window_tokens + verdict.candidate * length
-            sources.extend(range(start, start + committed - 1))
+            path = tree.paths[verdict.candidate]
+            sources.extend(position + window_tokens + node for node in path[: committed - 1])
         self.sequence.cache.commit(position, sources)
 
     def _clean_row(self, row: list[int]) -> list[int]:
         """Replace stop tokens (EOS) in a new window row: they must never stay in the window."""
         stops = self.sequence.stop.stop_token_ids
         return [self.window.filler() if token in stops else token for token in row]
+
+
+def _fitting(candidates: Sequence[tuple[int, ...]], room: int) -> int:
+    """How many leading ``candidates`` fit, merged into one token tree, in ``room`` tokens."""
+    count = 0
+    while count < len(candidates) and len(TokenTree.build(candidates[: count + 1])) <= room:
+        count += 1
+    return count
+
+
+def _reach_by_source(shape: _Shape, accepted: Sequence[int]) -> dict[str, int]:
+    """For each source with a candidate in ``shape``, how many of the ``accepted`` tokens its best candidate
+    proposed (its longest common prefix with them)."""
+    reach: dict[str, int] = {}
+    for candidate, source in zip(shape.candidates, shape.sources, strict=True):
+        common = 0
+        while common < min(len(candidate), len(accepted)) and candidate[common] == accepted[common]:
+            common += 1
+        reach[source] = max(reach.get(source, 0), common)
+    return reach

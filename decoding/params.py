@@ -20,8 +20,9 @@ LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
     "window_size": (1, 64),
     "ngram_size": (2, 16),
     "guess_set_size": (0, 64),
-    "copy_length": (0, 32),
+    "copy_length": (0, 64),
     "copy_min_match": (1, 8),
+    "copy_candidates": (1, 8),
 }
 MAX_STEP_TOKENS = 1024
 
@@ -88,9 +89,13 @@ class LookaheadConfig:
       ``MAX_PROBE_INTERVAL``). ``0`` never falls back. Greedy output is unchanged.
     - ``copy_length`` (0 = off, needs ``rank_by_context``): when the last ``copy_min_match`` tokens of the text
       also precede an earlier occurrence of ``last``, the step verifies that occurrence's continuation, up to
-      ``copy_length`` tokens, alone (no window, prompt-lookup style): copying text such as code can then commit
-      many more than N tokens in one step. Copy steps are gated by their own running mean of accepted tokens
-      against ``break_even``, like verifying steps.
+      ``copy_length`` tokens (prompt-lookup style): copying text such as code can then commit many more than N
+      tokens in one step. With ``lazy_window`` a copy step verifies its copies alone (no window, no pool
+      candidates); without it they join the window's step, all candidates merged into one token tree. Copy
+      steps are gated by their own running mean of accepted tokens against ``break_even``, like verifying
+      steps.
+    - ``copy_candidates`` (1..8): continuations of different earlier occurrences a copy step verifies at once
+      (best matches first; the shared memory adds up to as many of its own).
     - ``copy_min_match`` (1..8): tokens before ``last`` that must match an earlier context for a copy step
       (1 is prompt lookup's 2-gram match). Among matching occurrences a stronger match (up to 5) wins first.
     - ``shared_memory``: draw candidates from, and add this decode's output to, the engine's server-wide n-gram
@@ -108,6 +113,7 @@ class LookaheadConfig:
     rank_by_context: bool = True
     copy_length: int = 0
     copy_min_match: int = 5
+    copy_candidates: int = 1
     shared_memory: bool = True
 
     @property
@@ -117,8 +123,10 @@ class LookaheadConfig:
 
     @property
     def step_tokens(self) -> int:
-        """Input tokens of the largest step: (N-1)·(W+G), or a copy step's 1 + copy_length if larger."""
-        return max(self.levels * (self.window_size + self.guess_set_size), 1 + self.copy_length)
+        """Input tokens of the largest step: (N-1)·(W+G), plus up to 2·copy_candidates copies of copy_length
+        (the context's and the shared memory's)."""
+        copies = 2 * self.copy_candidates * self.copy_length
+        return self.levels * (self.window_size + self.guess_set_size) + copies + (1 if copies else 0)
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` if W, N or G is out of range or the step would be absurdly large."""
@@ -128,7 +136,7 @@ class LookaheadConfig:
             raise InvalidParameterError("break_even", f"break_even must be in [0, N-1], got {self.break_even}")
         if self.step_tokens > MAX_STEP_TOKENS:
             raise InvalidParameterError(
-                "lookahead", f"(N-1)*(W+G) = {self.step_tokens} input tokens per step exceeds {MAX_STEP_TOKENS}"
+                "lookahead", f"{self.step_tokens} input tokens per step ((N-1)*(W+G) and copies) exceeds {MAX_STEP_TOKENS}"
             )
 
 

@@ -146,19 +146,38 @@ class ContextIndex:
         >>> index.best_copy(weak, length=4, min_match=0)  # the stronger match beats the longer continuation
         (8, 2, 1)
         """
+        found = self.best_copies(tokens, length, min_match, limit=1)
+        return found[0] if found else None
+
+    def best_copies(
+        self, tokens: Sequence[int], length: int, min_match: int, limit: int
+    ) -> list[tuple[int, ...]]:
+        """Up to ``limit`` continuations in ``best_copy``'s order, from different earlier occurrences; one that
+        is a prefix of (or equal to) a continuation already chosen is skipped, since it would verify nothing new.
+
+        >>> index = ContextIndex()
+        >>> tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 8, 2, 3, 4, 9, 7, 2, 3]
+        >>> index.extend(tokens)
+        >>> index.best_copies(tokens, length=3, min_match=0, limit=3)
+        [(4, 9, 7), (5, 6, 8), (4, 9, 2)]
+        """
         end = len(tokens) - 1
-        best: tuple[int, int, int, int] | None = None  # (strength, continuation length, match, position)
+        ranked = []  # (strength, continuation length, match, position)
         for position in self._positions.get(tokens[end], ()):
             if position >= end - 1:
                 continue
             match = self._match(tokens, position, end)
             if match >= min_match:
-                ranked = (min(match, self.STRONG_MATCH), min(end - position, length), match, position)
-                best = max(best or ranked, ranked)
-        if best is None:
-            return None
-        _, available, _, position = best
-        return tuple(tokens[position + 1 : position + 1 + available])
+                ranked.append((min(match, self.STRONG_MATCH), min(end - position, length), match, position))
+        ranked.sort(reverse=True)
+        found: list[tuple[int, ...]] = []
+        for _, available, _, position in ranked:
+            continuation = tuple(tokens[position + 1 : position + 1 + available])
+            if not any(chosen[: len(continuation)] == continuation for chosen in found):
+                found.append(continuation)
+                if len(found) == limit:
+                    break
+        return found
 
     def _match(self, tokens: Sequence[int], position: int, end: int) -> int:
         """How many tokens before ``position`` equal those before ``end`` (at most ``MAX_MATCH``)."""

@@ -1,8 +1,9 @@
 """Token choice and candidate verification, for greedy decoding and for sampling.
 
-Contract: both verifiers take the step's candidates (lists of K guessed tokens) and return a ``Verdict``:
-which candidate won, how many of its tokens were accepted (``m``), and the committed run (those ``m``
-tokens plus one token read off the model at the last accepted position, so 1..K+1 tokens).
+Contract: both verifiers take the step's candidates (lists of guessed tokens, of any lengths) and return a
+``Verdict``: which candidate won, how many of its tokens were accepted (``m``), and the committed run (those
+``m`` tokens plus one token read off the model at the last accepted position: 1..K+1 tokens, K the longest
+candidate's length).
 
 - ``verify_greedy`` is exact: the run equals what greedy decoding would produce.
 - ``verify_sampling`` preserves the target distribution: tokens proposed by deterministic drafts are
@@ -90,20 +91,25 @@ def verify_sampling(
 ) -> Verdict:
     """Distribution-preserving multi-candidate verification.
 
-    ``probs`` holds warped probabilities per kept-logit row (row 0 = ``last``), on the CPU.
+    ``probs`` holds warped probabilities per kept-logit row (row 0 = ``last``), on the CPU. Candidates may
+    differ in length (a token tree's paths); candidates that agree on a prefix must read the same rows for it.
     """
     survivors = list(range(len(candidates)))
     target = probs[0].clone()
     accepted: list[int] = []
-    depth = len(candidates[0]) if candidates else 0
+    winner = None
+    depth = max((len(candidate) for candidate in candidates), default=0)
     for k in range(depth):
+        survivors = [c for c in survivors if len(candidates[c]) > k]
+        if not survivors:
+            break
         chosen = _accept_one(target, [candidates[c][k] for c in survivors], generator)
         if chosen is None:
             break
         accepted.append(chosen)
         survivors = [c for c in survivors if candidates[c][k] == chosen]
-        target = probs[candidate_row(survivors[0], k)].clone()
-    winner = survivors[0] if accepted else None
+        winner = survivors[0]
+        target = probs[candidate_row(winner, k)].clone()
     return Verdict(winner, len(accepted), [*accepted, sample(target, generator)])
 
 

@@ -1,7 +1,8 @@
 """The 2-D Jacobi window and the layout of one lookahead step (token order, positions, attention mask).
 
 Contract: a step's input is ``last`` and the rest of window row 0, then rows 1..L-1 (the lookahead branch,
-``L·W`` tokens), then ``C`` candidates of ``K`` tokens each (the verification branch). ``step_layout``
+``L·W`` tokens), then the nodes of a token tree of candidates (the verification branch, ``decoding.tree``;
+candidates sharing a prefix share its nodes). ``step_layout``
 returns, for that shape, the position offsets from ``p`` (the position of ``last``), the ``[q, q]`` attention
 mask among the step's tokens, and the rows whose logits are read. Every step token also sees the whole KV
 cache; the caller prepends those columns.
@@ -23,8 +24,8 @@ class StepLayout:
 
     - ``offsets`` ``[q]``: position of each input token minus ``p``.
     - ``visible`` ``[q, q]`` bool: ``visible[i, k]`` is True when token ``i`` attends to token ``k``.
-    - ``logit_rows`` ``[1 + W + C·K]``: the input rows whose logits are read, in this order: ``last``, the
-      bottom window row (W tokens), then every candidate token (candidate-major).
+    - ``logit_rows`` ``[1 + W + T]``: the input rows whose logits are read, in this order: ``last``, the
+      bottom window row (W tokens), then every tree node (T of them, in node order).
     """
 
     offsets: torch.Tensor
@@ -37,14 +38,15 @@ class StepLayout:
         return self.offsets.numel()
 
 
-@functools.lru_cache(maxsize=256)
-def step_layout(width: int, levels: int, num_candidates: int, candidate_length: int) -> StepLayout:
-    """Layout of a step with an ``levels`` x ``width`` window and ``num_candidates`` candidates (on the CPU).
+@functools.lru_cache(maxsize=512)
+def step_layout(width: int, levels: int, parents: tuple[int, ...] = ()) -> StepLayout:
+    """Layout of a step with an ``levels`` x ``width`` window and a token tree of candidates (on the CPU).
 
-    Window token (r, j) sits at offset r + j and sees row-0 tokens (0, j') for j' <= j and the tokens (r', j)
-    of its column for 1 <= r' <= r. Candidate token k (1-based) sits at offset k and sees ``last`` and the
-    earlier tokens of its own candidate. Example, W=2, L=2, one candidate of K=2 (indices: window 0..3,
-    candidate 4..5)::
+    ``parents`` is the tree's parent of each node (``decoding.tree.TokenTree.parents``: -1 for a child of
+    ``last``, parents before children). Window token (r, j) sits at offset r + j and sees row-0 tokens (0, j')
+    for j' <= j and the tokens (r', j) of its column for 1 <= r' <= r. Tree node i at depth d sits at offset d
+    and sees ``last``, its ancestors and itself. Example, W=2, L=2, one candidate of two tokens (parents
+    ``(-1, 0)``; indices: window 0..3, tree 4..5)::
 
         offsets 0 1 1 2 1 2      visible   0 1 2 3 4 5
                                       0    x
@@ -55,7 +57,7 @@ def step_layout(width: int, levels: int, num_candidates: int, candidate_length: 
                                       5    x       x x
     """
     window_tokens = levels * width
-    total = window_tokens + num_candidates * candidate_length
+    total = window_tokens + len(parents)
     offsets = torch.empty(total, dtype=torch.long)
     visible = torch.zeros(total, total, dtype=torch.bool)
     for row in range(levels):
@@ -65,12 +67,15 @@ def step_layout(width: int, levels: int, num_candidates: int, candidate_length: 
             visible[index, : column + 1] = True
             for upper in range(1, row + 1):
                 visible[index, upper * width + column] = True
-    for candidate in range(num_candidates):
-        start = window_tokens + candidate * candidate_length
-        for k in range(candidate_length):
-            offsets[start + k] = k + 1
-            visible[start + k, 0] = True
-            visible[start + k, start : start + k + 1] = True
+    for node, parent in enumerate(parents):
+        index = window_tokens + node
+        if parent < 0:
+            offsets[index] = 1
+            visible[index, 0] = True
+        else:
+            offsets[index] = offsets[window_tokens + parent] + 1
+            visible[index] = visible[window_tokens + parent]
+        visible[index, index] = True
     bottom_row = range((levels - 1) * width, levels * width)
     logit_rows = torch.tensor([0, *bottom_row, *range(window_tokens, total)], dtype=torch.long)
     return StepLayout(offsets, visible, logit_rows)

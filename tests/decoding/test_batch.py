@@ -17,6 +17,7 @@ PROMPTS = [
     [42],
     [3, 3, 3, 3, 3, 3, 8, 3, 3],
     [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25],
+    [2, 4, 6, 2, 4, 6, 8, 2, 4, 9, 2, 4],
 ]
 CONFIGS = [
     LookaheadConfig(4, 4, 4),
@@ -24,6 +25,7 @@ CONFIGS = [
     LookaheadConfig(1, 5, 3, lazy_window=True, break_even=0.5, copy_length=10),
     LookaheadConfig(7, 5, 7),
     LookaheadConfig(2, 3, 2, align_window=False),
+    LookaheadConfig(3, 4, 3, copy_length=12, copy_min_match=1, copy_candidates=3),
 ]
 
 
@@ -185,7 +187,7 @@ def test_engine_requests_join_and_leave_with_their_greedy_tokens(tiny_model):
     requests = {f"r{i}": (prompt, config) for i, (prompt, config) in enumerate(zip(PROMPTS, CONFIGS, strict=True))}
     alone = {name: tokens_of(make_stream(tiny_model, prompt, config)) for name, (prompt, config) in requests.items()}
     engine = BatchEngine(tiny_model, BatchPolicy(max_step_tokens=16, prefill_chunk=4))
-    assert run_engine(engine, requests, {"r0": 0, "r1": 0, "r2": 2, "r3": 5, "r4": 9}) == alone
+    assert run_engine(engine, requests, {"r0": 0, "r1": 0, "r2": 2, "r3": 5, "r4": 9, "r5": 4}) == alone
     assert len(engine) == 0 and not engine.has_work  # finished requests left by themselves
 
 

@@ -56,9 +56,12 @@ def test_lookahead_equals_greedy_over_grid(tiny_model, window_size, ngram_size, 
         LookaheadConfig(1, 3, 2, copy_length=32),
         LookaheadConfig(1, 3, 2, lazy_window=True, break_even=0.85, copy_length=16, copy_min_match=1),
         LookaheadConfig(5, 4, 5, copy_length=16, copy_min_match=2),
+        LookaheadConfig(1, 3, 2, lazy_window=True, break_even=0.85, copy_length=16, copy_min_match=1, copy_candidates=4),
+        LookaheadConfig(5, 4, 5, copy_length=32, copy_min_match=1, copy_candidates=3),
+        LookaheadConfig(15, 5, 15, copy_length=48, copy_min_match=1, copy_candidates=4),
     ],
     ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned", "gated-lazy", "gated",
-         "copy", "copy-long", "copy-2gram", "copy-3gram"],
+         "copy", "copy-long", "copy-2gram", "copy-3gram", "copies-lazy", "tree-window-copies", "tree-wide"],
 )
 def test_lookahead_equals_greedy_for_variants(tiny_model, config):
     stop = StopCriteria(max_tokens=60)
@@ -99,6 +102,35 @@ def test_a_copy_step_commits_more_than_n_tokens_when_the_context_repeats():
     assert max(step.stats.committed for step in steps) > config.ngram_size
     without = replace(config, copy_length=0)
     assert len(steps) < len(list(generate_lookahead(model, prompt, StopCriteria(max_tokens=30), lookahead=without)))
+
+
+def test_several_copy_candidates_verify_the_runner_up_in_the_same_step():
+    """Two earlier occurrences of "1 2" continue differently and the model follows the older one: one copy
+    candidate tries only the most recent continuation and fails, two also verify the older one."""
+    follow = {1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7}
+    model = StubLM(vocab_size=64, next_token=lambda token: follow.get(token, 1))
+    prompt = [9, 1, 2, 3, 4, 5, 6, 8, 1, 2, 30, 31, 32, 33, 7, 1]  # then 2; copies of 2: (30..33, 7), (3..6, 8)
+    config = LookaheadConfig(1, 2, 0, copy_length=5, copy_min_match=1, output_pool=False)
+    stop = StopCriteria(6)
+    one = list(generate_lookahead(model, prompt, stop, lookahead=config))
+    two = list(generate_lookahead(model, prompt, stop, lookahead=replace(config, copy_candidates=2)))
+    assert tokens_of(one) == tokens_of(two) == greedy(model, prompt, stop) == [2, 3, 4, 5, 6, 7]
+    assert one[1].stats.accepted == 0
+    assert (two[1].stats.accepted, two[1].stats.committed) == (4, 5)  # 3 4 5 6 accepted, then the model's 7
+    assert len(two) < len(one)
+
+
+def test_candidates_sharing_a_prefix_share_input_tokens():
+    """Copies that agree on their first tokens are verified as one token tree: fewer inputs than their sum."""
+    model = cycle_model(period=8)
+    prompt = [0, 1, 2, 3, 4, 5, 9, 9, 0, 1, 2, 3, 4, 5, 6, 1, 0, 1, 2, 3, 4, 8, 0, 0, 0, 1, 2]
+    config = LookaheadConfig(1, 2, 0, copy_length=4, copy_min_match=1, copy_candidates=3, output_pool=False)
+    stop = StopCriteria(8)
+    steps = list(generate_lookahead(model, prompt, stop, lookahead=config))
+    assert tokens_of(steps) == greedy(model, prompt, stop)
+    first = steps[1].stats  # copies of 3: (4, 8, 0, 0), (4, 5, 6, 1), (4, 5, 9, 9): 9 tree nodes, not 12
+    assert first.input_tokens == 1 + 9
+    assert (first.accepted, first.committed) == (3, 4)  # 4 5 6 accepted, then the model's 7
 
 
 def test_no_guess_accepted_when_every_candidate_is_wrong():
@@ -259,7 +291,9 @@ def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
     "config, param",
     [
         (LookaheadConfig(window_size=0), "window_size"),
-        (LookaheadConfig(copy_length=33), "copy_length"),
+        (LookaheadConfig(copy_length=65), "copy_length"),
+        (LookaheadConfig(copy_candidates=0), "copy_candidates"),
+        (LookaheadConfig(copy_candidates=9), "copy_candidates"),
         (LookaheadConfig(copy_length=-1), "copy_length"),
         (LookaheadConfig(copy_min_match=0), "copy_min_match"),
         (LookaheadConfig(copy_min_match=9), "copy_min_match"),

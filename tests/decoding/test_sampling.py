@@ -91,19 +91,22 @@ def exact_two_token_distribution(model, prompt: list[int], sampling: SamplingPar
 
 
 @pytest.mark.parametrize(
-    "sampling, copy_length",
+    "sampling, copy_length, copies",
     [
-        (SamplingParams(temperature=1.0), 0),
-        (SamplingParams(temperature=0.8, top_p=0.9, top_k=4), 0),
-        (SamplingParams(temperature=1.0), 4),
+        (SamplingParams(temperature=1.0), 0, 1),
+        (SamplingParams(temperature=0.8, top_p=0.9, top_k=4), 0, 1),
+        (SamplingParams(temperature=1.0), 4, 1),
+        (SamplingParams(temperature=1.0), 4, 3),
     ],
-    ids=["plain", "warped", "copy-steps"],
+    ids=["plain", "warped", "copy-steps", "copy-tree"],
 )
-def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling, copy_length):
+def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling, copy_length, copies):
     model = tiny_vocab_model()
     prompt = [0, 1, 2, 0, 1, 3, 0, 1, 2, 4, 5, 0, 1]
     # copy_min_match 1: this short prompt repeats 2-token contexts only
-    config = LookaheadConfig(window_size=2, ngram_size=3, guess_set_size=3, copy_length=copy_length, copy_min_match=1)
+    config = LookaheadConfig(
+        window_size=2, ngram_size=3, guess_set_size=3, copy_length=copy_length, copy_min_match=1, copy_candidates=copies
+    )
     samples, accepted_runs, copy_steps = Counter(), 0, 0
     total = 2000
     for seed in range(total):

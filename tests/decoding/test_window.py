@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from decoding.tree import TokenTree
 from decoding.window import Window, context_filler, step_layout
 
 
@@ -13,8 +14,13 @@ def _grid(rows: list[str]) -> torch.Tensor:
     return torch.tensor([[char == "x" for char in row] for row in rows])
 
 
+def _chains(count: int, length: int) -> tuple[int, ...]:
+    """Tree parents of ``count`` candidates of ``length`` tokens that share no prefix."""
+    return TokenTree.build([[100 * c + k for k in range(length)] for c in range(count)]).parents
+
+
 def test_layout_two_by_two_window_with_one_candidate():
-    layout = step_layout(width=2, levels=2, num_candidates=1, candidate_length=2)
+    layout = step_layout(width=2, levels=2, parents=_chains(1, 2))
     assert layout.offsets.tolist() == [0, 1, 1, 2, 1, 2]
     expected = _grid(
         [
@@ -31,7 +37,7 @@ def test_layout_two_by_two_window_with_one_candidate():
 
 
 def test_layout_three_levels_and_two_candidates():
-    layout = step_layout(width=3, levels=3, num_candidates=2, candidate_length=3)
+    layout = step_layout(width=3, levels=3, parents=_chains(2, 3))
     # window (r, j) -> index 3r + j at offset r + j; candidates at 9..11 and 12..14
     assert layout.offsets.tolist() == [0, 1, 2, 1, 2, 3, 2, 3, 4, 1, 2, 3, 1, 2, 3]
     # token (2, 1) = index 7 sees (0, 0), (0, 1), (1, 1), (2, 1)
@@ -45,11 +51,23 @@ def test_layout_three_levels_and_two_candidates():
 
 def test_layout_positions_are_one_contiguous_sequence_per_token():
     """Every token sees exactly one token at each position p..p+offset: a valid sequence."""
-    for width, levels, candidates in itertools.product([1, 2, 4], [1, 2, 4], [0, 1, 3]):
-        layout = step_layout(width, levels, candidates, levels)
+    trees = [(), _chains(1, 2), _chains(3, 4), TokenTree.build([(1, 2, 3), (1, 2, 4), (1, 5), (6,)]).parents]
+    for width, levels, parents in itertools.product([1, 2, 4], [1, 2, 4], trees):
+        layout = step_layout(width, levels, parents)
         for index in range(layout.num_tokens):
             seen = layout.offsets[layout.visible[index]].sort().values.tolist()
-            assert seen == list(range(int(layout.offsets[index]) + 1)), (width, levels, candidates, index)
+            assert seen == list(range(int(layout.offsets[index]) + 1)), (width, levels, parents, index)
+
+
+def test_tree_layout_shares_prefixes():
+    """(1, 2, 3), (1, 2, 4) and (1, 5) take 5 nodes instead of 8; each node sees last and its ancestors."""
+    tree = TokenTree.build([(1, 2, 3), (1, 2, 4), (1, 5)])
+    assert tree.tokens == (1, 2, 3, 4, 5) and tree.paths == ((0, 1, 2), (0, 1, 3), (0, 4))
+    layout = step_layout(width=1, levels=1, parents=tree.parents)
+    assert layout.offsets.tolist() == [0, 1, 2, 3, 3, 2]
+    assert layout.visible[4].nonzero().flatten().tolist() == [0, 1, 2, 4]  # token 4 sees last, 1, 2, itself
+    assert layout.visible[5].nonzero().flatten().tolist() == [0, 1, 5]  # token 5 sees last, 1, itself
+    assert layout.logit_rows.tolist() == [0, 0, 1, 2, 3, 4, 5]
 
 
 def test_window_fills_one_row_per_step_then_moves_up():
