@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-length", type=int, help=f"copy steps of up to this many tokens ({SERVER_DEFAULT})")
     parser.add_argument("--copy-min-match", type=int,
                         help=f"context tokens a copy step needs to match ({SERVER_DEFAULT})")
+    parser.add_argument("--copy-candidates", type=int, help=f"continuations a copy step verifies ({SERVER_DEFAULT})")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
     parser.add_argument("--model", help=f"default model name, local directory or hub id ({SERVER_DEFAULT})")
@@ -122,6 +123,7 @@ def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
         break_even=args.break_even,
         copy_length=args.copy_length,
         copy_min_match=args.copy_min_match,
+        copy_candidates=args.copy_candidates,
     )
     config.validate()
     return config

@@ -21,7 +21,8 @@ from decoding.loading import resolve_device
 from server.config import ServerConfig, load_config
 
 LOOKAHEAD_FIELDS = (
-    "window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length", "copy_min_match"
+    "window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length", "copy_min_match",
+    "copy_candidates"
 )
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
 FLAG = "flag"

@@ -79,6 +79,9 @@ class LookaheadSettings(BaseModel):
     copy_min_match: int = _lookahead_field(
         "copy_min_match", "copy steps: tokens before the last one that must match the earlier context (1: a 2-gram)"
     )
+    copy_candidates: int = _lookahead_field(
+        "copy_candidates", "copy steps: continuations of different earlier occurrences verified at once, as a token tree"
+    )
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> LookaheadSettings:

@@ -122,8 +122,7 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     """The request's lookahead settings over the configured defaults; ``None`` means autoregressive.
 
     The server-wide step policy (``lazy_window``, ``break_even``, capped at N-1, ``copy_length``,
-    ``copy_min_match``) comes from the
-    config.
+    ``copy_min_match``, ``copy_candidates``) comes from the config.
 
     Each value must lie in ``lookahead_bounds``: the decoder's minimum, the configured maximum (400 naming
     ``lookahead.<field>`` otherwise).
@@ -144,7 +143,7 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     break_even = min(settings.break_even, values["ngram_size"] - 1)
     return LookaheadConfig(
         **values, lazy_window=settings.lazy_window, break_even=break_even, copy_length=settings.copy_length,
-        copy_min_match=settings.copy_min_match,
+        copy_min_match=settings.copy_min_match, copy_candidates=settings.copy_candidates,
     )
 
 
