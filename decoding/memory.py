@@ -1,0 +1,202 @@
+"""The server-wide n-gram memory: recent documents (completions) of every request, offered as candidates.
+
+Contract: ``NGramMemory(max_tokens)`` stores whole documents (``add``) in a ring of at most ``max_tokens``
+tokens; when a new document does not fit, the oldest documents are evicted whole (a document longer than
+``max_tokens`` keeps its last ``max_tokens`` tokens). ``candidates(tokens, length, limit, min_match)`` returns
+up to ``limit`` distinct continuations (1..``length`` tokens each) of the stored occurrences of ``tokens[-1]``
+whose preceding tokens match the tokens before ``tokens[-1]`` for at least ``min_match`` tokens, ranked as
+``ContextIndex.best_copy`` ranks copies (``decoding.pool``). Neither a match nor a continuation ever crosses a
+document boundary.
+
+Bounds: only the ``max_occurrences`` most recent occurrences of each token, and of each pair of adjacent tokens,
+are indexed (a lookup with ``min_match >= 1`` searches those of the last two tokens, with ``min_match == 0``
+those of the last token), so a lookup costs O(``max_occurrences`` x ``MAX_MATCH``) whatever the memory's size.
+Memory: three int64 arrays of ``max_tokens`` entries plus at most two indexed positions per stored token.
+
+Not thread-safe: one thread (the engine's, which owns the device) adds and looks up. Candidates are guesses
+only: whoever verifies them decides what is kept, so the memory can change how fast a decode runs, never its
+greedy output.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Hashable, Sequence
+
+from decoding.pool import ContextIndex
+
+
+class NGramMemory:
+    """A bounded ring of recent documents with, per token and per adjacent pair, its most recent positions.
+
+    >>> memory = NGramMemory(max_tokens=16)
+    >>> memory.add([1, 2, 3, 4])
+    >>> memory.add([9, 2, 3, 5, 6])
+    >>> len(memory), memory.documents
+    (9, 2)
+    >>> memory.candidates([7, 1, 2], length=3, limit=2)  # only "1 2" matches: the second 2 follows 9
+    [(3, 4)]
+    >>> memory.candidates([7, 1, 2], length=3, limit=2, min_match=0)  # the stronger match ranks first
+    [(3, 4), (3, 5, 6)]
+    >>> memory.add(list(range(10, 20)))  # 19 tokens do not fit in 16: the oldest document goes
+    >>> len(memory), memory.documents, memory.candidates([1, 2], length=3, limit=2)
+    (15, 2, [])
+    """
+
+    MAX_MATCH = ContextIndex.MAX_MATCH  # tokens compared backwards from the last one
+    STRONG_MATCH = ContextIndex.STRONG_MATCH  # matches this long count alike
+
+    def __init__(self, max_tokens: int, max_occurrences: int = 32) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_occurrences < 1:
+            raise ValueError(f"max_occurrences must be >= 1, got {max_occurrences}")
+        self.max_tokens = max_tokens
+        self.max_occurrences = max_occurrences
+        # Token i of the stream of all stored documents (i counts from the first token ever added) lives in
+        # slot i % max_tokens, with the absolute bounds [start, end) of its document beside it.
+        self._tokens = array("q", bytes(8 * max_tokens))
+        self._starts = array("q", bytes(8 * max_tokens))
+        self._ends = array("q", bytes(8 * max_tokens))
+        self._documents: deque[tuple[int, int]] = deque()  # (start, end) of each stored document, oldest first
+        self._first = 0  # absolute position of the oldest stored token
+        self._next = 0  # absolute position the next token gets
+        # token -> its most recent positions; (previous, token) -> those of token right after previous in its
+        # document. Positions ascend; none is evicted (eviction prunes them).
+        self._by_token: dict[int, deque[int]] = {}
+        self._by_pair: dict[tuple[int, int], deque[int]] = {}
+
+    def __len__(self) -> int:
+        """Tokens stored."""
+        return self._next - self._first
+
+    @property
+    def documents(self) -> int:
+        """Documents stored (an evicted document no longer counts)."""
+        return len(self._documents)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Store ``tokens`` as one document, evicting the oldest documents until it fits (see the contract).
+
+        An empty document stores nothing.
+        """
+        kept = [int(token) for token in tokens][-self.max_tokens :]
+        if not kept:
+            return
+        while len(self) + len(kept) > self.max_tokens:
+            self._evict_oldest()
+        start, end = self._next, self._next + len(kept)
+        for offset, token in enumerate(kept):
+            position, slot = start + offset, (start + offset) % self.max_tokens
+            self._tokens[slot], self._starts[slot], self._ends[slot] = token, start, end
+            self._index(self._by_token, token, position)
+            if offset:
+                self._index(self._by_pair, (kept[offset - 1], token), position)
+        self._documents.append((start, end))
+        self._next = end
+
+    def _index(self, index: dict, key: Hashable, position: int) -> None:
+        """Append ``position`` to ``index[key]``, which keeps the ``max_occurrences`` most recent."""
+        occurrences = index.get(key)
+        if occurrences is None:
+            occurrences = index[key] = deque(maxlen=self.max_occurrences)
+        occurrences.append(position)
+
+    def _evict_oldest(self) -> None:
+        """Drop the oldest document and its tokens' indexed positions."""
+        start, end = self._documents.popleft()
+        self._first = end
+        previous = None
+        for position in range(start, end):
+            token = self._tokens[position % self.max_tokens]
+            _prune(self._by_token, token, end)
+            if position > start:
+                _prune(self._by_pair, (previous, token), end)
+            previous = token
+
+    def candidates(
+        self, tokens: Sequence[int], length: int, limit: int, min_match: int = 1
+    ) -> list[tuple[int, ...]]:
+        """Up to ``limit`` distinct continuations of ``tokens[-1]`` from the memory, best first.
+
+        A stored occurrence ``p`` of ``tokens[-1]`` qualifies when at least ``min_match`` tokens before it, in
+        its own document, equal the tokens before ``tokens[-1]`` (compared up to ``MAX_MATCH``) and its
+        document goes on after it; its continuation is the next ``length`` tokens, fewer where the document
+        ends. Order: the stronger match (matches of ``STRONG_MATCH`` or more count alike), then the longer
+        continuation, then the longer match, then the most recent. A continuation equal to, or a prefix of, one
+        already chosen is skipped.
+        """
+        if limit <= 0 or length <= 0 or not tokens:
+            return []
+        ranked = self._rank(tokens, length, min_match)
+        found: list[tuple[int, ...]] = []
+        seen: set[tuple[int, ...]] = set()  # the chosen continuations and all their prefixes
+        for _, available, _, position in ranked:
+            continuation = self._read(position + 1, available)
+            if continuation not in seen:
+                found.append(continuation)
+                if len(found) == limit:
+                    break
+                seen.update(continuation[:count] for count in range(1, available + 1))
+        return found
+
+    def _rank(self, tokens: Sequence[int], length: int, min_match: int) -> list[tuple[int, int, int, int]]:
+        """``(strength, continuation length, match, position)`` of each qualifying occurrence, best first."""
+        if min_match >= 1:
+            if len(tokens) < 2:
+                return []
+            occurrences = self._by_pair.get((tokens[-2], tokens[-1]))
+        else:
+            occurrences = self._by_token.get(tokens[-1])
+        if not occurrences:
+            return []
+        context = array("q", tokens[-self.MAX_MATCH - 1 : -1])  # the tokens before tokens[-1]
+        previous = context[-1] if context else None
+        stored, ends, size, strong = self._tokens, self._ends, self.max_tokens, self.STRONG_MATCH
+        ranked = []
+        for position in occurrences:  # the hot loop: up to max_occurrences times per decode step
+            slot = position % size
+            available = ends[slot] - position - 1
+            if available < 1:
+                continue
+            match = 0
+            if stored[slot - 1] == previous:  # slot - 1 = -1 is the ring's last slot: still the predecessor
+                match = self._match(context, position, self._starts[slot])
+            if match >= min_match:
+                strength = match if match < strong else strong
+                ranked.append((strength, available if available < length else length, match, position))
+        ranked.sort(reverse=True)
+        return ranked
+
+    def _match(self, context: array, position: int, start: int) -> int:
+        """How many tokens right before ``position`` (none before ``start``, its document's first) equal the
+        last ones of ``context``, at most ``len(context)``."""
+        stored, size = self._tokens, self.max_tokens
+        limit = min(len(context), position - start)
+        slot = position % size
+        if limit <= slot and stored[slot - limit : slot] == context[len(context) - limit :]:
+            return limit  # the whole context matches (the common case in repetitive text), compared in C
+        count = 0
+        while count < limit and stored[(position - count - 1) % size] == context[-count - 1]:
+            count += 1
+        return count
+
+    def _read(self, position: int, count: int) -> tuple[int, ...]:
+        """The ``count`` stored tokens from absolute ``position`` on."""
+        stored, size = self._tokens, self.max_tokens
+        slot = position % size
+        if slot + count <= size:
+            return tuple(stored[slot : slot + count])
+        return tuple(stored[(position + offset) % size] for offset in range(count))
+
+
+def _prune(index: dict, key: Hashable, end: int) -> None:
+    """Drop the positions before ``end`` from ``index[key]``, and the key once it has none left."""
+    occurrences = index.get(key)
+    if occurrences is None:
+        return
+    while occurrences and occurrences[0] < end:
+        occurrences.popleft()
+    if not occurrences:
+        del index[key]
