@@ -1,17 +1,19 @@
 """The server-wide n-gram memory: recent documents (completions) of every request, offered as candidates.
 
 Contract: ``NGramMemory(max_tokens)`` stores whole documents (``add``) in a ring of at most ``max_tokens``
-tokens; when a new document does not fit, the oldest documents are evicted whole (a document longer than
-``max_tokens`` keeps its last ``max_tokens`` tokens). ``candidates(tokens, length, limit, min_match)`` returns
-up to ``limit`` distinct continuations (1..``length`` tokens each) of the stored occurrences of ``tokens[-1]``
-whose preceding tokens match the tokens before ``tokens[-1]`` for at least ``min_match`` tokens, ranked as
-``ContextIndex.best_copy`` ranks copies (``decoding.pool``). Neither a match nor a continuation ever crosses a
-document boundary.
+tokens (token ids are ints in [0, 2**32)); when a new document does not fit, the oldest documents are evicted
+whole (a document longer than ``max_tokens`` keeps its last ``max_tokens`` tokens).
+``candidates(tokens, length, limit, min_match)`` returns up to ``limit`` distinct continuations (1..``length``
+tokens each) of the stored occurrences of ``tokens[-1]`` whose preceding tokens match the tokens before
+``tokens[-1]`` for at least ``min_match`` tokens, ranked as ``ContextIndex.best_copy`` ranks copies
+(``decoding.pool``). Neither a match nor a continuation ever crosses a document boundary.
 
-Bounds: only the ``max_occurrences`` most recent occurrences of each token, and of each pair of adjacent tokens,
-are indexed (a lookup with ``min_match >= 1`` searches those of the last two tokens, with ``min_match == 0``
-those of the last token), so a lookup costs O(``max_occurrences`` x ``MAX_MATCH``) whatever the memory's size.
-Memory: three int64 arrays of ``max_tokens`` entries plus at most two indexed positions per stored token.
+Bounds: a lookup searches only the ``max_occurrences`` most recent occurrences of the last two tokens (with
+``min_match >= 1``) or of the last token (``min_match == 0``), so it costs O(``max_occurrences`` x
+``MAX_MATCH``) whatever the memory's size. Memory: five int64 arrays of ``max_tokens`` entries (the tokens,
+their documents' bounds, and two chains linking each position to the previous occurrence of its token and of
+its pair) plus one dictionary entry per distinct token and pair stored: about 110 bytes per token in all
+(22 MB for 200,000 tokens of text).
 
 Not thread-safe: one thread (the engine's, which owns the device) adds and looks up. Candidates are guesses
 only: whoever verifies them decides what is kept, so the memory can change how fast a decode runs, never its
@@ -22,13 +24,15 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from decoding.pool import ContextIndex
 
+TOKEN_LIMIT = 1 << 32  # token ids lie in [0, TOKEN_LIMIT): a pair (a, b) is keyed by the int a * TOKEN_LIMIT + b
+
 
 class NGramMemory:
-    """A bounded ring of recent documents with, per token and per adjacent pair, its most recent positions.
+    """A bounded ring of recent documents, indexed by token and by adjacent pair of tokens.
 
     >>> memory = NGramMemory(max_tokens=16)
     >>> memory.add([1, 2, 3, 4])
@@ -56,16 +60,14 @@ class NGramMemory:
         self.max_occurrences = max_occurrences
         # Token i of the stream of all stored documents (i counts from the first token ever added) lives in
         # slot i % max_tokens, with the absolute bounds [start, end) of its document beside it.
-        self._tokens = array("q", bytes(8 * max_tokens))
-        self._starts = array("q", bytes(8 * max_tokens))
-        self._ends = array("q", bytes(8 * max_tokens))
+        self._tokens = _int64s(max_tokens)
+        self._starts = _int64s(max_tokens)
+        self._ends = _int64s(max_tokens)
+        self._by_token = _Chains(max_tokens)
+        self._by_pair = _Chains(max_tokens)  # a position is linked here when its document has a token before it
         self._documents: deque[tuple[int, int]] = deque()  # (start, end) of each stored document, oldest first
         self._first = 0  # absolute position of the oldest stored token
         self._next = 0  # absolute position the next token gets
-        # token -> its most recent positions; (previous, token) -> those of token right after previous in its
-        # document. Positions ascend; none is evicted (eviction prunes them).
-        self._by_token: dict[int, deque[int]] = {}
-        self._by_pair: dict[tuple[int, int], deque[int]] = {}
 
     def __len__(self) -> int:
         """Tokens stored."""
@@ -79,40 +81,37 @@ class NGramMemory:
     def add(self, tokens: Sequence[int]) -> None:
         """Store ``tokens`` as one document, evicting the oldest documents until it fits (see the contract).
 
-        An empty document stores nothing.
+        An empty document stores nothing; a token id outside [0, 2**32) raises ``ValueError`` (nothing stored).
         """
         kept = [int(token) for token in tokens][-self.max_tokens :]
         if not kept:
             return
+        if not 0 <= min(kept) <= max(kept) < TOKEN_LIMIT:
+            raise ValueError(f"token ids must lie in [0, {TOKEN_LIMIT}), got {min(kept)}..{max(kept)}")
         while len(self) + len(kept) > self.max_tokens:
             self._evict_oldest()
         start, end = self._next, self._next + len(kept)
-        for offset, token in enumerate(kept):
-            position, slot = start + offset, (start + offset) % self.max_tokens
+        previous = None
+        for position, token in enumerate(kept, start):
+            slot = position % self.max_tokens
             self._tokens[slot], self._starts[slot], self._ends[slot] = token, start, end
-            self._index(self._by_token, token, position)
-            if offset:
-                self._index(self._by_pair, (kept[offset - 1], token), position)
+            self._by_token.link(token, position, slot)
+            if previous is not None:
+                self._by_pair.link(previous * TOKEN_LIMIT + token, position, slot)
+            previous = token
         self._documents.append((start, end))
         self._next = end
 
-    def _index(self, index: dict, key: Hashable, position: int) -> None:
-        """Append ``position`` to ``index[key]``, which keeps the ``max_occurrences`` most recent."""
-        occurrences = index.get(key)
-        if occurrences is None:
-            occurrences = index[key] = deque(maxlen=self.max_occurrences)
-        occurrences.append(position)
-
     def _evict_oldest(self) -> None:
-        """Drop the oldest document and its tokens' indexed positions."""
+        """Drop the oldest document, and every index key whose latest position it held."""
         start, end = self._documents.popleft()
         self._first = end
         previous = None
         for position in range(start, end):
             token = self._tokens[position % self.max_tokens]
-            _prune(self._by_token, token, end)
-            if position > start:
-                _prune(self._by_pair, (previous, token), end)
+            self._by_token.unlink(token, position)
+            if previous is not None:
+                self._by_pair.unlink(previous * TOKEN_LIMIT + token, position)
             previous = token
 
     def candidates(
@@ -127,7 +126,7 @@ class NGramMemory:
         continuation, then the longer match, then the most recent. A continuation equal to, or a prefix of, one
         already chosen is skipped.
         """
-        if limit <= 0 or length <= 0 or not tokens:
+        if limit <= 0 or length <= 0 or not tokens or not 0 <= tokens[-1] < TOKEN_LIMIT:
             return []
         ranked = self._rank(tokens, length, min_match)
         found: list[tuple[int, ...]] = []
@@ -144,11 +143,11 @@ class NGramMemory:
     def _rank(self, tokens: Sequence[int], length: int, min_match: int) -> list[tuple[int, int, int, int]]:
         """``(strength, continuation length, match, position)`` of each qualifying occurrence, best first."""
         if min_match >= 1:
-            if len(tokens) < 2:
+            if len(tokens) < 2 or not 0 <= tokens[-2] < TOKEN_LIMIT:
                 return []
-            occurrences = self._by_pair.get((tokens[-2], tokens[-1]))
+            occurrences = self._by_pair.recent(tokens[-2] * TOKEN_LIMIT + tokens[-1], self._first, self.max_occurrences)
         else:
-            occurrences = self._by_token.get(tokens[-1])
+            occurrences = self._by_token.recent(tokens[-1], self._first, self.max_occurrences)
         if not occurrences:
             return []
         context = array("q", tokens[-self.MAX_MATCH - 1 : -1])  # the tokens before tokens[-1]
@@ -191,12 +190,41 @@ class NGramMemory:
         return tuple(stored[(position + offset) % size] for offset in range(count))
 
 
-def _prune(index: dict, key: Hashable, end: int) -> None:
-    """Drop the positions before ``end`` from ``index[key]``, and the key once it has none left."""
-    occurrences = index.get(key)
-    if occurrences is None:
-        return
-    while occurrences and occurrences[0] < end:
-        occurrences.popleft()
-    if not occurrences:
-        del index[key]
+
+class _Chains:
+    """An index from keys to positions as hash chains (as in LZ77 compressors): ``heads[key]`` is the key's latest
+    position, ``chain[slot of p]`` the position of the key's occurrence before ``p`` (-1: none).
+
+    Positions before the memory's first live one are stale: ``recent`` stops at the first it meets (a chain
+    descends), and ``unlink`` drops a key whose latest position is evicted, so keys never outnumber live tokens.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.heads: dict[int, int] = {}
+        self.chain = _int64s(size)
+
+    def link(self, key: int, position: int, slot: int) -> None:
+        """Record ``position`` (at ``slot``) as the latest occurrence of ``key``."""
+        self.chain[slot] = self.heads.get(key, -1)
+        self.heads[key] = position
+
+    def unlink(self, key: int, position: int) -> None:
+        """``position`` is evicted: forget ``key`` if that was its latest occurrence."""
+        if self.heads.get(key) == position:
+            del self.heads[key]
+
+    def recent(self, key: int, first: int, count: int) -> list[int]:
+        """The latest ``count`` positions of ``key`` that are not before ``first``, newest first."""
+        found: list[int] = []
+        position = self.heads.get(key, -1)
+        chain, size = self.chain, self.size
+        while position >= first and len(found) < count:
+            found.append(position)
+            position = chain[position % size]
+        return found
+
+
+def _int64s(size: int) -> array:
+    """A zeroed int64 array of ``size`` entries."""
+    return array("q", bytes(8 * size))

@@ -170,13 +170,21 @@ def test_matches_the_brute_force_reference(seed):
         assert memory.candidates(tokens, length, limit, min_match) == expected, (tokens, length, limit, min_match)
 
 
-def test_index_holds_at_most_two_positions_per_stored_token():
+def test_index_keys_never_outnumber_stored_tokens():
     rng = random.Random(1)
     memory = NGramMemory(300)
     for _ in range(100):
-        memory.add([rng.randrange(20) for _ in range(rng.randint(1, 40))])
-        indexed = sum(map(len, memory._by_token.values())) + sum(map(len, memory._by_pair.values()))
-        assert indexed <= 2 * len(memory)
+        memory.add([rng.randrange(1000) for _ in range(rng.randint(1, 40))])
+        assert len(memory._by_token.heads) <= len(memory) and len(memory._by_pair.heads) < len(memory)
+
+
+def test_token_ids_outside_the_range_are_refused():
+    memory = NGramMemory(10)
+    with pytest.raises(ValueError):
+        memory.add([1, -1])
+    with pytest.raises(ValueError):
+        memory.add([2**32])
+    assert (len(memory), memory.candidates([-1], 1, 1, min_match=0)) == (0, [])
 
 
 def test_lookup_time_in_a_full_memory():
