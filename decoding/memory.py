@@ -124,9 +124,10 @@ class NGramMemory:
         document goes on after it; its continuation is the next ``length`` tokens, fewer where the document
         ends. Order: the stronger match (matches of ``STRONG_MATCH`` or more count alike), then the longer
         continuation, then the longer match, then the most recent. A continuation equal to, or a prefix of, one
-        already chosen is skipped.
+        already chosen is skipped. Only the ``max_occurrences`` most recent occurrences of ``tokens[-2:]`` (of
+        ``tokens[-1]`` when ``min_match`` is 0) are looked at.
         """
-        if limit <= 0 or length <= 0 or not tokens or not 0 <= tokens[-1] < TOKEN_LIMIT:
+        if limit <= 0 or length <= 0 or len(tokens) == 0 or not 0 <= tokens[-1] < TOKEN_LIMIT:
             return []
         ranked = self._rank(tokens, length, min_match)
         found: list[tuple[int, ...]] = []
