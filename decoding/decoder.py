@@ -1,7 +1,8 @@
 """The facade the server uses: one loaded model, its continuous batch, and single decodes.
 
-Contract: ``Decoder.batch_engine(policy)`` gives the server its ``BatchEngine`` (``decoding.batch``): requests
-added by id, all of them stepped in one forward per ``step``, cancelled by id. ``Decoder.validate`` is the
+Contract: ``Decoder.batch_engine(policy, memory_tokens)`` gives the server its ``BatchEngine`` (``decoding.batch``):
+requests added by id, all of them stepped in one forward per ``step``, cancelled by id, sharing one n-gram memory
+of recent completions (``decoding.memory``) when ``memory_tokens`` > 0. ``Decoder.validate`` is the
 one check of a request's decoding parameters (``InvalidParameterError`` naming the parameter, no forward
 pass); the engine runs the same check. ``Decoder.decode`` validates and returns one decode's generator of
 ``Step`` (see ``decoding.engine``), for callers that decode alone (benchmarks, tests); ``lookahead=None``
@@ -22,6 +23,7 @@ from decoding.engine import Step, context_length, generate_autoregressive, gener
 from decoding.errors import InvalidParameterError
 from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
 from decoding.loading import LoadedModel, load_model
+from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
 
@@ -124,10 +126,12 @@ class Decoder:
         """
         validate_request(self.loaded.model, prompt_ids, stop, sampling, lookahead)
 
-    def batch_engine(self, policy: BatchPolicy | None = None) -> BatchEngine:
+    def batch_engine(self, policy: BatchPolicy | None = None, memory_tokens: int = 0) -> BatchEngine:
         """A new, empty continuous batch over this model that spends each forward's tokens as ``policy`` says
-        (``BatchPolicy()`` when None)."""
-        return BatchEngine(self.loaded.model, policy or BatchPolicy())
+        (``BatchPolicy()`` when None), with a server-wide ``NGramMemory(memory_tokens)`` shared by its decodes
+        (none when ``memory_tokens`` is 0; each decode's ``LookaheadConfig.shared_memory`` opts it out)."""
+        memory = NGramMemory(memory_tokens) if memory_tokens > 0 else None
+        return BatchEngine(self.loaded.model, policy or BatchPolicy(), memory=memory)
 
     def decode(
         self,

@@ -125,7 +125,8 @@ class Runtime:
         try:
             if self.decoder is None:
                 self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
-            self.worker.attach(self.decoder.batch_engine(batch_policy(self.config)))
+            memory_tokens = self.config.lookahead.memory_tokens
+            self.worker.attach(self.decoder.batch_engine(batch_policy(self.config), memory_tokens=memory_tokens))
             engine = Engine(self.config, self.decoder, TextCodec(self.decoder.tokenizer), self.scheduler)
             self._publish_config(engine)
             self.state = "warming"

@@ -82,6 +82,11 @@ class LookaheadSettings(BaseModel):
     copy_candidates: int = _lookahead_field(
         "copy_candidates", "copy steps: continuations of different earlier occurrences verified at once, as a token tree"
     )
+    memory_tokens: int = Field(
+        200_000, ge=0, le=10_000_000,
+        description="server-wide n-gram memory: tokens of recent completions (all requests) offered as candidates "
+        "to every request (0: off; ~110 bytes each; a request opts out with lookahead.shared_memory false)",
+    )
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> LookaheadSettings:

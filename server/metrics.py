@@ -10,7 +10,8 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
   (tokens after a stop string are not produced: they are neither sent nor counted);
 - ``decode_steps_total`` counts forward passes that produced at least one token, the prefill included;
 - ``draft_tokens_total`` counts guessed tokens offered (N-1 for each step that verified at least one
-  candidate) and ``accepted_tokens_total`` the guessed tokens accepted (and kept);
+  candidate) and ``accepted_tokens_total`` the guessed tokens accepted (and kept); ``memory_accepted_tokens_total``
+  counts those of them that came from the server-wide n-gram memory (``decoding.memory``);
 - per-request histograms (acceptance rate, steps per token, tokens per step, end-to-end latency) observe
   requests that finished with ``stop`` or ``length`` only: a cancelled request's ratios are partial;
 - ``inter_token_latency_seconds`` is per token: the wall time since the request's previous step (its own
@@ -66,6 +67,9 @@ class Metrics:
             "draft_tokens", "Guessed tokens offered for verification (N-1 per step; a copy step up to copy_length)."
         )
         self.accepted_tokens = counter("accepted_tokens", "Guessed tokens accepted.")
+        self.memory_accepted_tokens = counter(
+            "memory_accepted_tokens", "Guessed tokens accepted that came from the server-wide n-gram memory."
+        )
         self.accepted_per_position = counter(
             "accepted_tokens_per_position",
             "Guessed tokens accepted, by position 1..N-1 (up to copy_length for copy steps).",
@@ -127,6 +131,7 @@ class Metrics:
         self.step_duration.observe(seconds)
         self.draft_tokens.inc(counts.offered)
         self.accepted_tokens.inc(counts.accepted)
+        self.memory_accepted_tokens.inc(counts.memory_accepted)
         for position, accepted in enumerate(counts.accepted_per_position, start=1):
             if accepted:
                 self.accepted_per_position.labels(position=str(position)).inc(accepted)

@@ -98,6 +98,7 @@ def lookahead_schema(config: ServerConfig) -> dict[str, Any]:
     properties: dict[str, Any] = {"enabled": nullable({"type": "boolean"})}
     for name, (low, high) in lookahead_bounds(config.lookahead).items():
         properties[name] = nullable({"type": "integer", "minimum": low, "maximum": high})
+    properties["shared_memory"] = nullable({"type": "boolean"})
     return {
         "type": "object",
         "title": "LookaheadRequest",

@@ -57,12 +57,17 @@ class StreamOptions(StrictModel):
 
 
 class LookaheadRequest(StrictModel):
-    """Extension: per-request lookahead settings; each field falls back to the server's configured default."""
+    """Extension: per-request lookahead settings; each field falls back to the server's configured default.
+
+    ``shared_memory: false`` opts the request out of the server-wide n-gram memory: it neither draws candidates
+    from it nor adds its completion to it.
+    """
 
     enabled: bool | None = None
     window_size: int | None = None
     ngram_size: int | None = None
     guess_set_size: int | None = None
+    shared_memory: bool | None = None
 
 
 class GenerationFields(StrictModel):

@@ -76,7 +76,7 @@ class DecoderLike(Protocol):
         lookahead: LookaheadConfig | None,
     ) -> None: ...
 
-    def batch_engine(self, policy: BatchPolicy | None) -> EngineLike: ...
+    def batch_engine(self, policy: BatchPolicy | None, memory_tokens: int = 0) -> EngineLike: ...
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,8 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     """The request's lookahead settings over the configured defaults; ``None`` means autoregressive.
 
     The server-wide step policy (``lazy_window``, ``break_even``, capped at N-1, ``copy_length``,
-    ``copy_min_match``, ``copy_candidates``) comes from the config.
+    ``copy_min_match``, ``copy_candidates``) comes from the config; ``shared_memory`` (the server-wide n-gram memory, on unless the
+    request sends false) from the request.
 
     Each value must lie in ``lookahead_bounds``: the decoder's minimum, the configured maximum (400 naming
     ``lookahead.<field>`` otherwise).
@@ -144,6 +145,7 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     return LookaheadConfig(
         **values, lazy_window=settings.lazy_window, break_even=break_even, copy_length=settings.copy_length,
         copy_min_match=settings.copy_min_match, copy_candidates=settings.copy_candidates,
+        shared_memory=request.shared_memory is not False,
     )
 
 

@@ -13,7 +13,8 @@ Counts flow as one ``decoding.StepCounts`` record per step into the job's totals
 Each job reports through its own ``post`` callable: ``Output`` items, the last one carrying ``finish_reason``
 and a ``Summary``, or one exception that ends it. An exception reported for one job ends that job only (a
 failed batched forward ends the jobs in it); an exception from ``step`` itself ends every running job. Greedy
-output does not depend on what else runs: every job has its own cache, window and pool.
+output does not depend on what else runs: every job has its own cache, window and pool, and the engine's shared
+n-gram memory of earlier completions only proposes guesses (it can change a job's speed, never its text).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 MODULES = [
     "bench.tune",
     "decoding.fetch",
+    "decoding.memory",
     "decoding.pool",
     "server.body",
     "server.chat_client",

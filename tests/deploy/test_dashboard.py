@@ -179,6 +179,7 @@ TOPICS = [
     Topic("requests waiting", ("timeseries", "stat"), uses("lookahead_requests_waiting")),
     Topic("requests rejected by reason", TIMESERIES, grouped_by("lookahead_requests_rejected_total", "reason")),
     Topic("finish reasons", TIMESERIES, grouped_by("lookahead_requests_total", "finish_reason")),
+    Topic("guesses from the shared memory", TIMESERIES, uses_rate_of("lookahead_memory_accepted_tokens_total")),
 ]
 
 

@@ -63,7 +63,7 @@ class FaultyDecoder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def batch_engine(self, policy: Any = None) -> BatchEngine:
+    def batch_engine(self, policy: Any = None, memory_tokens: int = 0) -> BatchEngine:  # no memory: faults only
         return BatchEngine(self.inner.loaded.model, policy or BatchPolicy(), open_stream=self._open)
 
     def _open(self, model: Any, prompt_ids: Sequence[int], *args: Any) -> DecodeStream:

@@ -94,6 +94,8 @@ class ScriptedDecoder:
     step_log: list[tuple[str, int]] = field(default_factory=list)  # (prompt text, step index) in run order
     closed: list[str] = field(default_factory=list)
     raise_on_validate: Exception | None = None
+    memory_tokens: int | None = None  # what the server asked batch_engine for
+    lookaheads: list[Any] = field(default_factory=list)  # the LookaheadConfig of each request added, in order
 
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({self.tokenizer.eos_token_id})
@@ -104,7 +106,8 @@ class ScriptedDecoder:
         if stop.max_tokens < 1:
             raise InvalidParameterError("max_tokens", "max_tokens must be >= 1")
 
-    def batch_engine(self, policy: Any = None) -> ScriptedEngine:
+    def batch_engine(self, policy: Any = None, memory_tokens: int = 0) -> ScriptedEngine:
+        self.memory_tokens = memory_tokens
         return ScriptedEngine(self)
 
     def steps_for(self, prompt_ids: Sequence[int], max_tokens: int) -> Iterator[Step]:
@@ -158,6 +161,7 @@ class ScriptedEngine:
 
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any) -> None:
         self.decoder.validate(prompt_ids, stop, sampling, lookahead)
+        self.decoder.lookaheads.append(lookahead)
         self._requests[request_id] = self.decoder.steps_for(prompt_ids, stop.max_tokens)
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]:

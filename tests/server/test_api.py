@@ -8,7 +8,7 @@ import pytest
 
 from server.config import LookaheadSettings
 from tests.server.conftest import make_config
-from tests.server.helpers import chat_body, running_app, scrape, sse_events
+from tests.server.helpers import Script, ScriptedDecoder, chat_body, running_app, scrape, sse_events, token_steps
 
 pytestmark = pytest.mark.real_model
 GREEDY = {"temperature": 0, "max_tokens": 12}
@@ -58,6 +58,17 @@ async def test_request_lookahead_values_are_used(client):
     data = (await client.post("/v1/chat/completions", json=body)).json()
     decoding = data["decoding"]
     assert (decoding["window_size"], decoding["ngram_size"], decoding["guess_set_size"]) == (3, 3, 2)
+
+
+async def test_shared_memory_size_and_opt_out_reach_the_engine(tokenizer):
+    """--memory-tokens reaches batch_engine; lookahead.shared_memory false reaches the request's LookaheadConfig."""
+    decoder = ScriptedDecoder(tokenizer, lambda text: Script(token_steps(tokenizer, [" one", " two"])))
+    async with running_app(make_config(lookahead={"memory_tokens": 1234}), decoder) as (_, client):
+        for lookahead in ({}, {"shared_memory": False}, {"shared_memory": True}):
+            body = chat_body("Say hello.", **GREEDY, lookahead=lookahead)
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    assert decoder.memory_tokens == 1234
+    assert [config.shared_memory for config in decoder.lookaheads] == [True, False, True]
 
 
 async def test_chat_stream_chunk_sequence_with_usage(client):

@@ -284,3 +284,25 @@ def test_the_step_policy_reaches_each_requests_lookahead_config():
         settings.copy_length, settings.copy_min_match, settings.lazy_window
     )
     assert resolve_lookahead(LookaheadRequest(enabled=False), settings) is None
+
+
+def test_memory_tokens_field_flag_and_bounds():
+    """The shared n-gram memory's size: on by default on both devices, a flag, 0 allowed (off), bounded."""
+    for device in ("cpu", "cuda"):
+        assert load_config(device_preset=device).lookahead.memory_tokens == 200_000
+    flag = next(flag for flag in config_flags() if flag.key == "lookahead.memory_tokens")
+    assert (flag.name, flag.kind) == ("--memory-tokens", int)
+    assert load_config(overrides={"lookahead": {"memory_tokens": 0}}).lookahead.memory_tokens == 0
+    for bad in (-1, 10_000_001):
+        with pytest.raises(ConfigError, match="lookahead.memory_tokens"):
+            load_config(overrides={"lookahead": {"memory_tokens": bad}})
+
+
+def test_the_shared_memory_opt_out_reaches_each_requests_lookahead_config():
+    from server.protocol import LookaheadRequest
+    from server.serving import resolve_lookahead
+
+    settings = LookaheadSettings()
+    assert resolve_lookahead(None, settings).shared_memory is True
+    assert resolve_lookahead(LookaheadRequest(shared_memory=True), settings).shared_memory is True
+    assert resolve_lookahead(LookaheadRequest(shared_memory=False), settings).shared_memory is False

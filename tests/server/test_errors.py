@@ -66,6 +66,8 @@ async def test_body_must_be_an_object(client):
         ({"lookahead": {"guess_set_size": -1}}, "lookahead.guess_set_size"),
         ({"lookahead": {"window_size": "3"}}, "lookahead.window_size"),
         ({"lookahead": {"enabled": "no"}}, "lookahead.enabled"),
+        ({"lookahead": {"shared_memory": "no"}}, "lookahead.shared_memory"),
+        ({"lookahead": {"shared_memory": 0}}, "lookahead.shared_memory"),
         ({"n": 2}, "n"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1.0}, "frequency_penalty"),
