@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from decoding.batch import BatchEngine, BatchPolicy, allocate, step_batch
 from decoding.engine import DecodeStream, Proposal, StepCounts, StepStats, generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
+from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from tests.decoding.stubs import cycle_model
+from tests.decoding.stubs import StubLM, cycle_model
 
 PROMPTS = [
     [1, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2, 5, 7],
@@ -244,3 +247,63 @@ def test_step_counts_keep_only_kept_tokens_and_sum():
     total = StepCounts() + stats.counts() + StepStats(1, 1).counts()
     assert total == StepCounts(4, 2, 3, 2, (1, 1, 0))
     assert total - stats.counts() == StepCounts(1, 1, 0, 0, (0, 0, 0))
+
+
+def _permutation_model() -> StubLM:
+    """next(t) = 5t + 3 mod 64: one cycle through all 64 tokens, so 40 tokens of output never repeat."""
+    return StubLM(vocab_size=64, next_token=lambda token: (5 * token + 3) % 64)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1),
+        LookaheadConfig(3, 4, 3, copy_length=0, copy_min_match=1),  # memory candidates join the pool's
+    ],
+    ids=["copies", "pool"],
+)
+def test_the_shared_memory_offers_an_earlier_requests_output_to_a_later_one(config):
+    model = _permutation_model()
+    first, second = [1, 2, 7, 20], [9, 33, 7, 20]  # the same last two tokens: the same continuation
+    stop = StopCriteria(40)
+    greedy_second = tokens_of(generate_autoregressive(model, second, stop))
+    alone = list(generate_lookahead(model, second, stop, lookahead=config))
+    engine = BatchEngine(model, memory=NGramMemory(1000))
+    outputs = run_engine(engine, {"a": (first, config)}, {"a": 0})
+    assert engine.memory.documents == 1 and len(engine.memory) == len(first) + len(outputs["a"])
+    steps = []
+    engine.add("b", second, stop, SamplingParams(), config)
+    while engine.has_work:
+        steps.extend(step for _, step in engine.step())
+    assert tokens_of(steps) == greedy_second == tokens_of(alone)
+    counts = sum((step.stats.counts() for step in steps), StepCounts())
+    assert counts.memory_accepted > 20
+    assert counts.memory_accepted <= counts.accepted
+    assert len(steps) < len(alone) / 2
+
+
+def test_a_request_opted_out_neither_feeds_nor_reads_the_shared_memory():
+    model = _permutation_model()
+    config = LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1)
+    engine = BatchEngine(model, memory=NGramMemory(1000))
+    run_engine(engine, {"a": ([1, 2, 7, 20], replace(config, shared_memory=False))}, {"a": 0})
+    assert len(engine.memory) == 0
+    run_engine(engine, {"b": ([1, 2, 7, 20], config)}, {"b": 0})
+    assert engine.memory.documents == 1
+    steps = []
+    engine.add("c", [9, 33, 7, 20], StopCriteria(40), SamplingParams(), replace(config, shared_memory=False))
+    while engine.has_work:
+        steps.extend(step for _, step in engine.step())
+    assert sum(step.stats.memory_accepted for step in steps) == 0
+    assert engine.memory.documents == 1
+
+
+def test_greedy_output_is_unchanged_by_the_shared_memory(tiny_model):
+    """Every request twice through one engine with a memory (the second round draws on the first's outputs):
+    each output equals the stream's alone, for every config of the grid."""
+    requests = {f"r{i}": (prompt, config) for i, (prompt, config) in enumerate(zip(PROMPTS, CONFIGS, strict=True))}
+    alone = {name: tokens_of(make_stream(tiny_model, prompt, config)) for name, (prompt, config) in requests.items()}
+    engine = BatchEngine(tiny_model, BatchPolicy(max_step_tokens=16, prefill_chunk=4), memory=NGramMemory(500))
+    for _ in range(2):
+        assert run_engine(engine, requests, {name: index for index, name in enumerate(requests)}) == alone
+    assert engine.memory.documents > 0
