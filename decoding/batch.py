@@ -161,7 +161,8 @@ class BatchEngine:
     """The running decodes of one model, keyed by the caller's request ids, stepped together (module contract).
 
     ``open_stream`` builds each decode's ``DecodeStream`` (``DecodeStream`` itself unless a test injects a
-    variant); ``memory``, the server-wide n-gram memory shared by its lookahead decodes (None: off). Not thread-safe: one thread owns the device and calls ``add``, ``step`` and ``cancel``.
+    variant); ``memory``, the server-wide n-gram memory shared by its lookahead decodes (None: off).
+    Not thread-safe: one thread owns the device and calls ``add``, ``step`` and ``cancel``.
     """
 
     def __init__(

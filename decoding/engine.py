@@ -473,7 +473,8 @@ class _Lookahead:
         tokens = window_tokens + len(TokenTree.build(shape.candidates))
         if not shape.candidates:
             return Proposal(tokens)
-        gains = ([self.copying.expected] if copies.candidates else []) + ([self.verifying.expected] if found.candidates else [])
+        gains = [self.copying.expected] if copies.candidates else []
+        gains += [self.verifying.expected] if found.candidates else []
         probe = max(gains) < config.break_even
         smallest = 2 if copies.candidates else 1 + config.levels
         return Proposal(tokens, max(gains), probe, smallest=smallest)
@@ -595,7 +596,10 @@ class _Lookahead:
         copies = self.context.best_copies(tokens, config.copy_length, config.copy_min_match, config.copy_candidates)
         sources = [COPY] * len(copies)
         if self.memory is not None:
-            for copy in self.memory.candidates(tokens, config.copy_length, config.copy_candidates, config.copy_min_match):
+            remembered = self.memory.candidates(
+                tokens, config.copy_length, config.copy_candidates, config.copy_min_match
+            )
+            for copy in remembered:
                 if not any(chosen[: len(copy)] == copy for chosen in copies):
                     copies.append(copy)
                     sources.append(MEMORY)

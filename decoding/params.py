@@ -136,7 +136,8 @@ class LookaheadConfig:
             raise InvalidParameterError("break_even", f"break_even must be in [0, N-1], got {self.break_even}")
         if self.step_tokens > MAX_STEP_TOKENS:
             raise InvalidParameterError(
-                "lookahead", f"{self.step_tokens} input tokens per step ((N-1)*(W+G) and copies) exceeds {MAX_STEP_TOKENS}"
+                "lookahead",
+                f"{self.step_tokens} input tokens per step ((N-1)*(W+G) and copies) exceeds {MAX_STEP_TOKENS}",
             )
 
 

@@ -80,7 +80,7 @@ class LookaheadSettings(BaseModel):
         "copy_min_match", "copy steps: tokens before the last one that must match the earlier context (1: a 2-gram)"
     )
     copy_candidates: int = _lookahead_field(
-        "copy_candidates", "copy steps: continuations of different earlier occurrences verified at once, as a token tree"
+        "copy_candidates", "copy steps: continuations of different earlier occurrences verified at once (a token tree)"
     )
     memory_tokens: int = Field(
         200_000, ge=0, le=10_000_000,

@@ -1,0 +1,144 @@
+"""A repeated workload, with and without the server-wide n-gram memory, side by side in one process.
+
+Contract: ``python -m bench.workload`` sends the same requests, one after another, through two
+``BatchEngine`` s (the server's decode loop) that differ only in their memory: one holds a
+``decoding.memory.NGramMemory`` of ``--memory-tokens``, the other none. Requests alternate between the two
+engines so both see the same machine load. Each request is one prompt of a held-out split wrapped in the same
+system prompt and task template (what repeats across a real service's requests). It prints, per request and
+in total, tokens, steps, accepted guesses and those from the memory, checks that both engines return the same
+tokens, and writes JSON with ``--json``. The lookahead settings are the server's device preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import transformers
+from transformers import PreTrainedModel
+
+from bench.datasets import PromptSpec, encode_prompt, load_dataset
+from bench.settings import LOOKAHEAD_FIELDS, batch_policy
+from decoding.batch import BatchEngine, BatchPolicy
+from decoding.decoder import Decoder, configure_threads
+from decoding.engine import StepCounts
+from decoding.memory import NGramMemory
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from server.config import load_config
+
+SYSTEM_PROMPT = "You are a concise assistant. Follow the answer format exactly."
+TEMPLATE = (
+    "Answer the request below.\nFormat: a one-line summary, then three bullet points starting with '- ', "
+    "then a line 'In short:' with one sentence.\n\nRequest: {request}"
+)
+HELD_OUT = {"chat": (16, 24), "humaneval": (100, 108)}
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request through one engine: its tokens, summed step counts and seconds."""
+
+    tokens: list[int]
+    counts: StepCounts
+    seconds: float
+
+
+def templated(spec: PromptSpec) -> PromptSpec:
+    """``spec`` inside the workload's system prompt and task template (a chat request)."""
+    request = spec.text if spec.text is not None else spec.messages[-1]["content"]
+    messages = (
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": TEMPLATE.format(request=request)},
+    )
+    return PromptSpec(id=spec.id, messages=messages)
+
+
+def serve(engine: BatchEngine, prompt_ids: Sequence[int], stop: StopCriteria, config: LookaheadConfig) -> Served:
+    """Run one greedy request alone through ``engine`` to its end."""
+    started = time.perf_counter()
+    engine.add("request", prompt_ids, stop, SamplingParams(), config)
+    tokens: list[int] = []
+    counts = StepCounts()
+    while engine.has_work:
+        for _, step in engine.step():
+            if isinstance(step, BaseException):
+                raise step
+            tokens.extend(step.token_ids)
+            counts += step.stats.counts()
+    return Served(tokens, counts, time.perf_counter() - started)
+
+
+def run_workload(
+    model: PreTrainedModel,
+    prompts: Sequence[list[int]],
+    stop: StopCriteria,
+    config: LookaheadConfig,
+    policy: BatchPolicy,
+    memory_tokens: int,
+) -> list[tuple[Served, Served]]:
+    """Each prompt through an engine with a memory, then through one without: ``(with, without)`` per prompt."""
+    remembering = BatchEngine(model, policy, memory=NGramMemory(memory_tokens))
+    forgetting = BatchEngine(model, policy)
+    return [(serve(remembering, ids, stop, config), serve(forgetting, ids, stop, config)) for ids in prompts]
+
+
+def summary(results: Sequence[tuple[Served, Served]]) -> dict[str, dict[str, float]]:
+    """Totals per engine: tokens, steps, tokens per step, accepted share of tokens, memory share of accepted,
+    seconds."""
+    report = {}
+    for index, name in enumerate(("with_memory", "without_memory")):
+        counts = sum((pair[index].counts for pair in results), StepCounts())
+        report[name] = {
+            "tokens": counts.tokens,
+            "steps": counts.steps,
+            "tokens_per_step": counts.tokens / max(counts.steps, 1),
+            "accepted_share": counts.accepted / max(counts.tokens, 1),
+            "memory_accepted": counts.memory_accepted,
+            "seconds": sum(pair[index].seconds for pair in results),
+        }
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns 1 when the two engines' outputs differ."""
+    parser = argparse.ArgumentParser(prog="python -m bench.workload", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", choices=sorted(HELD_OUT), default="chat", help="held-out prompts to template")
+    parser.add_argument("--limit", type=int, default=8, help="requests (8)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (128)")
+    parser.add_argument("--memory-tokens", type=int, default=200_000, help="the memory's size (200000)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
+    parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
+    args = parser.parse_args(argv)
+    config = load_config(device_preset="cuda" if args.device.startswith("cuda") else "cpu")
+    lookahead = LookaheadConfig(**{name: getattr(config.lookahead, name) for name in LOOKAHEAD_FIELDS})
+    configure_threads(config.threads)
+    transformers.utils.logging.disable_progress_bar()
+    decoder = Decoder.load(config.model, args.device, config.dtype, config.quantize, config.weight_layout)
+    low, high = HELD_OUT[args.dataset]
+    specs = [templated(spec) for spec in load_dataset(args.dataset)[low:high][: args.limit]]
+    prompts = [encode_prompt(decoder.tokenizer, spec) for spec in specs]
+    stop = StopCriteria(args.max_tokens, decoder.eos_token_ids())
+    results = run_workload(decoder.loaded.model, prompts, stop, lookahead, batch_policy(config), args.memory_tokens)
+    rows = []
+    for spec, (remembered, plain) in zip(specs, results, strict=True):
+        rows.append({
+            "id": spec.id, "tokens": remembered.counts.tokens, "same_tokens": remembered.tokens == plain.tokens,
+            "steps_with": remembered.counts.steps, "steps_without": plain.counts.steps,
+            "accepted_with": remembered.counts.accepted, "accepted_without": plain.counts.accepted,
+            "memory_accepted": remembered.counts.memory_accepted,
+        })
+        print(*(f"{key}={value}" for key, value in rows[-1].items()), flush=True)
+    report = summary(results)
+    print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"rows": rows, "summary": report, "lookahead": vars(lookahead)}, handle, indent=1)
+    return 0 if all(row["same_tokens"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
