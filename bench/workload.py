@@ -4,7 +4,8 @@ Contract: ``python -m bench.workload`` sends the same requests, one after anothe
 ``BatchEngine`` s (the server's decode loop) that differ only in their memory: one holds a
 ``decoding.memory.NGramMemory`` of ``--memory-tokens``, the other none. Requests alternate between the two
 engines so both see the same machine load. Each request is one prompt of a held-out split wrapped in the same
-system prompt and task template (what repeats across a real service's requests). It prints, per request and
+system prompt and task template (what repeats across a real service's requests); ``--rounds 2`` sends the
+set twice (retries, agent loops). It prints, per request and
 in total, tokens, steps, accepted guesses and those from the memory, checks that both engines return the same
 tokens, and writes JSON with ``--json``. The lookahead settings are the server's device preset.
 """
@@ -109,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dataset", choices=sorted(HELD_OUT), default="chat", help="held-out prompts to template")
     parser.add_argument("--limit", type=int, default=8, help="requests (8)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (128)")
+    parser.add_argument("--rounds", type=int, default=1, help="times the whole set is sent (2: retries, loops) (1)")
     parser.add_argument("--memory-tokens", type=int, default=200_000, help="the memory's size (200000)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
     parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
@@ -119,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     decoder = Decoder.load(config.model, args.device, config.dtype, config.quantize, config.weight_layout)
     low, high = HELD_OUT[args.dataset]
-    specs = [templated(spec) for spec in load_dataset(args.dataset)[low:high][: args.limit]]
+    specs = [templated(spec) for spec in load_dataset(args.dataset)[low:high][: args.limit]] * args.rounds
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in specs]
     stop = StopCriteria(args.max_tokens, decoder.eos_token_ids())
     results = run_workload(decoder.loaded.model, prompts, stop, lookahead, batch_policy(config), args.memory_tokens)
