@@ -7,6 +7,9 @@ server runs with); ``decoding`` never imports it, and ``server`` only from the `
   (``bench.settings``).
 - ``bench.measure``: timed decodes of each method and the step-cost curve; ``bench.report``: the arithmetic,
   tables and JSON.
-- ``bench.tune``: choose W, N, G and the step policy for a model on a device, by measurement.
-- ``bench.datasets``: HumanEval (fetched through ``decoding.fetch``), chat questions, JSONL prompt files.
+- ``bench.heldout`` (``python -m bench heldout``): lookahead against our greedy loop and transformers' prompt
+  lookup, on the held-out split of a prompt set.
+- ``bench.tune``: choose W, N, G and the step policy for a model on a device, by measurement, on tune splits.
+- ``bench.datasets``: HumanEval and AlpacaEval (fetched through ``decoding.fetch``), chat questions, JSONL
+  prompt files, and the tune / held-out split of each built-in set.
 """

@@ -6,7 +6,8 @@ EOS). It prints the settings it runs and where each came from, then a per-prompt
 (``bench.report``: tokens, forward passes, tokens per step, tok/s, speedup vs greedy and vs ``generate``,
 identical to greedy), and optionally writes JSON ``{"config": {...}, "runs": [RunRecord...], "summary":
 {...}}``. ``--step-cost`` instead times one forward pass of k new tokens over a KV cache of ``--context``
-tokens.
+tokens. ``python -m bench heldout`` (``bench.heldout``) compares lookahead with the greedy loop and prompt lookup
+on the held-out split of a prompt set.
 
 Defaults are the server's (``bench.settings``): every lookahead step setting (W, N, G, lazy window,
 break-even, copy length), the batch policy and how the model is loaded (model, dtype, quantize, weight layout,
@@ -79,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", action="store_true", help="wrap raw-text prompts in a user message")
     parser.add_argument("--limit", type=int, default=10, help="first N prompts (0 = all; default 10)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per decode (default 256)")
+    add_lookahead_flags(parser)
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
+    add_model_flags(parser)
+    parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
+    parser.add_argument("--json", metavar="PATH", help="write config, runs and summary as JSON")
+    parser.add_argument("--step-cost", action="store_true", help="measure the step-cost curve instead")
+    parser.add_argument("--context", type=int, default=300, help="KV-cache tokens for --step-cost (300)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed forwards per k for --step-cost (7)")
+    return parser
+
+
+def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
+    """The lookahead step flags (``lookahead_config`` reads them); those the server configures default to None."""
     parser.add_argument("--window-size", type=int, help=f"W ({SERVER_DEFAULT})")
     parser.add_argument("--ngram-size", type=int, help=f"N ({SERVER_DEFAULT})")
     parser.add_argument("--guess-set-size", type=int, help=f"G ({SERVER_DEFAULT})")
@@ -92,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-min-match", type=int,
                         help=f"context tokens a copy step needs to match ({SERVER_DEFAULT})")
     parser.add_argument("--copy-candidates", type=int, help=f"continuations a copy step verifies ({SERVER_DEFAULT})")
-    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
-    parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """How the model loads and runs: model, device, dtype, quantize, weight layout, threads."""
     parser.add_argument("--model", help=f"default model name, local directory or hub id ({SERVER_DEFAULT})")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1... (picks the server preset)")
     parser.add_argument("--dtype", help=f"auto, float32, float16, bfloat16 ({SERVER_DEFAULT})")
@@ -102,12 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="our methods' linears (decoding.linears; auto: packed on a float32 CPU); generate runs "
                         f"on nn.Linear ({SERVER_DEFAULT})")
     parser.add_argument("--threads", type=int, help=f"torch intra-op threads, 0: torch's default ({SERVER_DEFAULT})")
-    parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
-    parser.add_argument("--json", metavar="PATH", help="write config, runs and summary as JSON")
-    parser.add_argument("--step-cost", action="store_true", help="measure the step-cost curve instead")
-    parser.add_argument("--context", type=int, default=300, help="KV-cache tokens for --step-cost (300)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed forwards per k for --step-cost (7)")
-    return parser
 
 
 def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
@@ -138,7 +149,7 @@ def select_prompts(args: argparse.Namespace) -> list[PromptSpec]:
     return load_dataset(args.dataset, limit)
 
 
-def _print_progress(total: int) -> Callable[[RunRecord], None]:
+def print_progress(total: int) -> Callable[[RunRecord], None]:
     """A progress callback printing one line per finished run to stderr."""
     done = [0]
 
@@ -154,13 +165,13 @@ def _print_progress(total: int) -> Callable[[RunRecord], None]:
     return report
 
 
-def _write_json(path: str, payload: Mapping[str, object]) -> None:
+def write_json(path: str, payload: Mapping[str, object]) -> None:
     """Write the final payload and say so."""
     Path(path).write_text(to_json(payload), encoding="utf-8")
     print(f"wrote {path}")
 
 
-def _saving_progress(
+def saving_progress(
     path: str, settings: Mapping[str, object], report: Callable[[RunRecord], None]
 ) -> Callable[[RunRecord], None]:
     """``report``, then rewrite ``path`` with every run so far marked ``"partial": true``: a benchmark cut off by a
@@ -175,7 +186,7 @@ def _saving_progress(
     return save
 
 
-def _json_settings(resolved: Resolved, env: Mapping[str, object]) -> dict[str, object]:
+def json_settings(resolved: Resolved, env: Mapping[str, object]) -> dict[str, object]:
     """The JSON ``config``: every (resolved) flag, where the server-configured ones came from, the batch policy
     and the environment."""
     return {
@@ -202,10 +213,10 @@ def run_decode_benchmark(
     print(header(env, lines), flush=True)
     runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy)
     eos = Decoder(loaded).eos_token_ids()
-    settings = {**_json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
-    progress = _print_progress(len(prompts) * len(methods))
+    settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
+    progress = print_progress(len(prompts) * len(methods))
     if args.json:
-        progress = _saving_progress(args.json, settings, progress)
+        progress = saving_progress(args.json, settings, progress)
     runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress)
     summaries = summarize(runs)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(runs), left=2))
@@ -233,7 +244,7 @@ def run_step_cost(resolved: Resolved, loaded: LoadedModel, linears: str) -> dict
     print(header(env, [line + " after 1 warm-up"]), flush=True)
     results = measure_step_cost(loaded.model, args.context, STEP_COST_KS, args.repeats)
     print("\n" + format_table(STEP_COST_HEADERS, step_cost_rows(results), left=0), flush=True)
-    return {"config": _json_settings(resolved, env), "step_cost": [asdict(result) for result in results]}
+    return {"config": json_settings(resolved, env), "step_cost": [asdict(result) for result in results]}
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolved:
@@ -253,7 +264,13 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts)."""
+    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout`` as the first
+    argument runs ``bench.heldout`` with the rest."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["heldout"]:
+        from bench import heldout  # it builds on this module
+
+        return heldout.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     print(describe(resolved), flush=True)
@@ -270,6 +287,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        _write_json(args.json, payload)
+        write_json(args.json, payload)
     return 0
 

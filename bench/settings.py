@@ -4,8 +4,11 @@ Contract: ``resolve(args)`` takes the parsed flags, where every server-configura
 and returns ``Resolved``: the flags with each ``None`` filled from ``server.config.load_config(device_preset=
 "cpu" or "cuda")`` (the preset of the device ``--device`` resolves to: the same layers the server stacks,
 ``configs/default.yaml`` < ``<device>.yaml`` < ``tuned-<device>.yaml``), where each value came from
-(``"flag"`` or ``"server preset <device>"``), and the server's ``BatchPolicy``. As in the server
-(``server.serving.resolve_lookahead``), a preset's ``break_even`` is capped at ``ngram_size - 1``.
+(``"flag"`` or ``"server preset <device>"``), and the server's ``BatchPolicy``. ``resolve(args, preset="cuda")``
+takes the lookahead step settings and the batch policy from the named preset instead, and still loads the model
+as this device's preset does (``python -m bench heldout --preset cuda`` on a CPU: the GPU's settings, counted in
+steps here). As in the server (``server.serving.resolve_lookahead``), a preset's ``break_even`` is capped at
+``ngram_size - 1``.
 ``describe(resolved)`` is the settings block the benchmark prints before it starts.
 
 Raises ``server.config.ConfigError`` when the server's configuration does not load.
@@ -30,12 +33,14 @@ FLAG = "flag"
 
 @dataclass(frozen=True)
 class Resolved:
-    """The flags with the server's defaults filled in, where each came from, and the server's batch policy."""
+    """The flags with the server's defaults filled in, where each came from, and the server's batch policy.
+    ``preset`` gave the lookahead settings and the batch policy, ``model_preset`` (the device's) the model's."""
 
     args: argparse.Namespace
     sources: dict[str, str]
     policy: BatchPolicy
     preset: str
+    model_preset: str | None = None
 
 
 def device_preset(device: str) -> str:
@@ -58,21 +63,27 @@ def server_defaults(config: ServerConfig) -> dict[str, object]:
     return values
 
 
-def resolve(args: argparse.Namespace) -> Resolved:
-    """Fill every ``None`` flag of ``args`` (a copy) from the server's config for the resolved device."""
-    preset = device_preset(args.device)
+def resolve(args: argparse.Namespace, preset: str | None = None) -> Resolved:
+    """Fill every ``None`` flag of ``args`` (a copy) from the server's config for the resolved device; the lookahead
+    settings and the batch policy from ``preset``'s config instead when one is named (``"cpu"`` or ``"cuda"``)."""
+    model_preset = device_preset(args.device)
+    preset = preset or model_preset
     config = load_config(device_preset=preset)
+    defaults = server_defaults(config)
+    if preset != model_preset:
+        model_defaults = server_defaults(load_config(device_preset=model_preset))
+        defaults.update({name: model_defaults[name] for name in MODEL_FIELDS})
     filled = argparse.Namespace(**vars(args))
     sources: dict[str, str] = {}
-    for name, value in server_defaults(config).items():
+    for name, value in defaults.items():
         if getattr(filled, name) is None:
             setattr(filled, name, value)
-            sources[name] = f"server preset {preset}"
+            sources[name] = f"server preset {model_preset if name in MODEL_FIELDS else preset}"
         else:
             sources[name] = FLAG
     if sources["break_even"] != FLAG:
         filled.break_even = min(filled.break_even, max(filled.ngram_size - 1, 0))
-    return Resolved(filled, sources, batch_policy(config), preset)
+    return Resolved(filled, sources, batch_policy(config), preset, model_preset)
 
 
 def describe(resolved: Resolved) -> str:
@@ -87,9 +98,12 @@ def describe(resolved: Resolved) -> str:
         return ", ".join(f"{name}={getattr(args, name)}{marks[name]}" for name in names)
 
     curve = ", ".join(f"{tokens}:{cost:g}" for tokens, cost in policy.step_cost)
+    presets = f"server preset {resolved.preset}"
+    if resolved.model_preset not in (None, resolved.preset):
+        presets = f"lookahead and batch: server preset {resolved.preset}, model: server preset {resolved.model_preset},"
     return "\n".join(
         [
-            f"settings (server preset {resolved.preset} unless marked [flag]):",
+            f"settings ({presets} unless marked [flag]):",
             f"  lookahead: {cells(LOOKAHEAD_FIELDS)}",
             f"  batch: max_step_tokens={policy.max_step_tokens}, prefill_chunk={policy.prefill_chunk}, "
             f"step_cost={curve} (binds only concurrent streams; the benchmark runs one at a time)",

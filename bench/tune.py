@@ -17,6 +17,9 @@ Contract: ``tune(model, prompts, stop_token_ids)`` returns a ``TuneResult``:
    prompts: that measured speedup is what the result reports, with how many outputs were identical (all of
    them in float32; in bfloat16 a multi-token step rounds differently from a one-token step, and a near-tie
    can break the other way).
+
+Its prompts come from the ``tune`` splits alone (``tune_prompts``: the first few HumanEval and chat prompts
+of ``bench.datasets.SPLITS``), never from the held-out prompts that figures are reported on.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from bench.datasets import PromptSpec, load_split
 from bench.measure import StepCost, measure_step_cost
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
@@ -38,6 +42,7 @@ GPU_GRID = ((5, 4, 5), (7, 5, 7), (10, 5, 10), (15, 5, 15), (15, 6, 15), (20, 6,
 COSTLY_RATIO = 1.2
 BREAK_EVEN_SCALES = (0.5, 0.25)
 COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
+TUNE_SETS = ("humaneval", "chat")
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,12 @@ class TuneResult:
     @property
     def measured_speedup(self) -> float:
         return self.greedy_seconds / self.lookahead_seconds if self.lookahead_seconds else 0.0
+
+
+def tune_prompts(per_set: int, sets: Sequence[str] = TUNE_SETS) -> list[PromptSpec]:
+    """The first ``per_set`` prompts of the ``tune`` split of each of ``sets`` (fewer when a split is shorter):
+    with the defaults and ``per_set`` 3, HumanEval/0-2 and chat/0-2."""
+    return [spec for name in sets for spec in load_split(name, "tune", per_set)]
 
 
 def monotone(values: Sequence[float]) -> list[float]:

