@@ -28,6 +28,7 @@ _EXPORTS = {
     "EmptyPromptError": "decoding.errors",
     "InvalidParameterError": "decoding.errors",
     "ModelLoadError": "decoding.errors",
+    "TokenLogprob": "decoding.logprobs",
     "NGramMemory": "decoding.memory",
     "LookaheadConfig": "decoding.params",
     "SamplingParams": "decoding.params",

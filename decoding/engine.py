@@ -5,6 +5,8 @@ Contract: token ids in, token ids out (no tokenizer here). ``generate_autoregres
 at once: typed errors, no forward pass) and return a ``DecodeStream``, an iterator of one ``Step`` per
 forward pass: the tokens that pass committed (never a stop token, never past ``max_tokens``) and its
 statistics (``StepStats``; ``StepStats.counts`` turns them into the ``StepCounts`` record that callers sum).
+When ``SamplingParams.top_logprobs`` is set, each step also carries its tokens' logprobs (``Step.logprobs``,
+read off the raw logits rows that predicted them: equal to the autoregressive loop's, to float tolerance).
 The last step carries ``finish_reason`` "stop" or "length". ``close()`` cancels the decode and
 frees its cache. With greedy sampling both produce exactly the same tokens; with sampling lookahead
 preserves the output distribution. The same stream can instead be stepped inside a batch
@@ -24,6 +26,7 @@ from transformers import PreTrainedModel
 
 from decoding.errors import ContextLengthError, EmptyPromptError
 from decoding.kv_cache import SlotCache, new_cache
+from decoding.logprobs import TokenLogprob, token_logprobs
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.pool import ContextIndex, NGramPool
@@ -108,11 +111,15 @@ class StepCounts:
 
 @dataclass(frozen=True)
 class Step:
-    """One forward pass's output: new token ids, stats, and why decoding ended (None while it goes on)."""
+    """One forward pass's output: new token ids, stats, and why decoding ended (None while it goes on).
+
+    ``logprobs`` (only when ``SamplingParams.top_logprobs`` is set, else None) is aligned with ``token_ids``.
+    """
 
     token_ids: list[int]
     stats: StepStats
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -279,8 +286,7 @@ class DecodeStream:
         step = planned(logits)
         if step.finish_reason is not None and self.memory is not None:
             self.memory.add(self.sequence.tokens[max(0, self.sequence.prompt_length - MEMORY_PROMPT_TAIL) :])
-        return Step(step.token_ids, replace(step.stats, seconds=time.perf_counter() - self._started),
-                    step.finish_reason)
+        return replace(step, stats=replace(step.stats, seconds=time.perf_counter() - self._started))
 
     def _plan_prefill(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
         """The next prompt chunk; the chunk reaching the prompt's end reads the first token off its last row."""
@@ -293,15 +299,18 @@ class DecodeStream:
 
         def finish(logits: torch.Tensor) -> Step:
             if not last_chunk:
-                return Step([], StepStats(end - start, 0, prefill=True))
-            committed = sequence.accept([_choose(logits[-1], self.sampling, sequence.generator)])
+                stats = StepStats(end - start, 0, prefill=True)
+                return Step([], stats, logprobs=_logprobs(logits, [], [], self.sampling))
+            row = logits.shape[0] - 1
+            committed = sequence.accept([_choose(logits[row], self.sampling, sequence.generator)])
             if sequence.finish_reason is None:
                 self._policy = (
                     _Plain(sequence, self.sampling)
                     if self.lookahead is None
                     else _Lookahead(self.model, sequence, self.sampling, self.lookahead, self.memory)
                 )
-            return Step(committed, StepStats(end - start, len(committed), prefill=True), sequence.finish_reason)
+            return Step(committed, StepStats(end - start, len(committed), prefill=True), sequence.finish_reason,
+                        _logprobs(logits, [row], committed, self.sampling))
 
         return slice_, finish
 
@@ -345,7 +354,17 @@ def _finish_one_token(sequence: _Sequence, sampling: SamplingParams, logits: tor
     committed = sequence.accept([_choose(logits[0], sampling, sequence.generator)])
     if not committed:
         sequence.cache.commit(len(sequence.tokens) - 1, [])
-    return Step(committed, StepStats(1, len(committed)), sequence.finish_reason)
+    return Step(committed, StepStats(1, len(committed)), sequence.finish_reason,
+                _logprobs(logits, [0], committed, sampling))
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: Sequence[int], committed: list[int], sampling: SamplingParams
+) -> list[TokenLogprob] | None:
+    """The committed tokens' logprobs when the request asked for them (``rows[i]`` predicted token i), else None."""
+    if sampling.top_logprobs is None:
+        return None
+    return token_logprobs(logits, rows, committed, sampling.top_logprobs)
 
 
 _SELF = torch.ones((1, 1), dtype=torch.bool)
@@ -555,7 +574,10 @@ class _Lookahead:
             accepted_per_position=tuple(k < accepted for k in range(depth)),
             memory_accepted=min(accepted, max(0, reach.get(MEMORY, 0) - others)),
         )
-        return Step(committed, stats, sequence.finish_reason)
+        rows = [0]
+        if verdict.candidate is not None:
+            rows += [candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
+        return Step(committed, stats, sequence.finish_reason, _logprobs(logits, rows, committed, self.sampling))
 
     def _candidates(self) -> _Shape:
         """Up to G n-grams to verify after ``last``: copied continuations ranked by context match, then the

@@ -25,16 +25,23 @@ LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
     "copy_candidates": (1, 8),
 }
 MAX_STEP_TOKENS = 1024
+MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's chat limit)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Token choice. ``temperature == 0`` means greedy (argmax); ``top_k == 0`` and ``top_p == 1`` disable them."""
+    """Token choice. ``temperature == 0`` means greedy (argmax); ``top_k == 0`` and ``top_p == 1`` disable them.
+
+    ``top_logprobs`` (None: no logprobs; 0..``MAX_TOP_LOGPROBS``) asks every ``Step`` for the committed tokens'
+    logprobs under the raw model logits plus that many alternatives each (``decoding.logprobs``); it never
+    changes which tokens are chosen.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    top_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +56,8 @@ class SamplingParams:
             raise InvalidParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidParameterError("top_k", f"top_k must be >= 0, got {self.top_k}")
+        if self.top_logprobs is not None:
+            _check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
 
 
 @dataclass(frozen=True)
