@@ -254,7 +254,7 @@ async def generate(
     prompt_ids = await asyncio.to_thread(prompt_of, engine.codec, body)  # a long prompt must not stall the loop
     generation = serving.plan(engine, body, prompt_ids, prompt_param)
     handle = serving.start(engine, generation)
-    renderer = renderer_type(model, body.include_usage, body.include_steps)
+    renderer = renderer_type(model, body.include_usage, body.include_steps, engine.codec.token_text)
     return await respond(request, handle, renderer, bool(body.stream))
 
 

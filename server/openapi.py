@@ -6,7 +6,8 @@ nothing to infer; this module fills in, per route, the request body (the ``serve
 the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every error status the route can answer with
 ``ErrorResponse``. The request schemas state what the server really accepts: the validators' limits (at most 4
 non-empty stop strings, an int64 seed), the options only accepted at their neutral value (``n`` = 1, zero
-penalties, no ``logit_bias``, no logprobs, no echo/best_of/suffix), the served model names and the configured
+penalties, no ``logit_bias``, no echo/best_of/suffix), logprobs with at most 20 alternatives (chat's
+``top_logprobs`` only with ``logprobs: true``, said in its description), the served model names and the configured
 lookahead maxima (``lookahead`` extension), non-empty prompts (token ids below the vocabulary size once the model
 is loaded), content required except in ``assistant`` messages. What no schema can say (``prompt + max_tokens``
 within the model's context, a text that tokenizes to nothing) stays a 400 at run time.
@@ -22,6 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from decoding.params import MAX_TOP_LOGPROBS
 from server.config import ServerConfig, lookahead_bounds
 from server.protocol import (
     ChatCompletion,
@@ -144,13 +146,17 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
     return {
         "ChatCompletionRequest": {
             **shared,
-            "logprobs": NULLABLE_BOOL_FALSE,
-            "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 0}),
+            "logprobs": nullable({"type": "boolean", "description": "Return each generated token's logprob "
+                                  "(the raw model's, before temperature / top-k / top-p) in choices[].logprobs."}),
+            "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                                      "description": "Most likely alternatives per token; needs logprobs: true."}),
         },
         "CompletionRequest": {
             **shared,
             "prompt": prompt_schema(vocab_size),
-            "logprobs": {"type": "null", "default": None},
+            "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                                  "description": "Return each token's logprob and this many alternatives (legacy "
+                                  "shape: tokens, token_logprobs, top_logprobs, text_offset); not with echo."}),
             "echo": NULLABLE_BOOL_FALSE,
             "best_of": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
             "suffix": nullable({"type": "string", "maxLength": 0}),

@@ -6,6 +6,9 @@ checked in ``server.serving``). Response models serialize to exactly OpenAI's sh
 top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in a stream's usage chunk.
 Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k`` and ``stream_steps``; with
 ``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``).
+Logprobs: chat's ``logprobs`` + ``top_logprobs`` give ``choices[].logprobs.content[]`` (``ChoiceLogprobs``),
+completions' ``logprobs: int`` the legacy ``CompletionLogprobs``; both the raw model's (before temperature,
+top-k, top-p), with at most ``MAX_TOP_LOGPROBS`` alternatives.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from decoding.params import MAX_TOP_LOGPROBS
 
 FinishReason = Literal["stop", "length"]
 MAX_STOP_SEQUENCES = 4
@@ -124,7 +129,7 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
@@ -134,7 +139,7 @@ class ChatCompletionRequest(GenerationFields):
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -170,6 +175,36 @@ class StepInfo(BaseModel):
     offered: int
 
 
+class TopLogprob(BaseModel):
+    """One alternative at a token's position: its text, logprob and the UTF-8 bytes of its text."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One generated token's logprob and the ``top_logprobs`` most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """``choices[].logprobs`` of a chat completion (or of one chunk: its delta's tokens)."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, ``top_logprobs`` as {token text: logprob} per token and
+    ``text_offset`` each token's character offset in the completion text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -178,7 +213,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -200,7 +235,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -218,7 +253,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
+from decoding import TokenLogprob
 from server.errors import QueueFullError, ServiceUnavailableError
 from server.metrics import Metrics
 from server.text import TextStream
@@ -44,14 +46,17 @@ class Handle:
             yield item
 
     async def collect(self) -> tuple[str, Output]:
-        """Wait for the whole completion: its text and its last output (with finish reason and summary)."""
+        """Wait for the whole completion: its text and its last output (with finish reason and summary), whose
+        ``logprobs``, when asked for, are the whole completion's."""
         pieces: list[str] = []
+        logprobs: list[TokenLogprob] = []
         last: Output | None = None
         async for output in self:
             pieces.append(output.text)
+            logprobs.extend(output.logprobs or ())
             last = output
         assert last is not None
-        return "".join(pieces), last
+        return "".join(pieces), last if last.logprobs is None else replace(last, logprobs=tuple(logprobs))
 
     def cancel(self) -> None:
         """The client went away: cancel unless already finished (counted as a client disconnect)."""

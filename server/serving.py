@@ -7,7 +7,10 @@ check of their ranges: a 400 naming the parameter) and submits it to the schedul
 decoder's ``batch_engine``. ``complete`` waits for the whole
 text, cancelling if the client disconnects; ``stream`` yields the SSE data of OpenAI's chunk sequence: a role
 chunk (chat only), one chunk per step that produced text, a finish chunk, the usage chunk when asked, ``[DONE]``;
-with ``stream_steps`` the content and finish chunks carry a ``step`` object (``step_of``).
+with ``stream_steps`` the content and finish chunks carry a ``step`` object (``step_of``). With logprobs
+asked for, each content chunk carries its tokens' logprobs (a chunk whose tokens have no text yet still goes
+out for them), so a stream's logprobs reassemble to the non-stream list; the token strings are each token's own
+text (``TextCodec.token_text``), ``bytes`` its UTF-8 bytes.
 An error after the stream started becomes one ``{"error": ...}`` data event. Both paths concatenate the same
 ``Output`` texts, so a stream and a non-stream give the same text. Every count (``usage``, ``decoding``,
 ``step``) is read from the ``decoding.StepCounts`` the worker summed.
@@ -27,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decoding import BatchPolicy, InvalidParameterError, LookaheadConfig, SamplingParams, StopCriteria
+from decoding import BatchPolicy, InvalidParameterError, LookaheadConfig, SamplingParams, StopCriteria, TokenLogprob
 from server.config import LookaheadSettings, ServerConfig, lookahead_bounds
 from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
 from server.protocol import (
@@ -37,15 +40,19 @@ from server.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatTokenLogprob,
+    ChoiceLogprobs,
     Completion,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     DecodingInfo,
     DeltaMessage,
     GenerationFields,
     LookaheadRequest,
     StepInfo,
+    TopLogprob,
     Usage,
     chunk_json,
 )
@@ -55,6 +62,7 @@ from server.worker import EngineLike, GenerationPlan, Output, Summary
 
 logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
+LOWEST_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity; OpenAI's floor)
 
 
 class DecoderLike(Protocol):
@@ -105,11 +113,13 @@ def check_supported(request: GenerationFields) -> None:
             raise BadRequestError(f"{name} is not supported; send 0 or leave it out.", param=name)
     if request.logit_bias:
         raise BadRequestError("logit_bias is not supported; leave it out or send {}.", param="logit_bias")
-    if isinstance(request, ChatCompletionRequest) and (request.logprobs or request.top_logprobs):
-        raise BadRequestError("logprobs are not supported.", param="logprobs")
+    if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:
+        raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     if isinstance(request, CompletionRequest):
-        if request.logprobs is not None:
-            raise BadRequestError("logprobs are not supported.", param="logprobs")
+        if request.echo and request.logprobs is not None:
+            raise BadRequestError(
+                "echo with logprobs is not supported: prompt logprobs are not computed; leave echo out.", param="echo"
+            )
         if request.echo:
             raise BadRequestError("echo is not supported.", param="echo")
         if request.best_of not in (None, 1):
@@ -215,6 +225,7 @@ def plan(engine: Engine, request: GenerationFields, prompt_ids: list[int], promp
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=request.top_k or 0,
         seed=request.seed,
+        top_logprobs=requested_top_logprobs(request),
     )
     return GenerationPlan(
         prompt_ids=prompt_ids,
@@ -223,6 +234,16 @@ def plan(engine: Engine, request: GenerationFields, prompt_ids: list[int], promp
         lookahead=resolve_lookahead(request.lookahead, config.lookahead),
         stop_strings=tuple(request.stop_sequences()),
     )
+
+
+def requested_top_logprobs(request: GenerationFields) -> int | None:
+    """The decoder's ``top_logprobs``: None when the request wants no logprobs, else its alternatives per token
+    (chat: ``top_logprobs`` once ``logprobs`` is true, 0 by default; completions: ``logprobs`` itself)."""
+    if isinstance(request, ChatCompletionRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    if isinstance(request, CompletionRequest):
+        return request.logprobs
+    return None
 
 
 def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, force: bool = False) -> Handle:
@@ -268,7 +289,8 @@ def step_of(output: Output) -> StepInfo:
 
 
 class Renderer(Protocol):
-    """Builds one endpoint's response and chunks; ``step`` objects are dropped unless ``include_steps``."""
+    """Builds one endpoint's response and chunks; ``step`` objects are dropped unless ``include_steps``;
+    ``logprobs`` (None: not asked for) are the tokens behind the text."""
 
     include_usage: bool
 
@@ -276,7 +298,9 @@ class Renderer(Protocol):
 
     def opening(self) -> str | None: ...
 
-    def content(self, text: str, step: StepInfo | None = None) -> str: ...
+    def content(
+        self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> str: ...
 
     def finish(self, reason: str, step: StepInfo | None = None) -> str: ...
 
@@ -284,17 +308,22 @@ class Renderer(Protocol):
 
 
 class _Identity:
-    """The id, creation time and model name shared by every chunk of one response."""
+    """The id, creation time and model name shared by every chunk of one response; ``token_text`` names a token
+    id in logprobs (``TextCodec.token_text``; its decimal id when not given)."""
 
     id_prefix = ""
     chunk_type: type[ChatCompletionChunk] | type[CompletionChunk]
 
-    def __init__(self, model: str, include_usage: bool, include_steps: bool = False) -> None:
+    def __init__(
+        self, model: str, include_usage: bool, include_steps: bool = False,
+        token_text: Callable[[int], str] | None = None,
+    ) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
         self.include_steps = include_steps
+        self.token_text = token_text or str
 
     def _chunk(self, choices: list[Any], summary: Summary | None = None, step: StepInfo | None = None) -> str:
         """One SSE ``data`` payload of this response's chunk type (usage only on the usage chunk)."""
@@ -318,7 +347,8 @@ class ChatRenderer(_Identity):
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
+            choices=[ChatChoice(message=AssistantMessage(content=text), logprobs=self._logprobs(last.logprobs),
+                                finish_reason=last.finish_reason)],
             usage=usage_of(last.summary),
             decoding=decoding_of(last.summary),
         ).model_dump(mode="json")
@@ -326,8 +356,22 @@ class ChatRenderer(_Identity):
     def opening(self) -> str | None:
         return self._chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
 
-    def content(self, text: str, step: StepInfo | None = None) -> str:
-        return self._chunk([ChatChunkChoice(delta=DeltaMessage(content=text))], step=step)
+    def content(
+        self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> str:
+        choice = ChatChunkChoice(delta=DeltaMessage(content=text), logprobs=self._logprobs(logprobs))
+        return self._chunk([choice], step=step)
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> ChoiceLogprobs | None:
+        """OpenAI's ``{"content": [{token, logprob, bytes, top_logprobs}]}`` for these tokens."""
+        if logprobs is None:
+            return None
+        content = [
+            ChatTokenLogprob(**_top_logprob(self.token_text, entry.token_id, entry.logprob).model_dump(),
+                             top_logprobs=[_top_logprob(self.token_text, *pair) for pair in entry.top])
+            for entry in logprobs
+        ]
+        return ChoiceLogprobs(content=content)
 
     def finish(self, reason: str, step: StepInfo | None = None) -> str:
         return self._chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)], step=step)
@@ -341,6 +385,7 @@ class CompletionRenderer(_Identity):
 
     id_prefix = "cmpl-"
     chunk_type = CompletionChunk
+    _offset = 0  # characters of token text rendered so far (per response: set on the instance once it grows)
 
     def response(self, text: str, last: Output) -> dict[str, Any]:
         assert last.summary is not None and last.finish_reason is not None
@@ -348,7 +393,8 @@ class CompletionRenderer(_Identity):
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+            choices=[CompletionChoice(text=text, logprobs=self._logprobs(last.logprobs),
+                                      finish_reason=last.finish_reason)],
             usage=usage_of(last.summary),
             decoding=decoding_of(last.summary),
         ).model_dump(mode="json")
@@ -356,8 +402,28 @@ class CompletionRenderer(_Identity):
     def opening(self) -> str | None:
         return None
 
-    def content(self, text: str, step: StepInfo | None = None) -> str:
-        return self._chunk([CompletionChoice(text=text)], step=step)
+    def content(
+        self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> str:
+        return self._chunk([CompletionChoice(text=text, logprobs=self._logprobs(logprobs))], step=step)
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> CompletionLogprobs | None:
+        """The legacy shape for these tokens; ``text_offset`` counts characters of token texts from the start of
+        the completion (it runs on across a stream's chunks)."""
+        if logprobs is None:
+            return None
+        texts = [self.token_text(entry.token_id) for entry in logprobs]
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return CompletionLogprobs(
+            tokens=texts,
+            token_logprobs=[_reported(entry.logprob) for entry in logprobs],
+            top_logprobs=[{self.token_text(token): _reported(value) for token, value in entry.top}
+                          for entry in logprobs],
+            text_offset=offsets,
+        )
 
     def finish(self, reason: str, step: StepInfo | None = None) -> str:
         return self._chunk([CompletionChoice(text="", finish_reason=reason)], step=step)
@@ -373,10 +439,11 @@ async def stream(handle: Handle, renderer: Renderer) -> AsyncIterator[str]:
         if opening is not None:
             yield opening
         async for output in handle:
-            if output.text:
-                yield renderer.content(output.text, step_of(output))
+            carried = bool(output.text or output.logprobs)
+            if carried:
+                yield renderer.content(output.text, step_of(output), output.logprobs)
             if output.finish_reason is not None:
-                leftover = output if not output.text else Output("")  # counts not yet carried by a chunk
+                leftover = output if not carried else Output("")  # counts not yet carried by a chunk
                 yield renderer.finish(output.finish_reason, step_of(leftover))
                 if renderer.include_usage and output.summary is not None:
                     yield renderer.usage(output.summary)
@@ -418,6 +485,17 @@ class ClientGone(APIError):
 
     def __init__(self) -> None:
         super().__init__("client disconnected")
+
+
+def _reported(logprob: float) -> float:
+    """A logprob as JSON can carry it (-inf becomes ``LOWEST_LOGPROB``)."""
+    return max(logprob, LOWEST_LOGPROB)
+
+
+def _top_logprob(token_text: Callable[[int], str], token_id: int, logprob: float) -> TopLogprob:
+    """One token's ``{token, logprob, bytes}``: its text and that text's UTF-8 bytes."""
+    text = token_text(token_id)
+    return TopLogprob(token=text, logprob=_reported(logprob), bytes=list(text.encode("utf-8")))
 
 
 def _json(data: dict[str, Any]) -> str:

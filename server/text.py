@@ -72,6 +72,12 @@ class TextCodec:
         with self._decode_lock:
             return self._detokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (logprobs name every token, ``<|im_end|>`` too); a
+        token holding part of a multi-byte character decodes to U+FFFD."""
+        with self._decode_lock:
+            return self._detokenizer.decode([token_id], skip_special_tokens=False)
+
 
 class IncrementalDetokenizer:
     """Stable text pieces from a growing token list, in O(1) decode work per token.

@@ -9,6 +9,7 @@ admitted jobs join it, and one ``engine.step()`` advances every running job (one
 production). Each job's steps become text in its own ``TextStream`` here, on this thread (detokenization and
 stop strings never wait on a lock the event loop's encoding holds, see ``server.text``); a stop string ends
 the job.
+Each step's token logprobs (when the request asked for them) follow its kept tokens into the outputs.
 Counts flow as one ``decoding.StepCounts`` record per step into the job's totals, its outputs and the metrics.
 Each job reports through its own ``post`` callable: ``Output`` items, the last one carrying ``finish_reason``
 and a ``Summary``, or one exception that ends it. An exception reported for one job ends that job only (a
@@ -28,7 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from decoding import LookaheadConfig, SamplingParams, Step, StepCounts, StopCriteria
+from decoding import LookaheadConfig, SamplingParams, Step, StepCounts, StopCriteria, TokenLogprob
 from server.metrics import Metrics
 from server.text import TextStream
 
@@ -91,12 +92,14 @@ class Output:
 
     ``counts`` covers the steps since the previous output: normally one step's, more when a step's text was
     held back (an incomplete character, a possible stop-string prefix, EOS), so outputs add up to the totals.
+    ``logprobs`` (None unless the request asked for them) are those same tokens' logprobs, in order.
     """
 
     text: str
     finish_reason: str | None = None
     summary: Summary | None = None
     counts: StepCounts = StepCounts()
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -111,6 +114,7 @@ class Job:
     request_id: int = -1  # set by the worker when it adds the job to the engine
     totals: StepCounts = StepCounts()
     reported: StepCounts = StepCounts()  # the totals as of the last posted output
+    pending_logprobs: list[TokenLogprob] | None = None  # kept tokens' logprobs not yet posted (None: not asked)
     cancel_requested: bool = False
     cancel_error: BaseException | None = None
     started: float | None = None
@@ -123,8 +127,10 @@ class Job:
 
     def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
         """An output carrying the counts since the previous one."""
-        output = Output(text, finish_reason, summary, self.totals - self.reported)
+        logprobs = None if self.pending_logprobs is None else tuple(self.pending_logprobs)
+        output = Output(text, finish_reason, summary, self.totals - self.reported, logprobs)
         self.reported = self.totals
+        self.pending_logprobs = None if self.pending_logprobs is None else []
         return output
 
 
@@ -302,6 +308,8 @@ class Worker:
         finish_reason = "stop" if delta.stopped else step.finish_reason
         counts = step.stats.counts(delta.tokens)
         job.totals += counts
+        if step.logprobs is not None:
+            job.pending_logprobs = (job.pending_logprobs or []) + step.logprobs[: delta.tokens]
         if job.metrics is not None:
             job.metrics.step(counts, step.stats.seconds, now - job.last_step, step.stats.prefill)
             if counts.tokens > 0 and not job.first_token_seen:

@@ -63,6 +63,7 @@ GOOD = [
     {"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
                   {"role": "assistant", "content": None}, {"role": "user", "content": "Hi", "name": "x"}]},
     {**CHAT, "n": 1, "presence_penalty": 0, "logit_bias": {}, "logprobs": False, "unknown_field": [1, 2]},
+    {**CHAT, "logprobs": True, "top_logprobs": 20},
 ]
 BAD = [
     {},
@@ -82,6 +83,8 @@ BAD = [
     {**CHAT, "lookahead": {"enabled": "yes"}},
     {"messages": [{"role": "user", "content": None}]},
     {"messages": [{"role": "system"}]},
+    {**CHAT, "logprobs": True, "top_logprobs": 21},
+    {**CHAT, "logprobs": True, "top_logprobs": -1},
 ]
 
 
@@ -99,7 +102,8 @@ def test_schema_refuses_what_the_server_refuses(doc, body):
 @pytest.mark.parametrize("body, valid", [
     (PROMPT, True), ({"prompt": [1, 2, 3]}, True), ({"prompt": ["one"]}, True), ({**PROMPT, "echo": False}, True),
     ({**PROMPT, "echo": True}, False), ({**PROMPT, "best_of": 2}, False), ({**PROMPT, "suffix": "x"}, False),
-    ({**PROMPT, "logprobs": 1}, False), ({"prompt": 5}, False), ({}, False), ({"prompt": ""}, False),
+    ({**PROMPT, "logprobs": 1}, True), ({**PROMPT, "logprobs": 21}, False), ({**PROMPT, "logprobs": -1}, False),
+    ({"prompt": 5}, False), ({}, False), ({"prompt": ""}, False),
     ({"prompt": []}, False), ({"prompt": ["a", "b"]}, False), ({"prompt": [-1]}, False),
 ])
 def test_completion_schema(doc, body, valid):
