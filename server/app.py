@@ -10,7 +10,8 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/mo
 ``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
 requires ``Authorization: Bearer <key>`` (``server.auth``), and so do ``/health`` and ``/metrics`` with
 ``protect_health`` / ``protect_metrics``; the page itself is public and asks for the key. ``/openapi.json``
-describes the real bodies (``server.openapi``).
+describes the real bodies (``server.openapi``). With ``allowed_origins``, every answer carries CORS headers for
+those origins (``install_cors``); without, none.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
@@ -53,6 +55,8 @@ from server.worker import Worker
 logger = logging.getLogger("server.app")
 FIELD_NAMES = frozenset(protocol_field_names())
 SSE_PING_SECONDS = 15
+CORS_METHODS = ("GET", "POST", "OPTIONS")
+CORS_MAX_AGE_SECONDS = 600
 STATIC_DIR = Path(__file__).parent / "static"
 ParsedRequest = TypeVar("ParsedRequest", bound=BaseModel)
 
@@ -299,6 +303,21 @@ async def playground() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
+def install_cors(app: FastAPI, origins: list[str]) -> None:
+    """CORS for ``origins`` (none: no CORS headers at all). Added after the error middleware, so it wraps every
+    answer, errors included; a preflight is answered before routing and auth (browsers send it without the key).
+
+    Every request header is allowed: the ``openai`` JS SDK sends ``authorization``, ``content-type``, the
+    ``x-stainless-*`` family, ``openai-organization`` and ``openai-project``; no credentials (cookies) are allowed.
+    """
+    if not origins:
+        return
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(origins), allow_methods=list(CORS_METHODS), allow_headers=["*"],
+        max_age=CORS_MAX_AGE_SECONDS,
+    )
+
+
 def create_app(
     config: ServerConfig,
     decoder: serving.DecoderLike | None = None,
@@ -310,6 +329,7 @@ def create_app(
     app = FastAPI(title="lookahead-server", lifespan=runtime.lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = runtime
     install_error_handlers(app, FIELD_NAMES, runtime.metrics.reject)
+    install_cors(app, config.allowed_origins)
     app.include_router(router)
     guard = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"], dependencies=guard if config.protect_health else None)

@@ -61,7 +61,7 @@ def add_config_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None
         else:
             metavar = None if flag.choices else flag.name.removeprefix("--").replace("-", "_").upper()
             target.add_argument(flag.name, dest=flag.dest, type=flag.kind, choices=flag.choices, metavar=metavar,
-                                help=flag.help)
+                                nargs="+" if flag.multiple else None, help=flag.help)
 
 
 SECTION_TITLES = {
