@@ -6,7 +6,8 @@ metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and a
 only parse, authorize and delegate to ``server.serving``; prompts are tokenized off the event loop (in a
 thread), so a huge prompt never stalls other streams; every error goes through ``server.errors``.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and the playground page: ``GET /`` and
+``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's, keyed like ``/v1/*``),
+``GET /health``, ``GET /metrics``, and the playground page: ``GET /`` and
 ``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
 requires ``Authorization: Bearer <key>`` (``server.auth``), and so do ``/health`` and ``/metrics`` with
 ``protect_health`` / ``protect_metrics``; the page itself is public and asks for the key. ``/openapi.json``
@@ -46,10 +47,20 @@ from server.errors import (
 )
 from server.metrics import Metrics
 from server.openapi import install_openapi
-from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, protocol_field_names
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    protocol_field_names,
+)
 from server.scheduler import Handle, Scheduler
 from server.serving import ChatRenderer, CompletionRenderer, Engine, Renderer
-from server.text import TextCodec
+from server.text import TextCodec, read_chat_template
 from server.worker import Worker
 
 logger = logging.getLogger("server.app")
@@ -102,6 +113,7 @@ class Runtime:
     ) -> None:
         self.config = config
         self.keys = KeyChecker(load_api_keys(config))
+        self.chat_template = read_chat_template(config.chat_template) if config.chat_template else None
         self.metrics = Metrics()
         self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
         self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
@@ -131,7 +143,8 @@ class Runtime:
                 self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
             memory_tokens = self.config.lookahead.memory_tokens
             self.worker.attach(self.decoder.batch_engine(batch_policy(self.config), memory_tokens=memory_tokens))
-            engine = Engine(self.config, self.decoder, TextCodec(self.decoder.tokenizer), self.scheduler)
+            codec = TextCodec(self.decoder.tokenizer, self.chat_template)
+            engine = Engine(self.config, self.decoder, codec, self.scheduler)
             self._publish_config(engine)
             self.state = "warming"
             if self.config.warmup:
@@ -287,6 +300,30 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     return ModelCard(id=model_id, created=runtime.created).model_dump(mode="json")
 
 
+tools = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@tools.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: a prompt or messages to the ids a completion or chat would decode from."""
+    runtime = runtime_of(request)
+    body = parse(TokenizeRequest, await read_json(request, runtime.config.max_request_bytes))
+    serving.check_model(runtime.config, body.model)
+    engine = runtime.require_engine()
+    ids = await asyncio.to_thread(serving.tokenize_prompt, engine.codec, body)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.decoder.context_length).model_dump()
+
+
+@tools.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    """vLLM's ``/detokenize``: token ids to text."""
+    runtime = runtime_of(request)
+    body = parse(DetokenizeRequest, await read_json(request, runtime.config.max_request_bytes))
+    serving.check_model(runtime.config, body.model)
+    engine = runtime.require_engine()
+    return DetokenizeResponse(prompt=await asyncio.to_thread(serving.detokenize, engine.codec, body)).model_dump()
+
+
 async def health(request: Request) -> JSONResponse:
     """200 ``{"status": "ok"}`` once warmed up; 503 with the state (loading, warming, draining, failed)."""
     state = runtime_of(request).state
@@ -331,6 +368,7 @@ def create_app(
     install_error_handlers(app, FIELD_NAMES, runtime.metrics.reject)
     install_cors(app, config.allowed_origins)
     app.include_router(router)
+    app.include_router(tools)
     guard = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"], dependencies=guard if config.protect_health else None)
     app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=guard if config.protect_metrics else None)

@@ -129,6 +129,8 @@ class ServerConfig(BaseModel):
     model: str = Field(DEFAULT_MODEL, description="the embedded default model, a local model directory or a hub id")
     served_model_name: str | None = Field(None, description="the name clients send as 'model' (default: "
                                           "the model's last path part)")
+    chat_template: str | None = Field(None, description="a Jinja chat template file replacing the model's own "
+                                      "(read at start-up)")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1/* "
                                 "(or set $LOOKAHEAD_API_KEY)", json_schema_extra={"secret": True})
     api_keys_file: str | None = Field(None, description="accept any key in this file (one per line, # comments)")

@@ -5,7 +5,9 @@ range checks are the config-independent ones (config-dependent limits such as th
 checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes, with one extra
 top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in a stream's usage chunk.
 Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k`` and ``stream_steps``; with
-``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``).
+``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``);
+vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and ``/detokenize`` bodies, which
+refuse unknown fields.
 """
 
 from __future__ import annotations
@@ -120,7 +122,17 @@ class GenerationFields(StrictModel):
         return bool(self.stream and self.stream_steps)
 
 
-class ChatCompletionRequest(GenerationFields):
+class ChatTemplateFields(StrictModel):
+    """Extension (vLLM's names): how the conversation is rendered. ``continue_final_message`` continues the last
+    (assistant) message instead of starting a new turn, so it excludes ``add_generation_prompt``;
+    ``chat_template_kwargs`` are extra variables of the chat template (checked in ``server.serving``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -137,6 +149,37 @@ class CompletionRequest(GenerationFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``, exactly one. Unknown fields are refused
+    (400 naming them), since a misspelt option here would silently change the count."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize``: token ids (each below the vocabulary size) to text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class Usage(BaseModel):
@@ -281,6 +324,6 @@ def protocol_field_names() -> set[str]:
     """Every request field name, nested ones included (to render validation error locations)."""
     names: set[str] = set()
     for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextContentPart, StreamOptions,
-                  LookaheadRequest):
+                  LookaheadRequest, TokenizeRequest, DetokenizeRequest):
         names.update(model.model_fields)
     return names

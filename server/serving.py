@@ -43,14 +43,16 @@ from server.protocol import (
     CompletionRequest,
     DecodingInfo,
     DeltaMessage,
+    DetokenizeRequest,
     GenerationFields,
     LookaheadRequest,
     StepInfo,
+    TokenizeRequest,
     Usage,
     chunk_json,
 )
 from server.scheduler import Handle, Scheduler
-from server.text import TemplateError, TextCodec, TextStream
+from server.text import ChatTemplateOptions, TemplateError, TextCodec, TextStream
 from server.worker import EngineLike, GenerationPlan, Output, Summary
 
 logger = logging.getLogger("server.serving")
@@ -177,13 +179,59 @@ def resolve_max_tokens(
     return requested
 
 
-def chat_prompt(codec: TextCodec, request: ChatCompletionRequest) -> list[int]:
-    """Render the conversation with the model's chat template."""
-    messages = [{"role": message.role, "content": message.text()} for message in request.messages]
+def template_options(codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:
+    """The request's chat template fields, checked: 400 when ``continue_final_message`` comes with
+    ``add_generation_prompt`` or without a last assistant message with text, or when a ``chat_template_kwargs``
+    key is not a variable the template reads (``server.text.settable_variables``)."""
+    messages = request.messages or []
+    if request.continue_final_message:
+        if request.add_generation_prompt:
+            raise BadRequestError("continue_final_message and add_generation_prompt cannot both be true; send "
+                                  "add_generation_prompt: false to continue the last message",
+                                  param="continue_final_message")
+        last = len(messages) - 1
+        if messages[last].role != "assistant":
+            raise BadRequestError("continue_final_message continues the last message, which must be the "
+                                  f"assistant's (it is {messages[last].role!r})", param=f"messages[{last}].role")
+        if not messages[last].text():
+            raise BadRequestError("the assistant message to continue has no text", param=f"messages[{last}].content")
+    variables = request.chat_template_kwargs or {}
+    for name in variables:
+        if name not in codec.template_variables:
+            readable = ", ".join(sorted(codec.template_variables)) or "none"
+            raise BadRequestError(f"the chat template has no variable {name!r} a request may set (it reads: "
+                                  f"{readable})", param=f"chat_template_kwargs.{name}")
+    return ChatTemplateOptions(request.add_generation_prompt, request.continue_final_message, dict(variables))
+
+
+def chat_prompt(codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    """Render the conversation with the chat template (as its template fields say) and tokenize it."""
+    options = template_options(codec, request)
+    messages = [{"role": message.role, "content": message.text()} for message in request.messages or []]
     try:
-        return codec.encode_chat(messages)
+        return codec.encode_chat(messages, options)
     except TemplateError as exc:
         raise BadRequestError(str(exc), param="messages") from exc
+
+
+def tokenize_prompt(codec: TextCodec, request: TokenizeRequest) -> list[int]:
+    """``/tokenize``: the ids of ``prompt`` (as a completion would see it) or of ``messages`` (as a chat would);
+    400 unless exactly one of them is given."""
+    if (request.prompt is None) == (request.messages is None):
+        raise BadRequestError("send exactly one of prompt and messages", param="prompt")
+    if request.prompt is not None:
+        return codec.encode_text(request.prompt, request.add_special_tokens)
+    return chat_prompt(codec, request)
+
+
+def detokenize(codec: TextCodec, request: DetokenizeRequest) -> str:
+    """``/detokenize``: the text of ``tokens`` (special tokens skipped, as in responses); 400 naming the first id
+    outside the vocabulary."""
+    vocab = codec.vocab_size
+    for index, token in enumerate(request.tokens):
+        if not 0 <= token < vocab:
+            raise BadRequestError(f"token id {token} is outside the vocabulary [0, {vocab})", param=f"tokens[{index}]")
+    return codec.decode(request.tokens)
 
 
 def completion_prompt(codec: TextCodec, request: CompletionRequest) -> list[int]:
