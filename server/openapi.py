@@ -8,7 +8,7 @@ the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every error st
 non-empty stop strings, an int64 seed), the options only accepted at their neutral value (``n`` = 1, zero
 penalties, no ``logit_bias``, no logprobs, no echo/best_of/suffix), the served model names and the configured
 lookahead maxima (``lookahead`` extension), non-empty prompts (token ids below the vocabulary size once the model
-is loaded), content required except in ``assistant`` messages. What no schema can say (``prompt + max_tokens``
+is loaded), content required except in ``assistant`` messages, text content parts only. What no schema can say (``prompt + max_tokens``
 within the model's context, a text that tokenizes to nothing) stays a 400 at run time.
 """
 
@@ -204,6 +204,7 @@ def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> di
     schemas["ChatCompletionRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT)
     schemas["TokenizeRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT)
     schemas["TokenizeRequest"]["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+    schemas["TextContentPart"]["properties"]["type"] = {"type": "string", "const": "text"}
     schemas["LookaheadRequest"] = lookahead_schema(config)
     schemas["ChatMessage"] = chat_message_schema(schemas["ChatMessage"])
     return schemas

@@ -16,9 +16,11 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 FinishReason = Literal["stop", "length"]
 MAX_STOP_SEQUENCES = 4
+MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "refusal")  # OpenAI's other content parts
 
 
 class StrictModel(BaseModel):
@@ -28,8 +30,22 @@ class StrictModel(BaseModel):
 
 
 class TextContentPart(StrictModel):
-    type: Literal["text"]
+    """A content part: only ``text`` parts are accepted; OpenAI's image, audio and file parts are refused by name
+    (400 ``messages[i].content[j].type``), never dropped."""
+
+    type: str
     text: str
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value == "text" or not isinstance(value, str):
+            return value  # a non-string fails the strict str check
+        if value in MEDIA_PART_TYPES:
+            raise PydanticCustomError("unsupported_content", "{kind} content parts are not supported: the served "
+                                      "model reads text only; send 'text' parts", {"kind": value})
+        raise PydanticCustomError("unknown_content", "unknown content part type '{kind}'; expected 'text'",
+                                  {"kind": value})
 
 
 class ChatMessage(StrictModel):

@@ -85,6 +85,8 @@ BAD = [
     {"messages": [{"role": "system"}]},
     {**CHAT, "continue_final_message": True},
     {**CHAT, "chat_template_kwargs": [1]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "input_audio", "text": "x"}]}]},
 ]
 
 
