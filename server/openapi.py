@@ -8,8 +8,10 @@ the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every error st
 non-empty stop strings, an int64 seed), the options only accepted at their neutral value (``n`` = 1, zero
 penalties, no ``logit_bias``, no logprobs, no echo/best_of/suffix), the served model names and the configured
 lookahead maxima (``lookahead`` extension), non-empty prompts (token ids below the vocabulary size once the model
-is loaded), content required except in ``assistant`` messages, text content parts only. What no schema can say (``prompt + max_tokens``
-within the model's context, a text that tokenizes to nothing) stays a 400 at run time.
+is loaded), content required except in ``assistant`` messages, text content parts only, ``continue_final_message``
+only with ``add_generation_prompt`` false, ``/tokenize`` bodies with one of ``prompt`` and ``messages``. What no
+schema can say (``prompt + max_tokens`` within the model's context, a text that tokenizes to nothing, the variables
+a chat template reads) stays a 400 at run time.
 """
 
 from __future__ import annotations
