@@ -122,6 +122,7 @@ class Runtime:
         self.engine: Engine | None = None
         self.state = "loading"
         self.created = int(time.time())
+        self.fingerprint = serving.system_fingerprint(config)
         self._boot_task: asyncio.Task | None = None
 
     @asynccontextmanager
@@ -271,7 +272,7 @@ async def generate(
     prompt_ids = await asyncio.to_thread(prompt_of, engine.codec, body)  # a long prompt must not stall the loop
     generation = serving.plan(engine, body, prompt_ids, prompt_param)
     handle = serving.start(engine, generation)
-    renderer = renderer_type(model, body.include_usage, body.include_steps)
+    renderer = renderer_type(model, body.include_usage, body.include_steps, runtime.fingerprint)
     return await respond(request, handle, renderer, bool(body.stream))
 
 

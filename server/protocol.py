@@ -2,7 +2,7 @@
 
 Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields; their
 range checks are the config-independent ones (config-dependent limits such as the lookahead maxima are
-checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes, with one extra
+checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes (``system_fingerprint`` included), with one extra
 top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in a stream's usage chunk.
 Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k`` and ``stream_steps``; with
 ``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``);
@@ -246,6 +246,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
     decoding: DecodingInfo
@@ -268,6 +269,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     decoding: DecodingInfo | None = None
@@ -286,6 +288,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage
     decoding: DecodingInfo
@@ -296,6 +299,7 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
     decoding: DecodingInfo | None = None

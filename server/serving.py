@@ -8,7 +8,8 @@ decoder's ``batch_engine``. ``complete`` waits for the whole
 text, cancelling if the client disconnects; ``stream`` yields the SSE data of OpenAI's chunk sequence: a role
 chunk (chat only), one chunk per step that produced text, a finish chunk, the usage chunk when asked, ``[DONE]``;
 with ``stream_steps`` the content and finish chunks carry a ``step`` object (``step_of``).
-An error after the stream started becomes one ``{"error": ...}`` data event. Both paths concatenate the same
+An error after the stream started becomes one ``{"error": ...}`` data event. Every response and chunk carries
+the server's ``system_fingerprint``. Both paths concatenate the same
 ``Output`` texts, so a stream and a non-stream give the same text. Every count (``usage``, ``decoding``,
 ``step``) is read from the ``decoding.StepCounts`` the worker summed.
 
@@ -19,6 +20,8 @@ prompt_tokens)``; when it gives one and prompt + max_tokens exceeds the context,
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib.metadata
 import json
 import logging
 import time
@@ -57,6 +60,24 @@ from server.worker import EngineLike, GenerationPlan, Output, Summary
 
 logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
+FINGERPRINTED = ("model", "dtype", "quantize", "weight_layout", "lookahead")  # what decides the outputs
+
+
+def server_version() -> str:
+    """The installed ``lookahead-server`` version (``0+unknown`` when run from a tree that is not installed)."""
+    try:
+        return importlib.metadata.version("lookahead-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def system_fingerprint(config: ServerConfig) -> str:
+    """OpenAI's ``system_fingerprint``: ``lookahead-server-<version>-<8 hex digits>``, the digits a hash of the
+    resolved settings that decide the outputs (``FINGERPRINTED``: model, weights' format, lookahead settings);
+    the same for every response of a running server, different when those settings differ."""
+    settings = config.model_dump(mode="json", include=set(FINGERPRINTED))
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    return f"lookahead-server-{server_version()}-{digest}"
 
 
 class DecoderLike(Protocol):
@@ -337,16 +358,21 @@ class _Identity:
     id_prefix = ""
     chunk_type: type[ChatCompletionChunk] | type[CompletionChunk]
 
-    def __init__(self, model: str, include_usage: bool, include_steps: bool = False) -> None:
+    def __init__(
+        self, model: str, include_usage: bool, include_steps: bool = False, fingerprint: str | None = None
+    ) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self.fingerprint = fingerprint
         self.include_usage = include_usage
         self.include_steps = include_steps
 
     def _chunk(self, choices: list[Any], summary: Summary | None = None, step: StepInfo | None = None) -> str:
         """One SSE ``data`` payload of this response's chunk type (usage only on the usage chunk)."""
-        chunk = self.chunk_type(id=self.id, created=self.created, model=self.model, choices=choices)
+        chunk = self.chunk_type(
+            id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint, choices=choices
+        )
         if summary is not None:
             chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
         if self.include_steps:
@@ -366,6 +392,7 @@ class ChatRenderer(_Identity):
             id=self.id,
             created=self.created,
             model=self.model,
+            system_fingerprint=self.fingerprint,
             choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
             usage=usage_of(last.summary),
             decoding=decoding_of(last.summary),
@@ -396,6 +423,7 @@ class CompletionRenderer(_Identity):
             id=self.id,
             created=self.created,
             model=self.model,
+            system_fingerprint=self.fingerprint,
             choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
             usage=usage_of(last.summary),
             decoding=decoding_of(last.summary),
