@@ -3,7 +3,8 @@
 Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields; their
 range checks are the config-independent ones (config-dependent limits such as the lookahead maxima are
 checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes (``system_fingerprint``
-included), with one extra top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in a stream's usage chunk.
+included), with one extra top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in
+a stream's usage chunk.
 Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k`` and ``stream_steps``; with
 ``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``);
 vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and ``/detokenize`` bodies, which
