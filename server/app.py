@@ -6,11 +6,13 @@ metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and a
 only parse, authorize and delegate to ``server.serving``; prompts are tokenized off the event loop (in a
 thread), so a huge prompt never stalls other streams; every error goes through ``server.errors``.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and the playground page: ``GET /`` and
+``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's, keyed like ``/v1/*``),
+``GET /health``, ``GET /metrics``, and the playground page: ``GET /`` and
 ``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
 requires ``Authorization: Bearer <key>`` (``server.auth``), and so do ``/health`` and ``/metrics`` with
 ``protect_health`` / ``protect_metrics``; the page itself is public and asks for the key. ``/openapi.json``
-describes the real bodies (``server.openapi``).
+describes the real bodies (``server.openapi``). With ``allowed_origins``, every answer carries CORS headers for
+those origins (``install_cors``); without, none.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
@@ -44,15 +47,27 @@ from server.errors import (
 )
 from server.metrics import Metrics
 from server.openapi import install_openapi
-from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, protocol_field_names
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    protocol_field_names,
+)
 from server.scheduler import Handle, Scheduler
 from server.serving import ChatRenderer, CompletionRenderer, Engine, Renderer
-from server.text import TextCodec
+from server.text import TextCodec, read_chat_template
 from server.worker import Worker
 
 logger = logging.getLogger("server.app")
 FIELD_NAMES = frozenset(protocol_field_names())
 SSE_PING_SECONDS = 15
+CORS_METHODS = ("GET", "POST", "OPTIONS")
+CORS_MAX_AGE_SECONDS = 600
 STATIC_DIR = Path(__file__).parent / "static"
 ParsedRequest = TypeVar("ParsedRequest", bound=BaseModel)
 
@@ -98,6 +113,7 @@ class Runtime:
     ) -> None:
         self.config = config
         self.keys = KeyChecker(load_api_keys(config))
+        self.chat_template = read_chat_template(config.chat_template) if config.chat_template else None
         self.metrics = Metrics()
         self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
         self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
@@ -106,6 +122,7 @@ class Runtime:
         self.engine: Engine | None = None
         self.state = "loading"
         self.created = int(time.time())
+        self.fingerprint = serving.system_fingerprint(config)
         self._boot_task: asyncio.Task | None = None
 
     @asynccontextmanager
@@ -127,7 +144,8 @@ class Runtime:
                 self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
             memory_tokens = self.config.lookahead.memory_tokens
             self.worker.attach(self.decoder.batch_engine(batch_policy(self.config), memory_tokens=memory_tokens))
-            engine = Engine(self.config, self.decoder, TextCodec(self.decoder.tokenizer), self.scheduler)
+            codec = TextCodec(self.decoder.tokenizer, self.chat_template)
+            engine = Engine(self.config, self.decoder, codec, self.scheduler)
             self._publish_config(engine)
             self.state = "warming"
             if self.config.warmup:
@@ -254,7 +272,9 @@ async def generate(
     prompt_ids = await asyncio.to_thread(prompt_of, engine.codec, body)  # a long prompt must not stall the loop
     generation = serving.plan(engine, body, prompt_ids, prompt_param)
     handle = serving.start(engine, generation)
-    renderer = renderer_type(model, body.include_usage, body.include_steps, engine.codec.token_text)
+    renderer = renderer_type(
+        model, body.include_usage, body.include_steps, engine.codec.token_text, runtime.fingerprint
+    )
     return await respond(request, handle, renderer, bool(body.stream))
 
 
@@ -283,6 +303,30 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     return ModelCard(id=model_id, created=runtime.created).model_dump(mode="json")
 
 
+tools = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@tools.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: a prompt or messages to the ids a completion or chat would decode from."""
+    runtime = runtime_of(request)
+    body = parse(TokenizeRequest, await read_json(request, runtime.config.max_request_bytes))
+    serving.check_model(runtime.config, body.model)
+    engine = runtime.require_engine()
+    ids = await asyncio.to_thread(serving.tokenize_prompt, engine.codec, body)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.decoder.context_length).model_dump()
+
+
+@tools.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    """vLLM's ``/detokenize``: token ids to text."""
+    runtime = runtime_of(request)
+    body = parse(DetokenizeRequest, await read_json(request, runtime.config.max_request_bytes))
+    serving.check_model(runtime.config, body.model)
+    engine = runtime.require_engine()
+    return DetokenizeResponse(prompt=await asyncio.to_thread(serving.detokenize, engine.codec, body)).model_dump()
+
+
 async def health(request: Request) -> JSONResponse:
     """200 ``{"status": "ok"}`` once warmed up; 503 with the state (loading, warming, draining, failed)."""
     state = runtime_of(request).state
@@ -299,6 +343,21 @@ async def playground() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
+def install_cors(app: FastAPI, origins: list[str]) -> None:
+    """CORS for ``origins`` (none: no CORS headers at all). Added after the error middleware, so it wraps every
+    answer, errors included; a preflight is answered before routing and auth (browsers send it without the key).
+
+    Every request header is allowed: the ``openai`` JS SDK sends ``authorization``, ``content-type``, the
+    ``x-stainless-*`` family, ``openai-organization`` and ``openai-project``; no credentials (cookies) are allowed.
+    """
+    if not origins:
+        return
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(origins), allow_methods=list(CORS_METHODS), allow_headers=["*"],
+        max_age=CORS_MAX_AGE_SECONDS,
+    )
+
+
 def create_app(
     config: ServerConfig,
     decoder: serving.DecoderLike | None = None,
@@ -310,7 +369,9 @@ def create_app(
     app = FastAPI(title="lookahead-server", lifespan=runtime.lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = runtime
     install_error_handlers(app, FIELD_NAMES, runtime.metrics.reject)
+    install_cors(app, config.allowed_origins)
     app.include_router(router)
+    app.include_router(tools)
     guard = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"], dependencies=guard if config.protect_health else None)
     app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=guard if config.protect_metrics else None)

@@ -61,7 +61,7 @@ def add_config_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None
         else:
             metavar = None if flag.choices else flag.name.removeprefix("--").replace("-", "_").upper()
             target.add_argument(flag.name, dest=flag.dest, type=flag.kind, choices=flag.choices, metavar=metavar,
-                                help=flag.help)
+                                nargs="+" if flag.multiple else None, help=flag.help)
 
 
 SECTION_TITLES = {
@@ -159,10 +159,13 @@ class DrainingServer(uvicorn.Server):
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until drained."""
     from server.auth import load_api_keys
+    from server.text import read_chat_template
 
     try:
         config = build_config(args)
         keys = load_api_keys(config)  # an unreadable or empty keys file stops here, before the model loads
+        if config.chat_template is not None:
+            read_chat_template(config.chat_template)  # so does an unreadable or invalid chat template
     except ConfigError as exc:
         print(f"lookahead-server: {exc}", file=sys.stderr)
         return 2

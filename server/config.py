@@ -129,11 +129,17 @@ class ServerConfig(BaseModel):
     model: str = Field(DEFAULT_MODEL, description="the embedded default model, a local model directory or a hub id")
     served_model_name: str | None = Field(None, description="the name clients send as 'model' (default: "
                                           "the model's last path part)")
+    chat_template: str | None = Field(None, description="a Jinja chat template file replacing the model's own "
+                                      "(read at start-up)")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1/* "
                                 "(or set $LOOKAHEAD_API_KEY)", json_schema_extra={"secret": True})
     api_keys_file: str | None = Field(None, description="accept any key in this file (one per line, # comments)")
     protect_health: bool = Field(False, description="with keys: /health requires one too")
     protect_metrics: bool = Field(False, description="with keys: /metrics requires one too")
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="CORS: browser origins allowed to call the server (e.g. "
+        "http://localhost:3000; * for any); empty: no CORS headers at all",
+    )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (auto: CUDA when available); picks the "
                         "preset configs/<cpu|cuda>.yaml")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
@@ -323,6 +329,7 @@ class ConfigFlag:
     kind: type  # bool, int, float or str
     choices: tuple[str, ...] | None
     help: str
+    multiple: bool = False  # a list of strings: the flag takes one or more values
 
     @property
     def dest(self) -> str:
@@ -357,15 +364,17 @@ def _extra(info: FieldInfo) -> dict[str, Any]:
 def config_flags() -> list[ConfigFlag]:
     """Every scalar config value as a flag named after its key's last part (``--window-size``), in order.
 
-    A field may rename its flag (``json_schema_extra={"flag": ...}``); lists (``batch.step_cost``) are file-only.
+    A field may rename its flag (``json_schema_extra={"flag": ...}``); a list of strings (``allowed_origins``) is
+    a flag taking one or more values; other lists (``batch.step_cost``) are file-only.
     """
     flags = []
     for key, info in fields():
-        kind, choices = _scalar(info.annotation)
+        multiple = info.annotation == list[str]
+        kind, choices = (str, None) if multiple else _scalar(info.annotation)
         if kind is None:
             continue
         name = _extra(info).get("flag", "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
-        flags.append(ConfigFlag(key, name, kind, choices, info.description or ""))
+        flags.append(ConfigFlag(key, name, kind, choices, info.description or "", multiple))
     return flags
 
 

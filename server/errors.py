@@ -132,10 +132,15 @@ def from_validation_errors(errors: Sequence[dict[str, Any]], field_names: Iterab
     if not errors:
         return BadRequestError("invalid request")
     first = _most_specific(errors)
-    param = validation_param(first.get("loc", ()), field_names)
+    loc = tuple(first.get("loc", ()))
+    param = validation_param(loc, field_names)
     message = first.get("msg", "invalid value")
     if first.get("type") == "missing":
         message = "field required"
+    if first.get("type") == "extra_forbidden" and loc:  # an unknown field: name it, though no model defines it
+        parent = validation_param(loc[:-1], field_names)
+        param = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
+        message = "unknown field"
     if param:
         message = f"{param}: {message}"
     return BadRequestError(message, param=param)

@@ -9,8 +9,10 @@ non-empty stop strings, an int64 seed), the options only accepted at their neutr
 penalties, no ``logit_bias``, no echo/best_of/suffix), logprobs with at most 20 alternatives (chat's
 ``top_logprobs`` only with ``logprobs: true``, said in its description), the served model names and the configured
 lookahead maxima (``lookahead`` extension), non-empty prompts (token ids below the vocabulary size once the model
-is loaded), content required except in ``assistant`` messages. What no schema can say (``prompt + max_tokens``
-within the model's context, a text that tokenizes to nothing) stays a 400 at run time.
+is loaded), content required except in ``assistant`` messages, text content parts only, ``continue_final_message``
+only with ``add_generation_prompt`` false, ``/tokenize`` bodies with one of ``prompt`` and ``messages``. What no
+schema can say (``prompt + max_tokens`` within the model's context, a text that tokenizes to nothing, the variables
+a chat template reads) stays a 400 at run time.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from server.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 
 REF = "#/components/schemas/{model}"
@@ -111,9 +117,7 @@ def lookahead_schema(config: ServerConfig) -> dict[str, Any]:
 
 def prompt_schema(vocab_size: int | None) -> dict[str, Any]:
     """One prompt: a non-empty string, a list holding one, or token ids (below the vocabulary size once known)."""
-    token = {"type": "integer", "minimum": 0}
-    if vocab_size is not None:
-        token["maximum"] = vocab_size - 1
+    token = token_id_schema(vocab_size)
     return {"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
@@ -140,16 +144,44 @@ def chat_message_schema(pydantic_schema: dict[str, Any]) -> dict[str, Any]:
     return {"title": "ChatMessage", "description": pydantic_schema["description"], "anyOf": [speaker, assistant]}
 
 
+def token_id_schema(vocab_size: int | None) -> dict[str, Any]:
+    """A token id: >= 0, and below the vocabulary size once the model is loaded."""
+    token: dict[str, Any] = {"type": "integer", "minimum": 0}
+    if vocab_size is not None:
+        token["maximum"] = vocab_size - 1
+    return token
+
+
+CONTINUE_EXCLUDES_GENERATION_PROMPT = {
+    "if": {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]},
+    "then": {"properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]},
+}
+TEMPLATE_KWARGS = nullable({
+    "type": "object",
+    "description": "Extra chat template variables; each key must be a variable the template reads (else 400).",
+})
+
+
 def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str, dict[str, dict[str, Any]]]:
     """Per request model: the property schemas that replace pydantic's."""
     shared = generation_overrides(config)
     return {
+        "TokenizeRequest": {
+            "model": shared["model"],
+            "prompt": {"type": "string"},
+            "messages": {"type": "array", "items": ref("ChatMessage"), "minItems": 1},
+            "chat_template_kwargs": TEMPLATE_KWARGS,
+        },
+        "DetokenizeRequest": {
+            "model": shared["model"], "tokens": {"type": "array", "items": token_id_schema(vocab_size)},
+        },
         "ChatCompletionRequest": {
             **shared,
             "logprobs": nullable({"type": "boolean", "description": "Return each generated token's logprob "
                                   "(the raw model's, before temperature / top-k / top-p) in choices[].logprobs."}),
             "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                                       "description": "Most likely alternatives per token; needs logprobs: true."}),
+            "chat_template_kwargs": TEMPLATE_KWARGS,
         },
         "CompletionRequest": {
             **shared,
@@ -166,15 +198,21 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
 
 def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> dict[str, Any]:
     """Every body model as a named component, request schemas tightened to what the server accepts."""
-    requests = [(model, "validation") for model in (ChatCompletionRequest, CompletionRequest)]
+    request_models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    requests = [(model, "validation") for model in request_models]
     responses = [
         (model, "serialization")
-        for model in (ChatCompletion, Completion, ModelList, ModelCard, ErrorResponse, HealthStatus)
+        for model in (ChatCompletion, Completion, ModelList, ModelCard, ErrorResponse, HealthStatus,
+                      TokenizeResponse, DetokenizeResponse)
     ]
     _, bundle = models_json_schema([*requests, *responses], ref_template=REF)
     schemas: dict[str, Any] = bundle["$defs"]
     for name, overrides in request_overrides(config, vocab_size).items():
         schemas[name]["properties"].update(overrides)
+    schemas["ChatCompletionRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT)
+    schemas["TokenizeRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT)
+    schemas["TokenizeRequest"]["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+    schemas["TextContentPart"]["properties"]["type"] = {"type": "string", "const": "text"}
     schemas["LookaheadRequest"] = lookahead_schema(config)
     schemas["ChatMessage"] = chat_message_schema(schemas["ChatMessage"])
     return schemas
@@ -213,6 +251,17 @@ def generation_operation(request: str, response: str, auth: tuple[str, ...]) -> 
     }
 
 
+def tool_operation(request: str, response: str, auth: tuple[str, ...]) -> dict[str, Any]:
+    """The request body and responses of ``/tokenize`` or ``/detokenize`` (no queue: never 429)."""
+    return {
+        "requestBody": {"required": True, "content": json_content(request)},
+        "responses": {
+            "200": {"description": f"A {response} object.", "content": json_content(response)},
+            **error_responses(("400", *auth, "404", "413", *SERVICE_STATUSES)),
+        },
+    }
+
+
 def operations(config: ServerConfig, protected: bool) -> dict[tuple[str, str], dict[str, Any]]:
     """Per (path, method): the parts of the operation this module owns."""
     auth = ("401",) if protected else ()
@@ -221,6 +270,8 @@ def operations(config: ServerConfig, protected: bool) -> dict[tuple[str, str], d
     return {
         ("/v1/chat/completions", "post"): generation_operation("ChatCompletionRequest", "ChatCompletion", auth),
         ("/v1/completions", "post"): generation_operation("CompletionRequest", "Completion", auth),
+        ("/tokenize", "post"): tool_operation("TokenizeRequest", "TokenizeResponse", auth),
+        ("/detokenize", "post"): tool_operation("DetokenizeRequest", "DetokenizeResponse", auth),
         ("/v1/models", "get"): {
             "responses": {"200": {"description": "The served model.", "content": json_content("ModelList")},
                           **error_responses(auth)},

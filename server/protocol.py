@@ -2,13 +2,15 @@
 
 Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields; their
 range checks are the config-independent ones (config-dependent limits such as the lookahead maxima are
-checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes, with one extra
-top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in a stream's usage chunk.
+checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes (``system_fingerprint``
+included), with one extra top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in
+a stream's usage chunk.
 Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k`` and ``stream_steps``; with
-``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``).
-Logprobs: chat's ``logprobs`` + ``top_logprobs`` give ``choices[].logprobs.content[]`` (``ChoiceLogprobs``),
-completions' ``logprobs: int`` the legacy ``CompletionLogprobs``; both the raw model's (before temperature,
-top-k, top-p), with at most ``MAX_TOP_LOGPROBS`` alternatives.
+``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``);
+vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and ``/detokenize`` bodies, which
+refuse unknown fields. Logprobs: chat's ``logprobs`` + ``top_logprobs`` give ``choices[].logprobs.content[]``
+(``ChoiceLogprobs``), completions' ``logprobs: int`` the legacy ``CompletionLogprobs``; both the raw model's
+(before temperature, top-k, top-p), with at most ``MAX_TOP_LOGPROBS`` alternatives.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from decoding.params import MAX_TOP_LOGPROBS
 
 FinishReason = Literal["stop", "length"]
 MAX_STOP_SEQUENCES = 4
+MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "refusal")  # OpenAI's other content parts
 
 
 class StrictModel(BaseModel):
@@ -31,8 +35,22 @@ class StrictModel(BaseModel):
 
 
 class TextContentPart(StrictModel):
-    type: Literal["text"]
+    """A content part: only ``text`` parts are accepted; OpenAI's image, audio and file parts are refused by name
+    (400 ``messages[i].content[j].type``), never dropped."""
+
+    type: str
     text: str
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value == "text" or not isinstance(value, str):
+            return value  # a non-string fails the strict str check
+        if value in MEDIA_PART_TYPES:
+            raise PydanticCustomError("unsupported_content", "{kind} content parts are not supported: the served "
+                                      "model reads text only; send 'text' parts", {"kind": value})
+        raise PydanticCustomError("unknown_content", "unknown content part type '{kind}'; expected 'text'",
+                                  {"kind": value})
 
 
 class ChatMessage(StrictModel):
@@ -125,7 +143,17 @@ class GenerationFields(StrictModel):
         return bool(self.stream and self.stream_steps)
 
 
-class ChatCompletionRequest(GenerationFields):
+class ChatTemplateFields(StrictModel):
+    """Extension (vLLM's names): how the conversation is rendered. ``continue_final_message`` continues the last
+    (assistant) message instead of starting a new turn, so it excludes ``add_generation_prompt``;
+    ``chat_template_kwargs`` are extra variables of the chat template (checked in ``server.serving``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -142,6 +170,37 @@ class CompletionRequest(GenerationFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``, exactly one. Unknown fields are refused
+    (400 naming them), since a misspelt option here would silently change the count."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize``: token ids (each below the vocabulary size) to text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class Usage(BaseModel):
@@ -222,6 +281,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
     decoding: DecodingInfo
@@ -244,6 +304,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     decoding: DecodingInfo | None = None
@@ -262,6 +323,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage
     decoding: DecodingInfo
@@ -272,6 +334,7 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
     decoding: DecodingInfo | None = None
@@ -316,6 +379,6 @@ def protocol_field_names() -> set[str]:
     """Every request field name, nested ones included (to render validation error locations)."""
     names: set[str] = set()
     for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextContentPart, StreamOptions,
-                  LookaheadRequest):
+                  LookaheadRequest, TokenizeRequest, DetokenizeRequest):
         names.update(model.model_fields)
     return names

@@ -11,7 +11,8 @@ with ``stream_steps`` the content and finish chunks carry a ``step`` object (``s
 asked for, each content chunk carries its tokens' logprobs (a chunk whose tokens have no text yet still goes
 out for them), so a stream's logprobs reassemble to the non-stream list; the token strings are each token's own
 text (``TextCodec.token_text``), ``bytes`` its UTF-8 bytes.
-An error after the stream started becomes one ``{"error": ...}`` data event. Both paths concatenate the same
+An error after the stream started becomes one ``{"error": ...}`` data event. Every response and chunk carries
+the server's ``system_fingerprint``. Both paths concatenate the same
 ``Output`` texts, so a stream and a non-stream give the same text. Every count (``usage``, ``decoding``,
 ``step``) is read from the ``decoding.StepCounts`` the worker summed.
 
@@ -22,6 +23,8 @@ prompt_tokens)``; when it gives one and prompt + max_tokens exceeds the context,
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib.metadata
 import json
 import logging
 import time
@@ -49,20 +52,40 @@ from server.protocol import (
     CompletionRequest,
     DecodingInfo,
     DeltaMessage,
+    DetokenizeRequest,
     GenerationFields,
     LookaheadRequest,
     StepInfo,
+    TokenizeRequest,
     TopLogprob,
     Usage,
     chunk_json,
 )
 from server.scheduler import Handle, Scheduler
-from server.text import TemplateError, TextCodec, TextStream
+from server.text import ChatTemplateOptions, TemplateError, TextCodec, TextStream
 from server.worker import EngineLike, GenerationPlan, Output, Summary
 
 logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
 LOWEST_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity; OpenAI's floor)
+FINGERPRINTED = ("model", "dtype", "quantize", "weight_layout", "lookahead")  # what decides the outputs
+
+
+def server_version() -> str:
+    """The installed ``lookahead-server`` version (``0+unknown`` when run from a tree that is not installed)."""
+    try:
+        return importlib.metadata.version("lookahead-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def system_fingerprint(config: ServerConfig) -> str:
+    """OpenAI's ``system_fingerprint``: ``lookahead-server-<version>-<8 hex digits>``, the digits a hash of the
+    resolved settings that decide the outputs (``FINGERPRINTED``: model, weights' format, lookahead settings);
+    the same for every response of a running server, different when those settings differ."""
+    settings = config.model_dump(mode="json", include=set(FINGERPRINTED))
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    return f"lookahead-server-{server_version()}-{digest}"
 
 
 class DecoderLike(Protocol):
@@ -187,13 +210,59 @@ def resolve_max_tokens(
     return requested
 
 
-def chat_prompt(codec: TextCodec, request: ChatCompletionRequest) -> list[int]:
-    """Render the conversation with the model's chat template."""
-    messages = [{"role": message.role, "content": message.text()} for message in request.messages]
+def template_options(codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:
+    """The request's chat template fields, checked: 400 when ``continue_final_message`` comes with
+    ``add_generation_prompt`` or without a last assistant message with text, or when a ``chat_template_kwargs``
+    key is not a variable the template reads (``server.text.settable_variables``)."""
+    messages = request.messages or []
+    if request.continue_final_message:
+        if request.add_generation_prompt:
+            raise BadRequestError("continue_final_message and add_generation_prompt cannot both be true; send "
+                                  "add_generation_prompt: false to continue the last message",
+                                  param="continue_final_message")
+        last = len(messages) - 1
+        if messages[last].role != "assistant":
+            raise BadRequestError("continue_final_message continues the last message, which must be the "
+                                  f"assistant's (it is {messages[last].role!r})", param=f"messages[{last}].role")
+        if not messages[last].text():
+            raise BadRequestError("the assistant message to continue has no text", param=f"messages[{last}].content")
+    variables = request.chat_template_kwargs or {}
+    for name in variables:
+        if name not in codec.template_variables:
+            readable = ", ".join(sorted(codec.template_variables)) or "none"
+            raise BadRequestError(f"the chat template has no variable {name!r} a request may set (it reads: "
+                                  f"{readable})", param=f"chat_template_kwargs.{name}")
+    return ChatTemplateOptions(request.add_generation_prompt, request.continue_final_message, dict(variables))
+
+
+def chat_prompt(codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    """Render the conversation with the chat template (as its template fields say) and tokenize it."""
+    options = template_options(codec, request)
+    messages = [{"role": message.role, "content": message.text()} for message in request.messages or []]
     try:
-        return codec.encode_chat(messages)
+        return codec.encode_chat(messages, options)
     except TemplateError as exc:
         raise BadRequestError(str(exc), param="messages") from exc
+
+
+def tokenize_prompt(codec: TextCodec, request: TokenizeRequest) -> list[int]:
+    """``/tokenize``: the ids of ``prompt`` (as a completion would see it) or of ``messages`` (as a chat would);
+    400 unless exactly one of them is given."""
+    if (request.prompt is None) == (request.messages is None):
+        raise BadRequestError("send exactly one of prompt and messages", param="prompt")
+    if request.prompt is not None:
+        return codec.encode_text(request.prompt, request.add_special_tokens)
+    return chat_prompt(codec, request)
+
+
+def detokenize(codec: TextCodec, request: DetokenizeRequest) -> str:
+    """``/detokenize``: the text of ``tokens`` (special tokens skipped, as in responses); 400 naming the first id
+    outside the vocabulary."""
+    vocab = codec.vocab_size
+    for index, token in enumerate(request.tokens):
+        if not 0 <= token < vocab:
+            raise BadRequestError(f"token id {token} is outside the vocabulary [0, {vocab})", param=f"tokens[{index}]")
+    return codec.decode(request.tokens)
 
 
 def completion_prompt(codec: TextCodec, request: CompletionRequest) -> list[int]:
@@ -316,18 +385,21 @@ class _Identity:
 
     def __init__(
         self, model: str, include_usage: bool, include_steps: bool = False,
-        token_text: Callable[[int], str] | None = None,
+        token_text: Callable[[int], str] | None = None, fingerprint: str | None = None,
     ) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self.fingerprint = fingerprint
         self.include_usage = include_usage
         self.include_steps = include_steps
         self.token_text = token_text or str
 
     def _chunk(self, choices: list[Any], summary: Summary | None = None, step: StepInfo | None = None) -> str:
         """One SSE ``data`` payload of this response's chunk type (usage only on the usage chunk)."""
-        chunk = self.chunk_type(id=self.id, created=self.created, model=self.model, choices=choices)
+        chunk = self.chunk_type(
+            id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint, choices=choices
+        )
         if summary is not None:
             chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
         if self.include_steps:
@@ -347,6 +419,7 @@ class ChatRenderer(_Identity):
             id=self.id,
             created=self.created,
             model=self.model,
+            system_fingerprint=self.fingerprint,
             choices=[ChatChoice(message=AssistantMessage(content=text), logprobs=self._logprobs(last.logprobs),
                                 finish_reason=last.finish_reason)],
             usage=usage_of(last.summary),
@@ -393,6 +466,7 @@ class CompletionRenderer(_Identity):
             id=self.id,
             created=self.created,
             model=self.model,
+            system_fingerprint=self.fingerprint,
             choices=[CompletionChoice(text=text, logprobs=self._logprobs(last.logprobs),
                                       finish_reason=last.finish_reason)],
             usage=usage_of(last.summary),

@@ -1,7 +1,8 @@
 """Text on both sides of the decoder: chat templates in, incremental detokenization and stop strings out.
 
 Contract:
-- ``TextCodec`` wraps the Hugging Face tokenizer and deals only in lists of ints and strings. Encoding (the
+- ``TextCodec`` wraps the Hugging Face tokenizer and deals only in lists of ints and strings; it renders chats
+  with the tokenizer's template or the one ``read_chat_template`` read at start-up. Encoding (the
   request threads) and decoding (the worker thread's detokenization) never share a lock or a tokenizer:
   decoding uses a private copy of the tokenizer under its own lock, because an encode may reconfigure the
   shared Rust tokenizer (``no_truncation`` / ``no_padding`` take it mutably, and a concurrent decode would
@@ -18,10 +19,17 @@ Contract:
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import jinja2
+import jinja2.meta
+
+from server.config import ConfigError
 
 REPLACEMENT_CHARACTER = "\ufffd"
 ROLE_ALIASES = {"developer": "system"}
@@ -31,41 +39,95 @@ class TemplateError(ValueError):
     """The tokenizer cannot render the conversation (no chat template, or the template rejected it)."""
 
 
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a conversation is rendered: a generation prompt after it, or its last (assistant) message continued
+    (no end-of-turn after it); ``variables`` are extra template variables (``chat_template_kwargs``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: Mapping[str, Any] = field(default_factory=dict)
+
+
+def read_chat_template(path: str) -> str:
+    """The Jinja chat template in ``path``; ``ConfigError`` (a start-up failure) when it cannot be read or parsed."""
+    try:
+        template = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the chat template {path}: {exc}") from None
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"the chat template {path} is not valid Jinja (line {exc.lineno}): {exc.message}") from None
+    if not template.strip():
+        raise ConfigError(f"the chat template {path} is empty")
+    return template
+
+
+def settable_variables(template: str, tokenizer: Any) -> frozenset[str]:
+    """The variables of ``template`` a request may set through ``chat_template_kwargs``: every variable the
+    template reads, less those the renderer sets itself (``messages``, ``add_generation_prompt``, the special
+    tokens, ``apply_chat_template``'s own parameters).
+
+    >>> sorted(settable_variables("{% if think %}{{ bos_token }}{% endif %}{{ messages[0].content }}", None))
+    ['think']
+    """
+    read = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    reserved = {"messages", "tools", "documents", "raise_exception", "strftime_now"}
+    reserved |= set(getattr(tokenizer, "special_tokens_map", None) or {}) | {"bos_token", "eos_token"}
+    if tokenizer is not None:
+        reserved |= set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    return frozenset(read - reserved)
+
+
 class TextCodec:
     """Thread-safe encode/decode on top of a Hugging Face tokenizer; encode and decode never wait on each other.
 
     ``decode`` runs on ``copy.deepcopy(tokenizer)`` (made once, here), each side under its own lock.
+    ``chat_template`` replaces the tokenizer's own template (``--chat-template``).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self._tokenizer = tokenizer
         self._lock = threading.Lock()  # encoding
         self._detokenizer = copy.deepcopy(tokenizer)
         self._decode_lock = threading.Lock()
+        own = getattr(tokenizer, "chat_template", None)
+        self._chat_template: str | None = chat_template or (own if isinstance(own, str) else None)
+        template = self._chat_template or ""
+        self.template_variables = settable_variables(template, tokenizer) if template else frozenset()
 
     @property
     def vocab_size(self) -> int:
         return len(self._tokenizer)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Render ``[{"role", "content"}]`` with the chat template (generation prompt added) and tokenize it.
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], options: ChatTemplateOptions = ChatTemplateOptions()
+    ) -> list[int]:
+        """Render ``[{"role", "content"}]`` with the chat template as ``options`` say and tokenize it.
 
-        ``developer`` becomes ``system``. Raises ``TemplateError`` when the model has no chat template.
+        ``developer`` becomes ``system``. Raises ``TemplateError`` when the model has no chat template or the
+        template rejects the conversation.
         """
         conversation = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": m["content"]} for m in messages]
+        if not self._chat_template:
+            raise TemplateError("this model has no chat template; use /v1/completions or --chat-template")
         with self._lock:
-            if not getattr(self._tokenizer, "chat_template", None):
-                raise TemplateError("this model has no chat template; use /v1/completions")
             try:
-                text = self._tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+                text = self._tokenizer.apply_chat_template(
+                    conversation, chat_template=self._chat_template, tokenize=False,
+                    add_generation_prompt=options.add_generation_prompt,
+                    continue_final_message=options.continue_final_message, **options.variables,
+                )
             except Exception as exc:  # jinja raises TemplateError subclasses with the template's own message
                 raise TemplateError(f"the chat template rejected the messages: {exc}") from exc
             return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def encode_text(self, text: str) -> list[int]:
-        """Tokenize a raw prompt (special tokens such as BOS added as the tokenizer does by default)."""
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize a raw prompt (special tokens such as BOS added as the tokenizer does by default, unless
+        ``add_special_tokens`` is false)."""
         with self._lock:
-            return list(self._tokenizer.encode(text))
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Token ids to text, special tokens skipped."""

@@ -64,6 +64,7 @@ GOOD = [
                   {"role": "assistant", "content": None}, {"role": "user", "content": "Hi", "name": "x"}]},
     {**CHAT, "n": 1, "presence_penalty": 0, "logit_bias": {}, "logprobs": False, "unknown_field": [1, 2]},
     {**CHAT, "logprobs": True, "top_logprobs": 20},
+    {**CHAT, "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": True}},
 ]
 BAD = [
     {},
@@ -85,6 +86,10 @@ BAD = [
     {"messages": [{"role": "system"}]},
     {**CHAT, "logprobs": True, "top_logprobs": 21},
     {**CHAT, "logprobs": True, "top_logprobs": -1},
+    {**CHAT, "continue_final_message": True},
+    {**CHAT, "chat_template_kwargs": [1]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "input_audio", "text": "x"}]}]},
 ]
 
 
@@ -129,7 +134,8 @@ def test_auth_is_documented_only_where_enforced():
     assert all("401" not in op["responses"] for methods in open_doc["paths"].values() for op in methods.values())
     guarded = document(api_key="k", protect_metrics=True)
     assert guarded["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/metrics"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/metrics",
+                 "/tokenize", "/detokenize"):
         operation = next(iter(guarded["paths"][path].values()))
         assert "401" in operation["responses"] and operation["security"] == [{"bearer": []}], path
     assert "401" not in guarded["paths"]["/health"]["get"]["responses"]
@@ -148,3 +154,26 @@ def test_token_ids_are_bounded_by_the_vocabulary_once_known():
     ids = app.openapi()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]
     assert ids["items"] == {"type": "integer", "minimum": 0, "maximum": 99}
     assert app.openapi() is app.openapi()
+
+
+@pytest.mark.parametrize("body, valid", [
+    (PROMPT, True), ({**PROMPT, "add_special_tokens": False}, True), (CHAT, True),
+    ({**CHAT, "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": 1}}, True),
+    ({}, False), ({**PROMPT, **CHAT}, False), ({**PROMPT, "unknown": 1}, False), ({"prompt": 5}, False),
+    ({**CHAT, "continue_final_message": True}, False), ({"messages": []}, False),
+])
+def test_tokenize_schema(doc, body, valid):
+    assert validator(doc, "TokenizeRequest").is_valid(body) is valid
+    assert set(doc["paths"]["/tokenize"]["post"]["responses"]) == {"200", "400", "404", "413", "500", "503"}
+    assert doc["paths"]["/tokenize"]["post"]["responses"]["200"]["content"]["application/json"]["schema"][
+        "$ref"].endswith("TokenizeResponse")
+
+
+@pytest.mark.parametrize("body, valid", [
+    ({"tokens": [0, 5]}, True), ({"tokens": []}, True), ({"tokens": [-1]}, False), ({"tokens": ["1"]}, False),
+    ({}, False), ({"tokens": [1], "extra": True}, False),
+])
+def test_detokenize_schema(doc, body, valid):
+    assert validator(doc, "DetokenizeRequest").is_valid(body) is valid
+    response = doc["paths"]["/detokenize"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert response["$ref"].endswith("DetokenizeResponse")

@@ -178,3 +178,30 @@ async def test_api_key(decoder):
         assert ok.status_code == 200
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/metrics")).status_code == 200
+
+
+TEXT_PART = {"type": "text", "text": "Describe this."}
+
+
+@pytest.mark.parametrize("part, param, says", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "messages[0].content[1].type",
+     "image_url content parts are not supported"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "messages[0].content[1].type",
+     "input_audio content parts are not supported"),
+    ({"type": "file", "file": {"file_id": "f"}}, "messages[0].content[1].type", "file content parts"),
+    ({"type": "video"}, "messages[0].content[1].type", "unknown content part type 'video'"),
+    ({"type": 5, "text": "x"}, "messages[0].content[1].type", "valid string"),
+    ({"type": "text"}, "messages[0].content[1].text", "field required"),
+])
+async def test_media_content_parts_are_refused_by_name(client, part, param, says):
+    for path in (CHAT, "/tokenize"):
+        response = await client.post(path, json={"messages": [{"role": "user", "content": [TEXT_PART, part]}]})
+        error = assert_error(response, 400, param=param)
+        assert says in error["message"], error["message"]
+
+
+async def test_text_parts_are_concatenated(client):
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo there"}]
+    split = await client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]})
+    whole = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello there"}]})
+    assert split.status_code == 200 and split.json() == whole.json()
