@@ -41,6 +41,18 @@ from server.protocol import (
 )
 
 REF = "#/components/schemas/{model}"
+# A stream's schema: the raw text, or one event as an SSE parser yields it (schemathesis validates each parsed
+# event against the stream's schema); each event's data is a JSON chunk, an error object or "[DONE]".
+SSE_EVENT = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+        },
+    ]
+}
 NULLABLE_BOOL_FALSE = {"anyOf": [{"type": "boolean", "const": False}, {"type": "null"}]}
 SERVICE_STATUSES = ("500", "503")
 DESCRIPTION = (
@@ -244,7 +256,7 @@ def generation_operation(request: str, response: str, auth: tuple[str, ...]) -> 
         "responses": {
             "200": {
                 "description": f"A {response} object, or with stream: true its chunks as server-sent events.",
-                "content": {**json_content(response), "text/event-stream": {"schema": {"type": "string"}}},
+                "content": {**json_content(response), "text/event-stream": {"schema": SSE_EVENT}},
             },
             **error_responses(("400", *auth, "404", "413", "429", *SERVICE_STATUSES)),
         },

@@ -213,7 +213,9 @@ def resolve_max_tokens(
 def template_options(codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:
     """The request's chat template fields, checked: 400 when ``continue_final_message`` comes with
     ``add_generation_prompt`` or without a last assistant message with text, or when a ``chat_template_kwargs``
-    key is not a variable the template reads (``server.text.settable_variables``)."""
+    key is one the renderer sets itself (``server.text.reserved_variables``). Other keys go to the template; one
+    it does not read changes nothing, as in vLLM and llama.cpp (clients send e.g. ``enable_thinking`` to every
+    model)."""
     messages = request.messages or []
     if request.continue_final_message:
         if request.add_generation_prompt:
@@ -228,10 +230,10 @@ def template_options(codec: TextCodec, request: ChatCompletionRequest | Tokenize
             raise BadRequestError("the assistant message to continue has no text", param=f"messages[{last}].content")
     variables = request.chat_template_kwargs or {}
     for name in variables:
-        if name not in codec.template_variables:
+        if name in codec.reserved_variables:
             readable = ", ".join(sorted(codec.template_variables)) or "none"
-            raise BadRequestError(f"the chat template has no variable {name!r} a request may set (it reads: "
-                                  f"{readable})", param=f"chat_template_kwargs.{name}")
+            raise BadRequestError(f"{name!r} is set by the server and cannot be a chat_template_kwargs key (this "
+                                  f"template reads: {readable})", param=f"chat_template_kwargs.{name}")
     return ChatTemplateOptions(request.add_generation_prompt, request.continue_final_message, dict(variables))
 
 

@@ -73,11 +73,21 @@ def settable_variables(template: str, tokenizer: Any) -> frozenset[str]:
     ['think']
     """
     read = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    return frozenset(read - reserved_variables(tokenizer))
+
+
+def reserved_variables(tokenizer: Any) -> frozenset[str]:
+    """The template variables the renderer sets itself, which ``chat_template_kwargs`` may not override:
+    ``messages``, ``tools`` and the like, the special tokens and ``apply_chat_template``'s own parameters.
+
+    >>> {"messages", "bos_token"} <= reserved_variables(None)
+    True
+    """
     reserved = {"messages", "tools", "documents", "raise_exception", "strftime_now"}
     reserved |= set(getattr(tokenizer, "special_tokens_map", None) or {}) | {"bos_token", "eos_token"}
     if tokenizer is not None:
         reserved |= set(inspect.signature(tokenizer.apply_chat_template).parameters)
-    return frozenset(read - reserved)
+    return frozenset(reserved)
 
 
 class TextCodec:
@@ -96,6 +106,7 @@ class TextCodec:
         self._chat_template: str | None = chat_template or (own if isinstance(own, str) else None)
         template = self._chat_template or ""
         self.template_variables = settable_variables(template, tokenizer) if template else frozenset()
+        self.reserved_variables = reserved_variables(tokenizer)
 
     @property
     def vocab_size(self) -> int:

@@ -50,7 +50,7 @@ async def test_continue_final_message_ends_inside_the_assistant_turn(client, tok
     ({"continue_final_message": True}, "continue_final_message"),
     ({**CONTINUE, "messages": STORY[:1]}, "messages[0].role"),
     ({**CONTINUE, "messages": [STORY[0], {"role": "assistant", "content": ""}]}, "messages[1].content"),
-    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
     ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
     ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
@@ -74,7 +74,9 @@ async def test_a_template_file_replaces_the_models_and_takes_its_variables(tmp_p
         assert loud == "user: hi\nLOUD"
         chat = await client.post("/v1/chat/completions", json=chat_body("hi", chat_template_kwargs={"shout": 1}))
         assert chat.status_code == 200
-        refused = await client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"loud": 1}})
+        unread = await rendered(client, tokenizer, messages=messages, chat_template_kwargs={"enable_thinking": False})
+        assert unread == "user: hi\n"  # a key the template does not read changes nothing, as in vLLM
+        refused = await client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"bos_token": 1}})
         assert refused.status_code == 400 and "shout" in refused.json()["error"]["message"]
 
 
