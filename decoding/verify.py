@@ -14,7 +14,6 @@ candidate's length).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,7 +36,8 @@ class Verdict:
 def warp(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """Probabilities ``[rows, vocab]`` (float32) after temperature, min-p, top-k and top-p.
 
-    min-p drops tokens less likely than ``min_p`` times the best one (after temperature). top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (at least one token).
+    min-p drops tokens less likely than ``min_p`` times the best one (after temperature). top-p keeps the
+    smallest set of most likely tokens whose mass reaches ``top_p`` (at least one token; ``top_p == 0``: one).
     Any valid temperature and top-p give a distribution, even denormals such as 5e-324, which float32 rounds
     to 0: scores are shifted so that the best is 0 before dividing (no inf - inf), and the best token always
     survives top-p.
