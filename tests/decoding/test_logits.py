@@ -148,3 +148,26 @@ def test_lookahead_sampling_with_a_penalty_matches_the_exact_distribution():
     assert goodness_of_fit(samples, exact_penalised_distribution(model, prompt, penalised), total) > P_FLOOR
     unpenalised = exact_penalised_distribution(model, prompt, SamplingParams(temperature=1.0))
     assert goodness_of_fit(samples, unpenalised, total) < P_FLOOR
+
+
+def test_batched_lookahead_with_settings_equals_greedy(tiny_model):
+    """Streams stepped together (small budgets: shrunk steps, chunked prefill) keep their settings' greedy text."""
+    from decoding.batch import BatchPolicy
+    from tests.decoding.test_batch import run_batch
+
+    sampling, min_tokens = SETTINGS["combined"]
+    stops = [stop_for(min_tokens, prompt[-1]) for prompt in PROMPTS]
+    pairs = list(zip(PROMPTS, stops, strict=True))
+    expected = [tokens_of(generate_autoregressive(tiny_model, p, s, sampling)) for p, s in pairs]
+    streams = [generate_lookahead(tiny_model, p, s, sampling, CONFIGS[2]) for p, s in pairs]
+    assert run_batch(streams, BatchPolicy(max_step_tokens=24, prefill_chunk=4)) == expected
+
+
+def test_ignoring_eos_runs_to_max_tokens(tiny_model):
+    """``ignore_eos`` is EOS left out of ``stop_token_ids``: the decode runs to ``max_tokens``."""
+    prompt = PROMPTS[1]
+    eos = tokens_of(generate_autoregressive(tiny_model, prompt, StopCriteria(5)))[1]
+    stop = StopCriteria(30, frozenset({eos}))
+    stopped = tokens_of(generate_lookahead(tiny_model, prompt, stop, lookahead=CONFIGS[1]))
+    ignored = tokens_of(generate_lookahead(tiny_model, prompt, StopCriteria(30), lookahead=CONFIGS[1]))
+    assert len(stopped) < 30 and len(ignored) == 30 and eos in ignored
