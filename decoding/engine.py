@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from decoding.errors import ContextLengthError, EmptyPromptError
 from decoding.kv_cache import SlotCache, new_cache
+from decoding.logits import adjust_logits, needs_adjusting
 from decoding.logprobs import TokenLogprob, token_logprobs
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
@@ -302,7 +303,7 @@ class DecodeStream:
                 stats = StepStats(end - start, 0, prefill=True)
                 return Step([], stats, logprobs=_logprobs(logits, [], [], self.sampling))
             row = logits.shape[0] - 1
-            committed = sequence.accept([_choose(logits[row], self.sampling, sequence.generator)])
+            committed = sequence.accept([_choose(logits[row], self.sampling, sequence)])
             if sequence.finish_reason is None:
                 self._policy = (
                     _Plain(sequence, self.sampling)
@@ -336,11 +337,23 @@ def generate_lookahead(
     return DecodeStream(model, prompt_ids, stop, sampling, lookahead)
 
 
-def _choose(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from ``[vocab]`` logits: argmax when greedy, else a sample."""
+def _choose(logits: torch.Tensor, sampling: SamplingParams, sequence: _Sequence) -> int:
+    """Pick the token after ``sequence`` from ``[vocab]`` logits (adjusted, ``decoding.logits``): argmax when
+    greedy, else a sample."""
+    scores = _adjusted(logits.unsqueeze(0), sampling, sequence, [()])[0]
     if sampling.greedy:
-        return int(logits.argmax())
-    return sample(warp(logits.unsqueeze(0), sampling)[0].cpu(), generator)
+        return int(scores.argmax())
+    return sample(warp(scores.unsqueeze(0), sampling)[0].cpu(), sequence.generator)
+
+
+def _adjusted(
+    logits: torch.Tensor, sampling: SamplingParams, sequence: _Sequence, paths: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with row r adjusted after ``sequence.tokens + paths[r]``; the same tensor,
+    untouched, when no setting adjusts logits."""
+    if not needs_adjusting(sampling, sequence.stop, sequence.generated):
+        return logits
+    return adjust_logits(logits, sampling, sequence.stop, sequence.tokens, sequence.prompt_length, paths)
 
 
 def _one_token_slice(sequence: _Sequence) -> Slice:
@@ -351,7 +364,7 @@ def _one_token_slice(sequence: _Sequence) -> Slice:
 
 def _finish_one_token(sequence: _Sequence, sampling: SamplingParams, logits: torch.Tensor) -> Step:
     """Commit one token from a plain step's logits (or stop), leaving ``last``'s KV in the cache."""
-    committed = sequence.accept([_choose(logits[0], sampling, sequence.generator)])
+    committed = sequence.accept([_choose(logits[0], sampling, sequence)])
     if not committed:
         sequence.cache.commit(len(sequence.tokens) - 1, [])
     return Step(committed, StepStats(1, len(committed)), sequence.finish_reason,
@@ -546,8 +559,9 @@ class _Lookahead:
         def candidate_row(candidate: int, k: int) -> int:
             return 1 + width + tree.paths[candidate][k]
 
-        predicted = logits.argmax(dim=-1).tolist()
-        verdict = self._verify(logits, predicted, list(candidates), candidate_row)
+        scores = self._adjust(logits, tree, width)
+        predicted = scores.argmax(dim=-1).tolist()
+        verdict = self._verify(scores, predicted, list(candidates), candidate_row)
         committed = sequence.accept(verdict.tokens)
         self._commit_cache(position, levels * width, tree, verdict, len(committed))
         if shape.window:
@@ -578,6 +592,18 @@ class _Lookahead:
         if verdict.candidate is not None:
             rows += [candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
         return Step(committed, stats, sequence.finish_reason, _logprobs(logits, rows, committed, self.sampling))
+
+    def _adjust(self, logits: torch.Tensor, tree: TokenTree, width: int) -> torch.Tensor:
+        """``logits`` with ``last``'s row (0) and every tree node's row (``1 + width + node``) adjusted after the
+        committed tokens plus the node's path (``decoding.logits``); the window's rows (guesses only) as they
+        are. The same tensor when nothing adjusts logits."""
+        sequence = self.sequence
+        if not needs_adjusting(self.sampling, sequence.stop, sequence.generated):
+            return logits
+        rows = [0, *(1 + width + node for node in range(len(tree)))]
+        scores = logits.float().clone()
+        scores[rows] = _adjusted(logits[rows], self.sampling, sequence, [(), *tree.node_paths()])
+        return scores
 
     def _candidates(self) -> _Shape:
         """Up to G n-grams to verify after ``last``: copied continuations ranked by context match, then the

@@ -30,7 +30,15 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Token choice. ``temperature == 0`` means greedy (argmax); ``top_k == 0`` and ``top_p == 1`` disable them.
+    """Token choice. ``temperature == 0`` means greedy (argmax); ``top_k == 0``, ``top_p == 1`` and ``min_p == 0``
+    disable them; ``top_p == 0`` keeps only the most likely token.
+
+    Logit adjustments (``decoding.logits``), applied at every chosen or verified position before the argmax or
+    the warp, each neutral by default: ``repetition_penalty`` (> 0; HF/vLLM: logits of tokens in the prompt or
+    the output so far are divided by it when positive, multiplied when negative), ``frequency_penalty`` and
+    ``presence_penalty`` (OpenAI's, in [-2, 2]: minus ``frequency * count + presence * (count > 0)`` over the
+    generated tokens' counts) and ``logit_bias`` ((token id, bias) pairs, bias in [-100, 100], added).
+    ``min_p`` (in [0, 1]) drops tokens whose probability after temperature is below ``min_p`` times the best's.
 
     ``top_logprobs`` (None: no logprobs; 0..``MAX_TOP_LOGPROBS``) asks every ``Step`` for the committed tokens'
     logprobs under the raw model logits plus that many alternatives each (``decoding.logprobs``); it never
@@ -42,38 +50,64 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     top_logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         """True when tokens are chosen by argmax."""
         return self.temperature == 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a penalty or a logit bias changes the logits (all neutral: no work at all)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
+
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` if a field is out of range."""
         if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
             raise InvalidParameterError("temperature", f"temperature must be in [0, 2], got {self.temperature}")
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check_float("top_p", self.top_p, 0.0, 1.0)
         if self.top_k < 0:
             raise InvalidParameterError("top_k", f"top_k must be >= 0, got {self.top_k}")
         if self.top_logprobs is not None:
             _check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise InvalidParameterError(
+                "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}")
+            _check_float("logit_bias", bias, -100.0, 100.0)
 
 
 @dataclass(frozen=True)
 class StopCriteria:
     """When to stop: after ``max_tokens`` new tokens, or at any token in ``stop_token_ids`` (EOS included).
 
-    A stop token ends the generation with reason ``"stop"`` and is not emitted.
+    A stop token ends the generation with reason ``"stop"`` and is not emitted. ``min_tokens`` (0..max_tokens):
+    the stop tokens' logits are masked at every position before that many tokens were generated, so none
+    can be chosen there. (To ignore EOS, leave it out of ``stop_token_ids``.)
     """
 
     max_tokens: int
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    min_tokens: int = 0
 
     def validate(self) -> None:
-        """Raise ``InvalidParameterError`` if ``max_tokens`` is not positive."""
+        """Raise ``InvalidParameterError`` if ``max_tokens`` is not positive or ``min_tokens`` out of range."""
         if self.max_tokens < 1:
             raise InvalidParameterError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
 
 
 @dataclass(frozen=True)
@@ -154,3 +188,10 @@ def _check_range(name: str, value: int, low: int, high: int) -> None:
     """Raise ``InvalidParameterError`` unless ``value`` is an int in ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise InvalidParameterError(name, f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _check_float(name: str, value: float, low: float, high: float) -> None:
+    """Raise ``InvalidParameterError`` unless ``value`` is a finite number in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise InvalidParameterError(name, f"{name} must be in [{low:g}, {high:g}], got {value!r}")

@@ -58,6 +58,17 @@ class TokenTree:
         """Nodes, i.e. input tokens of the verification branch."""
         return len(self.tokens)
 
+    def node_paths(self) -> list[tuple[int, ...]]:
+        """Each node's tokens from the root down to it (its own included).
+
+        >>> TokenTree.build([(5, 6, 7), (5, 8)]).node_paths()
+        [(5,), (5, 6), (5, 6, 7), (5, 8)]
+        """
+        paths: list[tuple[int, ...]] = []
+        for token, parent in zip(self.tokens, self.parents, strict=True):
+            paths.append((*(paths[parent] if parent >= 0 else ()), token))
+        return paths
+
     @property
     def depth(self) -> int:
         """The longest candidate's length (0 when empty): the most guesses one step can accept."""

@@ -13,6 +13,7 @@ candidate's length).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,9 +34,10 @@ class Verdict:
 
 
 def warp(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Probabilities ``[rows, vocab]`` (float32) after temperature, top-k and top-p.
+    """Probabilities ``[rows, vocab]`` (float32) after temperature, min-p, top-k and top-p.
 
-    top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (at least one token).
+    min-p drops tokens less likely than ``min_p`` times the best one (after temperature). top-p keeps the
+    smallest set of most likely tokens whose mass reaches ``top_p`` (at least one token; ``top_p == 0``: one).
     Any valid temperature and top-p give a distribution, even denormals such as 5e-324, which float32 rounds
     to 0: scores are shifted so that the best is 0 before dividing (no inf - inf), and the best token always
     survives top-p.
@@ -43,6 +45,8 @@ def warp(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     scores = logits.float()
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / max(sampling.temperature, FLOAT32_TINY)
     vocab = scores.shape[-1]
+    if sampling.min_p > 0.0:
+        scores = scores.masked_fill(scores < math.log(sampling.min_p), float("-inf"))  # the best scores 0
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -157,6 +157,7 @@ class ServerConfig(BaseModel):
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none "
                                     "(clamped to what fits the context)")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies -> 413")
+    max_stop_strings: int = Field(16, ge=1, le=1024, description="stop strings a request may send; more -> 400")
     drain_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, finish in-flight work this long, "
                                        "then cancel")
     warmup: bool = Field(True, description="run one tiny decode before /health reports ready")

@@ -4,9 +4,10 @@ Contract: ``install_openapi(app, config)`` replaces FastAPI's generator with ``o
 The routes parse their bodies themselves (so that every failure becomes an OpenAI envelope), which leaves FastAPI
 nothing to infer; this module fills in, per route, the request body (the ``server.protocol`` model's JSON schema),
 the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every error status the route can answer with
-``ErrorResponse``. The request schemas state what the server really accepts: the validators' limits (at most 4
-non-empty stop strings, an int64 seed), the options only accepted at their neutral value (``n`` = 1, zero
-penalties, no ``logit_bias``, no echo/best_of/suffix), logprobs with at most 20 alternatives (chat's
+``ErrorResponse``. The request schemas state what the server really accepts: the validators' limits (at most
+``max_stop_strings`` non-empty stop strings, an int64 seed, penalties in [-2, 2], ``logit_bias`` token id keys
+with biases in [-100, 100], ``min_p`` in [0, 1], ``repetition_penalty`` > 0), the options only accepted at their
+neutral value (``n`` = 1, no echo/best_of/suffix), logprobs with at most 20 alternatives (chat's
 ``top_logprobs`` only with ``logprobs: true``, said in its description), the served model names and the configured
 lookahead maxima (``lookahead`` extension), non-empty prompts (token ids below the vocabulary size once the model
 is loaded), content required except in ``assistant`` messages, text content parts only, ``continue_final_message``
@@ -103,13 +104,17 @@ def generation_overrides(config: ServerConfig) -> dict[str, dict[str, Any]]:
         "model": nullable({"type": "string", "enum": served}),
         "stop": nullable({"anyOf": [
             {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": config.max_stop_strings},
         ]}),
         "seed": nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
         "n": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
-        "presence_penalty": nullable({"type": "number", "minimum": 0, "maximum": 0}),
-        "frequency_penalty": nullable({"type": "number", "minimum": 0, "maximum": 0}),
-        "logit_bias": nullable({"type": "object", "maxProperties": 0}),
+        "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "logit_bias": nullable({
+            "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "description": "token id (a string) -> bias added to its logit at every position",
+        }),
     }
 
 

@@ -5,7 +5,8 @@ range checks are the config-independent ones (config-dependent limits such as th
 checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes (``system_fingerprint``
 included), with one extra top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in
 a stream's usage chunk.
-Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k`` and ``stream_steps``; with
+Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k``, ``stream_steps`` and vLLM's
+sampling fields ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``; with
 ``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``);
 vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and ``/detokenize`` bodies, which
 refuse unknown fields. Logprobs: chat's ``logprobs`` + ``top_logprobs`` give ``choices[].logprobs.content[]``
@@ -24,7 +25,6 @@ from pydantic_core import PydanticCustomError
 from decoding.params import MAX_TOP_LOGPROBS
 
 FinishReason = Literal["stop", "length"]
-MAX_STOP_SEQUENCES = 4
 MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "refusal")  # OpenAI's other content parts
 
 
@@ -99,7 +99,7 @@ class GenerationFields(StrictModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI (and torch) take it
     stop: str | list[str] | None = None
@@ -109,6 +109,10 @@ class GenerationFields(StrictModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
     user: str | None = None
     lookahead: LookaheadRequest | None = None
     stream_steps: bool | None = False
@@ -117,8 +121,6 @@ class GenerationFields(StrictModel):
     @classmethod
     def _stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         if any(not item for item in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stop

@@ -131,11 +131,6 @@ def check_supported(request: GenerationFields) -> None:
     """400 for OpenAI options this server does not implement (rather than silently ignoring them)."""
     if request.n not in (None, 1):
         raise BadRequestError("n > 1 is not supported; send n = 1 and repeat the request instead.", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
-            raise BadRequestError(f"{name} is not supported; send 0 or leave it out.", param=name)
-    if request.logit_bias:
-        raise BadRequestError("logit_bias is not supported; leave it out or send {}.", param="logit_bias")
     if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:
         raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     if isinstance(request, CompletionRequest):
@@ -291,20 +286,46 @@ def plan(engine: Engine, request: GenerationFields, prompt_ids: list[int], promp
         request.requested_max_tokens(), len(prompt_ids), engine.decoder.context_length, config.default_max_tokens,
         prompt_param,
     )
+    stop_strings = request.stop_sequences()
+    if len(stop_strings) > config.max_stop_strings:
+        raise BadRequestError(f"at most {config.max_stop_strings} stop sequences are allowed", param="stop")
     sampling = SamplingParams(
         temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=request.top_k or 0,
         seed=request.seed,
         top_logprobs=requested_top_logprobs(request),
+        min_p=request.min_p or 0.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=resolve_logit_bias(request.logit_bias, engine.codec.vocab_size),
     )
+    eos = frozenset() if request.ignore_eos else frozenset(engine.decoder.eos_token_ids())
     return GenerationPlan(
         prompt_ids=prompt_ids,
-        stop=StopCriteria(max_tokens, frozenset(engine.decoder.eos_token_ids())),
+        stop=StopCriteria(max_tokens, eos, request.min_tokens or 0),
         sampling=sampling,
         lookahead=resolve_lookahead(request.lookahead, config.lookahead),
-        stop_strings=tuple(request.stop_sequences()),
+        stop_strings=tuple(stop_strings),
     )
+
+
+def resolve_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias) as the decoder's sorted (id, bias) pairs; 400 naming
+    ``logit_bias`` for a key that is not a token id below ``vocab_size`` (the bias range is the decoder's check).
+
+    >>> resolve_logit_bias({"7": -100, "3": 2.5}, 10)
+    ((3, 2.5), (7, -100.0))
+    """
+    pairs = []
+    for key, bias in (logit_bias or {}).items():
+        token = int(key) if key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise BadRequestError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                                  param="logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
 
 
 def requested_top_logprobs(request: GenerationFields) -> int | None:

@@ -12,6 +12,7 @@ MODULES = [
     "decoding.fetch",
     "decoding.memory",
     "decoding.pool",
+    "decoding.tree",
     "server.body",
     "server.chat_client",
     "server.config",

@@ -315,7 +315,7 @@ def test_bad_lookahead_arguments_raise_typed_errors(tiny_model, config, param):
     "sampling, stop, param",
     [
         (SamplingParams(temperature=-0.1), StopCriteria(4), "temperature"),
-        (SamplingParams(temperature=1.0, top_p=0.0), StopCriteria(4), "top_p"),
+        (SamplingParams(temperature=1.0, top_p=-0.5), StopCriteria(4), "top_p"),
         (SamplingParams(temperature=1.0, top_k=-2), StopCriteria(4), "top_k"),
         (SamplingParams(temperature=float("nan")), StopCriteria(4), "temperature"),
         (SamplingParams(), StopCriteria(0), "max_tokens"),

@@ -127,11 +127,11 @@ def test_utf8_byte_order_mark_is_tolerated(client):
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("count", [5, 10_000])
+@pytest.mark.parametrize("count", [17, 10_000])
 def test_too_many_stop_strings_are_400(client, count):
     stops = [f"stop{index}" for index in range(count)]
     error = check_bad(client, CHAT, json.dumps(chat_body("Hi", stop=stops)).encode(), param="stop")
-    assert "4" in error["message"]
+    assert "16" in error["message"]
 
 
 def test_four_long_stop_strings_are_fine(client):

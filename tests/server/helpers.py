@@ -21,7 +21,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from decoding import Step, StepStats
-from decoding.errors import InvalidParameterError
 from server.app import create_app
 from server.config import ServerConfig
 from server.sse import data_events
@@ -96,6 +95,7 @@ class ScriptedDecoder:
     raise_on_validate: Exception | None = None
     memory_tokens: int | None = None  # what the server asked batch_engine for
     lookaheads: list[Any] = field(default_factory=list)  # the LookaheadConfig of each request added, in order
+    validated: list[tuple[Any, Any]] = field(default_factory=list)  # (StopCriteria, SamplingParams) validated
 
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({self.tokenizer.eos_token_id})
@@ -103,8 +103,9 @@ class ScriptedDecoder:
     def validate(self, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any) -> None:
         if self.raise_on_validate is not None:
             raise self.raise_on_validate
-        if stop.max_tokens < 1:
-            raise InvalidParameterError("max_tokens", "max_tokens must be >= 1")
+        self.validated.append((stop, sampling))
+        stop.validate()  # the real decoder's parameter checks (InvalidParameterError naming the field)
+        sampling.validate()
 
     def batch_engine(self, policy: Any = None, memory_tokens: int = 0) -> ScriptedEngine:
         self.memory_tokens = memory_tokens
