@@ -85,8 +85,9 @@ def reserved_variables(tokenizer: Any) -> frozenset[str]:
     """
     reserved = {"messages", "tools", "documents", "raise_exception", "strftime_now"}
     reserved |= set(getattr(tokenizer, "special_tokens_map", None) or {}) | {"bos_token", "eos_token"}
-    if tokenizer is not None:
-        reserved |= set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    render = getattr(tokenizer, "apply_chat_template", None)
+    if render is not None:
+        reserved |= set(inspect.signature(render).parameters)
     return frozenset(reserved)
 
 
