@@ -199,6 +199,13 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
             "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                                       "description": "Most likely alternatives per token; needs logprobs: true."}),
             "chat_template_kwargs": TEMPLATE_KWARGS,
+            "tools": nullable({"type": "array", "maxItems": 0, "description": "Tool calls are not implemented yet: "
+                               "only an empty list."}),
+            "tool_choice": nullable({"enum": ["none", "auto"], "description": "Only none or auto (no tools yet)."}),
+            "response_format": nullable({
+                "type": "object", "required": ["type"], "properties": {"type": {"const": "text"}},
+                "description": "Only {\"type\": \"text\"}: structured output is not implemented yet.",
+            }),
         },
         "CompletionRequest": {
             **shared,

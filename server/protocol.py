@@ -160,6 +160,11 @@ class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Not implemented yet: accepted only at their neutral values (``server.serving.check_supported``), so a client
+    # relying on them gets a 400 instead of prose.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""

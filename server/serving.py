@@ -131,8 +131,8 @@ def check_supported(request: GenerationFields) -> None:
     """400 for OpenAI options this server does not implement (rather than silently ignoring them)."""
     if request.n not in (None, 1):
         raise BadRequestError("n > 1 is not supported; send n = 1 and repeat the request instead.", param="n")
-    if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:
-        raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if isinstance(request, ChatCompletionRequest):
+        check_chat_supported(request)
     if isinstance(request, CompletionRequest):
         if request.echo and request.logprobs is not None:
             raise BadRequestError(
@@ -144,6 +144,23 @@ def check_supported(request: GenerationFields) -> None:
             raise BadRequestError("best_of > 1 is not supported.", param="best_of")
         if request.suffix:
             raise BadRequestError("suffix is not supported.", param="suffix")
+
+
+def check_chat_supported(request: ChatCompletionRequest) -> None:
+    """400 for chat options not implemented yet: tool calls (``tools`` non-empty, ``tool_choice`` other than
+    ``none`` / ``auto``) and structured output (``response_format`` other than ``text``); and ``top_logprobs``
+    without ``logprobs``."""
+    if request.top_logprobs is not None and not request.logprobs:
+        raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if request.tools:
+        raise BadRequestError("tools are not supported yet: this server does not produce tool calls.", param="tools")
+    if request.tool_choice not in (None, "none", "auto"):
+        raise BadRequestError("tool_choice other than none or auto is not supported yet.", param="tool_choice")
+    kind = (request.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise BadRequestError(
+            f"response_format {kind!r} is not supported yet; only text.", param="response_format.type"
+        )
 
 
 def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSettings) -> LookaheadConfig | None:

@@ -67,6 +67,7 @@ GOOD = [
      "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 3, "ignore_eos": True, "top_p": 0,
      "stop": [f"s{i}" for i in range(16)]},
     {**CHAT, "logprobs": True, "top_logprobs": 20},
+    {**CHAT, "tools": [], "tool_choice": "auto", "response_format": {"type": "text"}},
     {**CHAT, "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": True}},
 ]
 BAD = [
@@ -95,6 +96,9 @@ BAD = [
     {"messages": [{"role": "user", "content": None}]},
     {"messages": [{"role": "system"}]},
     {**CHAT, "logprobs": True, "top_logprobs": 21},
+    {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+    {**CHAT, "tool_choice": "required"},
+    {**CHAT, "response_format": {"type": "json_object"}},
     {**CHAT, "logprobs": True, "top_logprobs": -1},
     {**CHAT, "continue_final_message": True},
     {**CHAT, "chat_template_kwargs": [1]},

@@ -86,10 +86,25 @@ async def test_body_must_be_an_object(client):
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": "2"}, "top_logprobs"),
         ({"max_tokens": 8192}, "max_tokens"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+         "response_format.type"),
     ],
 )
 async def test_bad_generation_fields(client, fields, param):
     assert_error(await client.post(CHAT, json=chat_body("Hi", **fields)), 400, param=param)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"response_format": {"type": "text"}}],
+)
+async def test_neutral_tool_and_format_fields_are_accepted(client, fields):
+    response = await client.post(CHAT, json=chat_body("Hi", max_tokens=2, **fields))
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(
