@@ -184,7 +184,7 @@ MEMORY_PROMPT_TAIL = 16  # prompt tokens stored before a completion in the share
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 64
 ACCEPT_SMOOTHING = 0.3
-PREDICTION_COPY_LENGTH = 32  # tokens a prediction's copy proposes when the request's copy_length is 0 (off)
+PREDICTION_COPY_LENGTH = 32  # the fewest tokens a prediction's copy proposes (see prediction_copy_length)
 
 
 @dataclass(frozen=True)
@@ -335,9 +335,10 @@ def _prediction_memory(prediction: Sequence[int] | None) -> NGramMemory | None:
 
 
 def prediction_copy_length(lookahead: LookaheadConfig) -> int:
-    """Tokens a prediction's copy proposes: the config's ``copy_length``, or ``PREDICTION_COPY_LENGTH`` when
-    copy steps are off (0), so a prediction is used whenever lookahead is on."""
-    return lookahead.copy_length or PREDICTION_COPY_LENGTH
+    """Tokens a prediction's copy proposes: at least ``PREDICTION_COPY_LENGTH``, even when copy steps are off
+    (``copy_length`` 0), so a prediction is used whenever lookahead is on, and reaches past the context's copies
+    of the same text (a prediction is usually in the prompt too)."""
+    return max(lookahead.copy_length, PREDICTION_COPY_LENGTH)
 
 
 def generate_autoregressive(
