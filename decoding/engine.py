@@ -443,7 +443,8 @@ class _Gate:
 @dataclass(frozen=True)
 class _Shape:
     """The shape a lookahead step takes: the window (or not) and the candidates it verifies, best first, with
-    each one's source (``COPY``, ``MEMORY``, ``PREDICTION`` or ``POOL``); ``copy`` marks a copy step (gated by ``copying``)."""
+    each one's source (``COPY``, ``MEMORY``, ``PREDICTION`` or ``POOL``); ``copy`` marks a copy step (gated by
+    ``copying``)."""
 
     window: bool
     candidates: tuple[tuple[int, ...], ...] = ()

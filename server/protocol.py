@@ -257,7 +257,7 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = None
 
     @model_serializer(mode="wrap")
-    def _without_empty_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _without_empty_details(self, handler: SerializerFunctionWrapHandler):  # no return type: keeps the schema
         data = handler(self)
         if data.get("completion_tokens_details") is None:
             data.pop("completion_tokens_details", None)
