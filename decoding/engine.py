@@ -500,7 +500,8 @@ class _Lookahead:
         self.context.skip_to(sequence.prompt_length)
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
         self.verifying = _Gate(float(lookahead.levels))
-        self.copying = _Gate(float(prediction_copy_length(lookahead) if prediction else lookahead.copy_length))
+        self.copying = _Gate(float(lookahead.copy_length))
+        self.predicting = _Gate(float(prediction_copy_length(lookahead)))  # the prediction's copies, gated apart
         self._wanted = _Shape(False)
 
     def propose(self) -> Proposal:
@@ -509,8 +510,8 @@ class _Lookahead:
         copies = self._copies()
         if copies.candidates and config.lazy_window:
             self._wanted = copies
-            probe = self.copying.expected < config.break_even
-            return Proposal(1 + len(TokenTree.build(copies.candidates)), self.copying.expected, probe, smallest=2)
+            gain = self._copy_gain(copies)
+            return Proposal(1 + len(TokenTree.build(copies.candidates)), gain, gain < config.break_even, smallest=2)
         paying = self.verifying.pays(config.break_even)
         found = self._candidates() if paying else _Shape(False)
         window = bool(found.candidates) or (paying and not config.lazy_window)
@@ -523,7 +524,7 @@ class _Lookahead:
         tokens = window_tokens + len(TokenTree.build(shape.candidates))
         if not shape.candidates:
             return Proposal(tokens)
-        gains = [self.copying.expected] if copies.candidates else []
+        gains = [self._copy_gain(copies)] if copies.candidates else []
         gains += [self.verifying.expected] if found.candidates else []
         probe = max(gains) < config.break_even
         smallest = 2 if copies.candidates else 1 + config.levels
@@ -591,8 +592,10 @@ class _Lookahead:
         self._scan_output()
         accepted = min(verdict.num_accepted, len(committed))
         reach = _reach_by_source(shape, verdict.tokens[: verdict.num_accepted])
-        if COPY in reach or MEMORY in reach or PREDICTION in reach:
-            self.copying.update(max(reach.get(COPY, 0), reach.get(MEMORY, 0), reach.get(PREDICTION, 0)))
+        if COPY in reach or MEMORY in reach:
+            self.copying.update(max(reach.get(COPY, 0), reach.get(MEMORY, 0)))
+        if PREDICTION in reach:
+            self.predicting.update(reach[PREDICTION])
         if POOL in reach:
             self.verifying.update(reach[POOL])
         others = max(reach.get(COPY, 0), reach.get(POOL, 0))
@@ -642,9 +645,9 @@ class _Lookahead:
 
     def _copies(self) -> _Shape:
         """This step's copied continuations (``copy_candidates`` from the context, as many from the shared
-        memory, as many from the prediction), when copy steps are on (or a prediction was given), some match and
-        copying pays (its running mean of accepted tokens is at least ``break_even``, else a backed-off probe
-        among copy opportunities, see ``_Gate``)."""
+        memory), when copy steps are on, some match and copying pays (its running mean of accepted tokens is at
+        least ``break_even``, else a backed-off probe among copy opportunities, see ``_Gate``); then as many from
+        the prediction, when one was given, some match and its own gate (``predicting``) says it pays."""
         config, tokens = self.config, self.sequence.tokens
         copies: list[tuple[int, ...]] = []
         sources: list[str] = []
@@ -656,14 +659,24 @@ class _Lookahead:
                     tokens, config.copy_length, config.copy_candidates, config.copy_min_match
                 )
                 _add_new(copies, sources, remembered, MEMORY)
+        if copies and not self.copying.pays(config.break_even):
+            copies, sources = [], []
         if self.prediction is not None:
             predicted = self.prediction.candidates(
                 tokens, prediction_copy_length(config), config.copy_candidates, max(1, config.copy_min_match)
             )
-            _add_new(copies, sources, predicted, PREDICTION)
-        if not copies or not self.copying.pays(config.break_even):
+            if predicted and self.predicting.pays(config.break_even):
+                _add_new(copies, sources, predicted, PREDICTION)
+        if not copies:
             return _Shape(False)
         return _Shape(False, tuple(copies), tuple(sources), copy=True)
+
+    def _copy_gain(self, copies: _Shape) -> float:
+        """The tokens a copy step of ``copies`` is expected to accept: the best running mean among the gates of
+        its candidates' sources (``predicting`` for the prediction's, ``copying`` for the others)."""
+        gains = [self.predicting.expected if source == PREDICTION else self.copying.expected
+                 for source in copies.sources]
+        return max(gains, default=self.copying.expected)
 
     def _verify(
         self,
