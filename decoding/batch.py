@@ -153,7 +153,7 @@ def _forward_and_finish(
             results[index] = error
 
 
-# (model, prompt_ids, stop, sampling, lookahead, memory) -> a new decode
+# (model, prompt_ids, stop, sampling, lookahead, memory, prediction) -> a new decode
 OpenStream = Callable[..., DecodeStream]
 
 
@@ -206,12 +206,16 @@ class BatchEngine:
         stop: StopCriteria,
         sampling: SamplingParams = SamplingParams(),
         lookahead: LookaheadConfig | None = None,
+        prediction: Sequence[int] | None = None,
     ) -> None:
         """Start decoding ``prompt_ids``; its prefill runs in the next ``step``. Raises ``InvalidParameterError``
-        on bad arguments and ``ValueError`` on a request id already running, adding nothing."""
+        on bad arguments and ``ValueError`` on a request id already running, adding nothing. ``prediction``
+        (token ids of the expected output) seeds a lookahead decode's copies (see ``DecodeStream``)."""
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
-        self._streams[request_id] = self._open_stream(self.model, prompt_ids, stop, sampling, lookahead, self.memory)
+        self._streams[request_id] = self._open_stream(
+            self.model, prompt_ids, stop, sampling, lookahead, self.memory, prediction
+        )
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]:
         """One packed forward over every running decode: each participant's ``Step`` or the exception that

@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -28,15 +27,13 @@ from decoding.errors import ContextLengthError, EmptyPromptError
 from decoding.kv_cache import SlotCache, new_cache
 from decoding.logits import adjust_logits, needs_adjusting
 from decoding.logprobs import TokenLogprob, token_logprobs
+from decoding.memory import NGramMemory
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.pool import ContextIndex, NGramPool
 from decoding.tree import TokenTree
 from decoding.verify import Verdict, sample, verify_greedy, verify_sampling, warp
 from decoding.window import Window, context_filler, step_layout
-
-if TYPE_CHECKING:
-    from decoding.memory import NGramMemory
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,8 @@ class StepStats:
 
     ``offered`` counts guessed tokens offered for verification (N-1 when at least one candidate was
     verified, else 0), ``accepted`` those accepted, ``accepted_per_position[k]`` whether guessed position
-    k+1 was accepted, ``memory_accepted`` how many accepted guesses came from the shared n-gram memory.
+    k+1 was accepted, ``memory_accepted`` how many accepted guesses came from the shared n-gram memory,
+    ``prediction_accepted`` how many came from the request's prediction (beyond what every other source proposed).
     """
 
     input_tokens: int
@@ -56,6 +54,7 @@ class StepStats:
     seconds: float = 0.0
     prefill: bool = False
     memory_accepted: int = 0
+    prediction_accepted: int = 0
 
     def counts(self, kept: int | None = None) -> StepCounts:
         """This step's counts when only its first ``kept`` tokens are kept (all committed ones by default).
@@ -69,7 +68,7 @@ class StepStats:
         accepted = min(self.accepted, kept)
         positions = tuple(int(flag and k < accepted) for k, flag in enumerate(self.accepted_per_position))
         return StepCounts(kept, 1 if kept > 0 else 0, self.offered, accepted, positions,
-                          min(self.memory_accepted, accepted))
+                          min(self.memory_accepted, accepted), min(self.prediction_accepted, accepted))
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,8 @@ class StepCounts:
     ``tokens``: tokens kept; ``steps``: steps that kept at least one token (prefill included); ``offered``:
     guessed tokens offered for verification; ``accepted``: guessed tokens accepted and kept;
     ``accepted_per_position[k]``: how many of those were at guessed position k+1; ``memory_accepted``: how many
-    of the accepted came from the engine's shared n-gram memory.
+    of the accepted came from the engine's shared n-gram memory; ``prediction_accepted``: from the request's
+    prediction (predicted outputs).
     """
 
     tokens: int = 0
@@ -88,6 +88,7 @@ class StepCounts:
     accepted: int = 0
     accepted_per_position: tuple[int, ...] = ()
     memory_accepted: int = 0
+    prediction_accepted: int = 0
 
     def __add__(self, other: StepCounts) -> StepCounts:
         return self._combine(other, 1)
@@ -107,6 +108,7 @@ class StepCounts:
             self.accepted + sign * other.accepted,
             tuple(a + sign * b for a, b in zip(mine, theirs, strict=True)),
             self.memory_accepted + sign * other.memory_accepted,
+            self.prediction_accepted + sign * other.prediction_accepted,
         )
 
 
@@ -183,6 +185,7 @@ MEMORY_PROMPT_TAIL = 16  # prompt tokens stored before a completion in the share
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 64
 ACCEPT_SMOOTHING = 0.3
+PREDICTION_COPY_LENGTH = 32  # the fewest tokens a prediction's copy proposes (see prediction_copy_length)
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,10 @@ class DecodeStream:
     budget is smaller than the prompt; a chunk that does not reach the prompt's end yields an empty ``Step``
     with ``stats.prefill`` set. A greedy stream commits the same tokens whatever its budgets were. A lookahead
     stream given a shared ``memory`` (and not opted out by ``LookaheadConfig.shared_memory``) draws candidates
-    from it and, once finished, adds the end of its prompt and its output to it.
+    from it and, once finished, adds the end of its prompt and its output to it. A lookahead stream given a
+    ``prediction`` (token ids the client expects the output to resemble: OpenAI's predicted outputs) keeps it
+    as a private ``NGramMemory`` document whose continuations join its copy candidates (see ``_Lookahead``);
+    a prediction changes how fast a decode runs, never its greedy output. Without lookahead it is ignored.
     """
 
     def __init__(
@@ -223,9 +229,13 @@ class DecodeStream:
         sampling: SamplingParams = SamplingParams(),
         lookahead: LookaheadConfig | None = None,
         memory: NGramMemory | None = None,
+        prediction: Sequence[int] | None = None,
     ) -> None:
         validate_request(model, prompt_ids, stop, sampling, lookahead)
+        self.prediction = _prediction_memory(prediction) if lookahead is not None else None
         step_tokens = lookahead.step_tokens if lookahead is not None else 1
+        if self.prediction is not None:
+            step_tokens += lookahead.copy_candidates * prediction_copy_length(lookahead) + 1
         self.model = model
         self.sampling = sampling
         self.lookahead = lookahead
@@ -308,12 +318,28 @@ class DecodeStream:
                 self._policy = (
                     _Plain(sequence, self.sampling)
                     if self.lookahead is None
-                    else _Lookahead(self.model, sequence, self.sampling, self.lookahead, self.memory)
+                    else _Lookahead(self.model, sequence, self.sampling, self.lookahead, self.memory, self.prediction)
                 )
             return Step(committed, StepStats(end - start, len(committed), prefill=True), sequence.finish_reason,
                         _logprobs(logits, [row], committed, self.sampling))
 
         return slice_, finish
+
+
+def _prediction_memory(prediction: Sequence[int] | None) -> NGramMemory | None:
+    """A private memory holding ``prediction`` as its one document (None for no or an empty prediction)."""
+    if not prediction:
+        return None
+    memory = NGramMemory(max_tokens=len(prediction))
+    memory.add(prediction)
+    return memory
+
+
+def prediction_copy_length(lookahead: LookaheadConfig) -> int:
+    """Tokens a prediction's copy proposes: at least ``PREDICTION_COPY_LENGTH``, even when copy steps are off
+    (``copy_length`` 0), so a prediction is used whenever lookahead is on, and reaches past the context's copies
+    of the same text (a prediction is usually in the prompt too)."""
+    return max(lookahead.copy_length, PREDICTION_COPY_LENGTH)
 
 
 def generate_autoregressive(
@@ -430,7 +456,8 @@ class _Gate:
 @dataclass(frozen=True)
 class _Shape:
     """The shape a lookahead step takes: the window (or not) and the candidates it verifies, best first, with
-    each one's source (``COPY``, ``MEMORY`` or ``POOL``); ``copy`` marks a copy step (gated by ``copying``)."""
+    each one's source (``COPY``, ``MEMORY``, ``PREDICTION`` or ``POOL``); ``copy`` marks a copy step (gated by
+    ``copying``)."""
 
     window: bool
     candidates: tuple[tuple[int, ...], ...] = ()
@@ -443,7 +470,7 @@ class _Shape:
         return _Shape(window, self.candidates[:count], self.sources[:count], self.copy)
 
 
-COPY, MEMORY, POOL = "copy", "memory", "pool"
+COPY, MEMORY, PREDICTION, POOL = "copy", "memory", "prediction", "pool"
 
 
 class _Lookahead:
@@ -455,7 +482,9 @@ class _Lookahead:
     verifying does not pay (``break_even``). With ``copy_length``, a step whose context matches an earlier one
     also verifies copied continuations (see ``LookaheadConfig``), shortened to fit the budget. With a shared
     ``memory`` (``decoding.memory.NGramMemory``), its continuations join the copies (or, without copy steps,
-    the pool's candidates).
+    the pool's candidates). With a ``prediction`` (a private ``NGramMemory`` of the request's predicted
+    output), its continuations (``prediction_copy_length`` tokens, matching at least
+    ``max(1, copy_min_match)`` tokens) join the copies too, even when copy steps are otherwise off.
     """
 
     def __init__(
@@ -465,11 +494,13 @@ class _Lookahead:
         sampling: SamplingParams,
         lookahead: LookaheadConfig,
         memory: NGramMemory | None = None,
+        prediction: NGramMemory | None = None,
     ) -> None:
         self.sequence = sequence
         self.sampling = sampling
         self.config = lookahead
         self.memory = memory
+        self.prediction = prediction
         filler = context_filler(sequence.tokens, exclude=sequence.stop.stop_token_ids)
         self.window = Window(lookahead.window_size, lookahead.levels, filler)
         self.pool = NGramPool(lookahead.levels, lookahead.guess_set_size)
@@ -483,6 +514,7 @@ class _Lookahead:
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
         self.verifying = _Gate(float(lookahead.levels))
         self.copying = _Gate(float(lookahead.copy_length))
+        self.predicting = _Gate(float(prediction_copy_length(lookahead)))  # the prediction's copies, gated apart
         self._wanted = _Shape(False)
 
     def propose(self) -> Proposal:
@@ -491,8 +523,8 @@ class _Lookahead:
         copies = self._copies()
         if copies.candidates and config.lazy_window:
             self._wanted = copies
-            probe = self.copying.expected < config.break_even
-            return Proposal(1 + len(TokenTree.build(copies.candidates)), self.copying.expected, probe, smallest=2)
+            gain = self._copy_gain(copies)
+            return Proposal(1 + len(TokenTree.build(copies.candidates)), gain, gain < config.break_even, smallest=2)
         paying = self.verifying.pays(config.break_even)
         found = self._candidates() if paying else _Shape(False)
         window = bool(found.candidates) or (paying and not config.lazy_window)
@@ -505,7 +537,7 @@ class _Lookahead:
         tokens = window_tokens + len(TokenTree.build(shape.candidates))
         if not shape.candidates:
             return Proposal(tokens)
-        gains = [self.copying.expected] if copies.candidates else []
+        gains = [self._copy_gain(copies)] if copies.candidates else []
         gains += [self.verifying.expected] if found.candidates else []
         probe = max(gains) < config.break_even
         smallest = 2 if copies.candidates else 1 + config.levels
@@ -576,6 +608,8 @@ class _Lookahead:
         reach = _reach_by_source(shape, verdict.tokens[: verdict.num_accepted])
         if COPY in reach or MEMORY in reach:
             self.copying.update(max(reach.get(COPY, 0), reach.get(MEMORY, 0)))
+        if PREDICTION in reach:
+            self.predicting.update(reach[PREDICTION])
         if POOL in reach:
             self.verifying.update(reach[POOL])
         others = max(reach.get(COPY, 0), reach.get(POOL, 0))
@@ -587,6 +621,7 @@ class _Lookahead:
             accepted=accepted,
             accepted_per_position=tuple(k < accepted for k in range(depth)),
             memory_accepted=min(accepted, max(0, reach.get(MEMORY, 0) - others)),
+            prediction_accepted=min(accepted, max(0, reach.get(PREDICTION, 0) - max(others, reach.get(MEMORY, 0)))),
         )
         rows = [0]
         if verdict.candidate is not None:
@@ -636,24 +671,38 @@ class _Lookahead:
 
     def _copies(self) -> _Shape:
         """This step's copied continuations (``copy_candidates`` from the context, as many from the shared
-        memory), when copy steps are on, some match and copying pays (its running mean of accepted tokens is
-        at least ``break_even``, else a backed-off probe among copy opportunities, see ``_Gate``)."""
+        memory), when copy steps are on, some match and copying pays (its running mean of accepted tokens is at
+        least ``break_even``, else a backed-off probe among copy opportunities, see ``_Gate``); then as many from
+        the prediction, when one was given, some match and its own gate (``predicting``) says it pays."""
         config, tokens = self.config, self.sequence.tokens
-        if not (config.copy_length and config.rank_by_context):
-            return _Shape(False)
-        copies = self.context.best_copies(tokens, config.copy_length, config.copy_min_match, config.copy_candidates)
-        sources = [COPY] * len(copies)
-        if self.memory is not None:
-            remembered = self.memory.candidates(
-                tokens, config.copy_length, config.copy_candidates, config.copy_min_match
+        copies: list[tuple[int, ...]] = []
+        sources: list[str] = []
+        if config.copy_length and config.rank_by_context:
+            copies = self.context.best_copies(tokens, config.copy_length, config.copy_min_match, config.copy_candidates)
+            sources = [COPY] * len(copies)
+            if self.memory is not None:
+                remembered = self.memory.candidates(
+                    tokens, config.copy_length, config.copy_candidates, config.copy_min_match
+                )
+                _add_new(copies, sources, remembered, MEMORY)
+        if copies and not self.copying.pays(config.break_even):
+            copies, sources = [], []
+        if self.prediction is not None:
+            predicted = self.prediction.candidates(
+                tokens, prediction_copy_length(config), config.copy_candidates, max(1, config.copy_min_match)
             )
-            for copy in remembered:
-                if not any(chosen[: len(copy)] == copy for chosen in copies):
-                    copies.append(copy)
-                    sources.append(MEMORY)
-        if not copies or not self.copying.pays(config.break_even):
+            if predicted and self.predicting.pays(config.break_even):
+                _add_new(copies, sources, predicted, PREDICTION)
+        if not copies:
             return _Shape(False)
         return _Shape(False, tuple(copies), tuple(sources), copy=True)
+
+    def _copy_gain(self, copies: _Shape) -> float:
+        """The tokens a copy step of ``copies`` is expected to accept: the best running mean among the gates of
+        its candidates' sources (``predicting`` for the prediction's, ``copying`` for the others)."""
+        gains = [self.predicting.expected if source == PREDICTION else self.copying.expected
+                 for source in copies.sources]
+        return max(gains, default=self.copying.expected)
 
     def _verify(
         self,
@@ -687,6 +736,16 @@ class _Lookahead:
         """Replace stop tokens (EOS) in a new window row: they must never stay in the window."""
         stops = self.sequence.stop.stop_token_ids
         return [self.window.filler() if token in stops else token for token in row]
+
+
+def _add_new(
+    copies: list[tuple[int, ...]], sources: list[str], found: Sequence[tuple[int, ...]], source: str
+) -> None:
+    """Append each of ``found`` (labelled ``source``) that is not a prefix of a copy already in ``copies``."""
+    for copy in found:
+        if not any(chosen[: len(copy)] == copy for chosen in copies):
+            copies.append(copy)
+            sources.append(source)
 
 
 def _fitting(candidates: Sequence[tuple[int, ...]], room: int) -> int:

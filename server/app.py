@@ -270,7 +270,8 @@ async def generate(
     serving.check_supported(body)
     engine = runtime.require_engine()
     prompt_ids = await asyncio.to_thread(prompt_of, engine.codec, body)  # a long prompt must not stall the loop
-    generation = serving.plan(engine, body, prompt_ids, prompt_param)
+    prediction = await asyncio.to_thread(serving.prediction_ids, engine.codec, body) if body.prediction else None
+    generation = serving.plan(engine, body, prompt_ids, prompt_param, prediction)
     handle = serving.start(engine, generation)
     renderer = renderer_type(
         model, body.include_usage, body.include_steps, engine.codec.token_text, runtime.fingerprint

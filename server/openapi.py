@@ -237,6 +237,7 @@ def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> di
     schemas["TokenizeRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT)
     schemas["TokenizeRequest"]["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
     schemas["TextContentPart"]["properties"]["type"] = {"type": "string", "const": "text"}
+    schemas["Prediction"]["properties"]["type"] = {"type": "string", "const": "content"}
     schemas["LookaheadRequest"] = lookahead_schema(config)
     schemas["ChatMessage"] = chat_message_schema(schemas["ChatMessage"])
     return schemas

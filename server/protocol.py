@@ -11,7 +11,8 @@ sampling fields ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_e
 vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and ``/detokenize`` bodies, which
 refuse unknown fields. Logprobs: chat's ``logprobs`` + ``top_logprobs`` give ``choices[].logprobs.content[]``
 (``ChoiceLogprobs``), completions' ``logprobs: int`` the legacy ``CompletionLogprobs``; both the raw model's
-(before temperature, top-k, top-p), with at most ``MAX_TOP_LOGPROBS`` alternatives.
+(before temperature, top-k, top-p), with at most ``MAX_TOP_LOGPROBS`` alternatives. Predicted outputs: chat's
+and completions' ``prediction`` (``Prediction``) give ``usage.completion_tokens_details``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from decoding.params import MAX_TOP_LOGPROBS
@@ -70,6 +79,31 @@ class ChatMessage(StrictModel):
         """The content as one string (text parts joined without separator, as OpenAI does)."""
         if self.content is None:
             return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class Prediction(StrictModel):
+    """Predicted outputs: text the client expects the completion to resemble (e.g. a file it asks to edit).
+
+    ``type`` must be ``"content"``; ``content`` is a string or text parts (joined without separator). Lookahead
+    verifies it as a free draft: it changes how fast the completion comes, never what it is.
+    """
+
+    type: str
+    content: str | list[TextContentPart]
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _content_only(cls, value: Any) -> Any:
+        if value == "content" or not isinstance(value, str):
+            return value
+        raise PydanticCustomError("unknown_prediction", "unknown prediction type '{kind}'; expected 'content'",
+                                  {"kind": value})
+
+    def text(self) -> str:
+        """The predicted text as one string."""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -165,6 +199,7 @@ class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    prediction: Prediction | None = None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
@@ -177,6 +212,7 @@ class CompletionRequest(GenerationFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+    prediction: Prediction | None = None
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -210,10 +246,29 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's predicted-output counts: ``accepted_prediction_tokens`` the completion's tokens that lookahead took
+    from the prediction (beyond what its other sources proposed), ``rejected_prediction_tokens`` the prediction's
+    other tokens (its length minus the accepted ones)."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(BaseModel):
+    """Token counts; ``completion_tokens_details`` only when the request sent a prediction (absent otherwise)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_details(self, handler: SerializerFunctionWrapHandler):  # no return type: keeps the schema
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 class DecodingInfo(BaseModel):
@@ -386,6 +441,6 @@ def protocol_field_names() -> set[str]:
     """Every request field name, nested ones included (to render validation error locations)."""
     names: set[str] = set()
     for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextContentPart, StreamOptions,
-                  LookaheadRequest, TokenizeRequest, DetokenizeRequest):
+                  LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest):
         names.update(model.model_fields)
     return names

@@ -50,6 +50,7 @@ from server.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     DecodingInfo,
     DeltaMessage,
     DetokenizeRequest,
@@ -294,8 +295,20 @@ def completion_prompt(codec: TextCodec, request: CompletionRequest) -> list[int]
     raise BadRequestError("exactly one prompt per request is supported", param="prompt")
 
 
-def plan(engine: Engine, request: GenerationFields, prompt_ids: list[int], prompt_param: str) -> GenerationPlan:
-    """Build the decoder's parameters from the request and the config."""
+def prediction_ids(codec: TextCodec, request: GenerationFields) -> list[int] | None:
+    """The token ids of the request's ``prediction`` text (no special tokens), None when it sent none."""
+    prediction = getattr(request, "prediction", None)
+    if prediction is None:
+        return None
+    return codec.encode_text(prediction.text(), add_special_tokens=False)
+
+
+def plan(
+    engine: Engine, request: GenerationFields, prompt_ids: list[int], prompt_param: str,
+    prediction: list[int] | None = None,
+) -> GenerationPlan:
+    """Build the decoder's parameters from the request and the config (``prediction``: its predicted output's
+    token ids, see ``prediction_ids``)."""
     if not prompt_ids:
         raise BadRequestError("the prompt is empty: at least one token is required", param=prompt_param)
     config = engine.config
@@ -325,6 +338,7 @@ def plan(engine: Engine, request: GenerationFields, prompt_ids: list[int], promp
         sampling=sampling,
         lookahead=resolve_lookahead(request.lookahead, config.lookahead),
         stop_strings=tuple(stop_strings),
+        prediction=None if prediction is None else tuple(prediction),
     )
 
 
@@ -369,10 +383,19 @@ def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, forc
 
 
 def usage_of(summary: Summary) -> Usage:
+    """OpenAI's ``usage``; with a prediction, its accepted tokens and the rest of it as rejected."""
+    details = None
+    if summary.prediction_tokens is not None:
+        accepted = summary.counts.prediction_accepted
+        details = CompletionTokensDetails(
+            accepted_prediction_tokens=accepted,
+            rejected_prediction_tokens=max(0, summary.prediction_tokens - accepted),
+        )
     return Usage(
         prompt_tokens=summary.prompt_tokens,
         completion_tokens=summary.counts.tokens,
         total_tokens=summary.prompt_tokens + summary.counts.tokens,
+        completion_tokens_details=details,
     )
 
 

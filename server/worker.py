@@ -59,6 +59,7 @@ class EngineLike(Protocol):
         stop: StopCriteria,
         sampling: SamplingParams,
         lookahead: LookaheadConfig | None,
+        prediction: Sequence[int] | None = None,
     ) -> None: ...
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]: ...
@@ -68,22 +69,26 @@ class EngineLike(Protocol):
 
 @dataclass(frozen=True)
 class GenerationPlan:
-    """Everything the decoder needs for one request, in its own types, plus the stop strings."""
+    """Everything the decoder needs for one request, in its own types, plus the stop strings (``prediction``:
+    the predicted output's token ids, None when the request sent none)."""
 
     prompt_ids: list[int]
     stop: StopCriteria
     sampling: SamplingParams
     lookahead: LookaheadConfig | None
     stop_strings: tuple[str, ...]
+    prediction: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Summary:
-    """A finished request: the ``usage`` and ``decoding`` numbers (``counts`` sums all its steps)."""
+    """A finished request: the ``usage`` and ``decoding`` numbers (``counts`` sums all its steps;
+    ``prediction_tokens``: its prediction's length, None without one)."""
 
     prompt_tokens: int
     counts: StepCounts
     lookahead: LookaheadConfig | None
+    prediction_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,9 @@ class Job:
     done: bool = False
 
     def summary(self) -> Summary:
-        return Summary(len(self.plan.prompt_ids), self.totals, self.plan.lookahead)
+        prediction = self.plan.prediction
+        return Summary(len(self.plan.prompt_ids), self.totals, self.plan.lookahead,
+                       None if prediction is None else len(prediction))
 
     def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
         """An output carrying the counts since the previous one."""
@@ -269,7 +276,7 @@ class Worker:
         job.request_id = next(self._ids)
         plan = job.plan
         try:
-            self.engine.add(job.request_id, plan.prompt_ids, plan.stop, plan.sampling, plan.lookahead)
+            self.engine.add(job.request_id, plan.prompt_ids, plan.stop, plan.sampling, plan.lookahead, plan.prediction)
         except Exception as exc:
             logger.exception("generation failed")
             self._finish(job, "error", error=exc)

@@ -191,3 +191,21 @@ def test_detokenize_schema(doc, body, valid):
     assert validator(doc, "DetokenizeRequest").is_valid(body) is valid
     response = doc["paths"]["/detokenize"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert response["$ref"].endswith("DetokenizeResponse")
+
+
+@pytest.mark.parametrize("prediction, valid", [
+    ({"type": "content", "content": "def f(): pass"}, True),
+    ({"type": "content", "content": [{"type": "text", "text": "def f(): pass"}]}, True),
+    ({"type": "text", "content": "x"}, False), ({"type": "content"}, False), ({"content": "x"}, False),
+    ({"type": "content", "content": 3}, False), ("x", False),
+])
+def test_prediction_schema(doc, prediction, valid):
+    for component, body in (("ChatCompletionRequest", CHAT), ("CompletionRequest", PROMPT)):
+        assert validator(doc, component).is_valid({**body, "prediction": prediction}) is valid
+        if valid:
+            PROTOCOL[component].model_validate({**body, "prediction": prediction})
+
+
+def test_usage_describes_the_prediction_counts(doc):
+    details = doc["components"]["schemas"]["CompletionTokensDetails"]["properties"]
+    assert set(details) == {"accepted_prediction_tokens", "rejected_prediction_tokens"}

@@ -160,7 +160,10 @@ class ScriptedEngine:
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._requests
 
-    def add(self, request_id: Hashable, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any) -> None:
+    def add(
+        self, request_id: Hashable, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any,
+        prediction: Any = None,
+    ) -> None:
         self.decoder.validate(prompt_ids, stop, sampling, lookahead)
         self.decoder.lookaheads.append(lookahead)
         self._requests[request_id] = self.decoder.steps_for(prompt_ids, stop.max_tokens)

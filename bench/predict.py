@@ -1,0 +1,122 @@
+"""Predicted outputs on an edit task: greedy lookahead with and without the prediction, side by side.
+
+Contract: ``python -m bench.predict`` asks the chat model to rewrite each held-out HumanEval prompt (100-107) with
+its variable names in snake_case, keeping everything else, and decodes it twice through a ``BatchEngine`` (the
+server's decode loop) with the server's device-preset lookahead settings: once with the snippet itself as the
+request's prediction, once without, alternating which goes first so both see the same machine load. It prints,
+per request and in total, tokens, steps, tokens per step, the share of tokens accepted from the prediction and
+the time ratio (without / with), checks that both decodes return the same tokens (exit status 1 if not) and
+writes JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import transformers
+
+from bench.datasets import PromptSpec, encode_prompt, load_dataset
+from bench.settings import LOOKAHEAD_FIELDS, batch_policy
+from decoding.batch import BatchEngine
+from decoding.decoder import Decoder, configure_threads
+from decoding.engine import StepCounts
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from server.config import load_config
+
+INSTRUCTION = "Rewrite this function with the variable names in snake_case, keeping everything else:\n\n"
+HELD_OUT = (100, 108)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One request decoded alone: its tokens, summed step counts and seconds."""
+
+    tokens: list[int]
+    counts: StepCounts
+    seconds: float
+
+
+def edit_request(snippet: str) -> PromptSpec:
+    """The chat request asking to rewrite ``snippet`` (whose text is then the natural prediction)."""
+    return PromptSpec(id="edit", messages=({"role": "user", "content": INSTRUCTION + snippet},))
+
+
+def decode(
+    engine: BatchEngine, prompt_ids: Sequence[int], stop: StopCriteria, config: LookaheadConfig,
+    prediction: Sequence[int] | None,
+) -> Decoded:
+    """Run one greedy request alone through ``engine`` to its end, with ``prediction`` (or none)."""
+    started = time.perf_counter()
+    engine.add("request", prompt_ids, stop, SamplingParams(), config, prediction)
+    tokens: list[int] = []
+    counts = StepCounts()
+    while engine.has_work:
+        for _, step in engine.step():
+            if isinstance(step, BaseException):
+                raise step
+            tokens.extend(step.token_ids)
+            counts += step.stats.counts()
+    return Decoded(tokens, counts, time.perf_counter() - started)
+
+
+def totals(runs: Sequence[Decoded]) -> dict[str, float]:
+    """Tokens, steps, tokens per step, accepted share, prediction share of tokens and seconds over ``runs``."""
+    counts = sum((run.counts for run in runs), StepCounts())
+    return {
+        "tokens": counts.tokens,
+        "steps": counts.steps,
+        "tokens_per_step": counts.tokens / max(counts.steps, 1),
+        "accepted_share": counts.accepted / max(counts.tokens, 1),
+        "prediction_share": counts.prediction_accepted / max(counts.tokens, 1),
+        "seconds": sum(run.seconds for run in runs),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns 1 when the outputs with and without the prediction differ."""
+    parser = argparse.ArgumentParser(prog="python -m bench.predict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--limit", type=int, default=8, help="requests, from HumanEval/100 on (8)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per request (256)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
+    parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
+    args = parser.parse_args(argv)
+    config = load_config(device_preset="cuda" if args.device.startswith("cuda") else "cpu")
+    lookahead = LookaheadConfig(**{name: getattr(config.lookahead, name) for name in LOOKAHEAD_FIELDS})
+    configure_threads(config.threads)
+    transformers.utils.logging.disable_progress_bar()
+    decoder = Decoder.load(config.model, args.device, config.dtype, config.quantize, config.weight_layout)
+    tokenizer = decoder.tokenizer
+    engine = BatchEngine(decoder.loaded.model, batch_policy(config))
+    stop = StopCriteria(args.max_tokens, decoder.eos_token_ids())
+    snippets = load_dataset("humaneval")[HELD_OUT[0] : HELD_OUT[1]][: args.limit]
+    rows, with_runs, without_runs = [], [], []
+    for index, spec in enumerate(snippets):
+        prompt = encode_prompt(tokenizer, edit_request(spec.text))
+        prediction = list(tokenizer(spec.text, add_special_tokens=False).input_ids)
+        order = (True, False) if index % 2 == 0 else (False, True)
+        runs = {flag: decode(engine, prompt, stop, lookahead, prediction if flag else None) for flag in order}
+        with_runs.append(runs[True])
+        without_runs.append(runs[False])
+        rows.append({
+            "id": spec.id, "tokens": runs[True].counts.tokens, "same_tokens": runs[True].tokens == runs[False].tokens,
+            "steps_with": runs[True].counts.steps, "steps_without": runs[False].counts.steps,
+            "prediction_tokens": len(prediction), "prediction_accepted": runs[True].counts.prediction_accepted,
+            "time_ratio": round(runs[False].seconds / max(runs[True].seconds, 1e-9), 3),
+        })
+        print(*(f"{key}={value}" for key, value in rows[-1].items()), flush=True)
+    report = {"with_prediction": totals(with_runs), "without_prediction": totals(without_runs)}
+    report["time_ratio"] = report["without_prediction"]["seconds"] / max(report["with_prediction"]["seconds"], 1e-9)
+    print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"rows": rows, "summary": report, "lookahead": vars(lookahead)}, handle, indent=1)
+    return 0 if all(row["same_tokens"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
