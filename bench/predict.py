@@ -14,31 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import transformers
 
 from bench.datasets import PromptSpec, encode_prompt, load_dataset
 from bench.settings import LOOKAHEAD_FIELDS, batch_policy
+from bench.workload import Served, serve
 from decoding.batch import BatchEngine
 from decoding.decoder import Decoder, configure_threads
 from decoding.engine import StepCounts
-from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.params import LookaheadConfig, StopCriteria
 from server.config import load_config
 
 INSTRUCTION = "Rewrite this function with the variable names in snake_case, keeping everything else:\n\n"
 HELD_OUT = (100, 108)
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """One request decoded alone: its tokens, summed step counts and seconds."""
-
-    tokens: list[int]
-    counts: StepCounts
-    seconds: float
 
 
 def edit_request(snippet: str) -> PromptSpec:
@@ -46,25 +36,7 @@ def edit_request(snippet: str) -> PromptSpec:
     return PromptSpec(id="edit", messages=({"role": "user", "content": INSTRUCTION + snippet},))
 
 
-def decode(
-    engine: BatchEngine, prompt_ids: Sequence[int], stop: StopCriteria, config: LookaheadConfig,
-    prediction: Sequence[int] | None,
-) -> Decoded:
-    """Run one greedy request alone through ``engine`` to its end, with ``prediction`` (or none)."""
-    started = time.perf_counter()
-    engine.add("request", prompt_ids, stop, SamplingParams(), config, prediction)
-    tokens: list[int] = []
-    counts = StepCounts()
-    while engine.has_work:
-        for _, step in engine.step():
-            if isinstance(step, BaseException):
-                raise step
-            tokens.extend(step.token_ids)
-            counts += step.stats.counts()
-    return Decoded(tokens, counts, time.perf_counter() - started)
-
-
-def totals(runs: Sequence[Decoded]) -> dict[str, float]:
+def totals(runs: Sequence[Served]) -> dict[str, float]:
     """Tokens, steps, tokens per step, accepted share, prediction share of tokens and seconds over ``runs``."""
     counts = sum((run.counts for run in runs), StepCounts())
     return {
@@ -99,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompt = encode_prompt(tokenizer, edit_request(spec.text))
         prediction = list(tokenizer(spec.text, add_special_tokens=False).input_ids)
         order = (True, False) if index % 2 == 0 else (False, True)
-        runs = {flag: decode(engine, prompt, stop, lookahead, prediction if flag else None) for flag in order}
+        runs = {flag: serve(engine, prompt, stop, lookahead, prediction if flag else None) for flag in order}
         with_runs.append(runs[True])
         without_runs.append(runs[False])
         rows.append({

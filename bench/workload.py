@@ -58,10 +58,16 @@ def templated(spec: PromptSpec) -> PromptSpec:
     return PromptSpec(id=spec.id, messages=messages)
 
 
-def serve(engine: BatchEngine, prompt_ids: Sequence[int], stop: StopCriteria, config: LookaheadConfig) -> Served:
-    """Run one greedy request alone through ``engine`` to its end."""
+def serve(
+    engine: BatchEngine,
+    prompt_ids: Sequence[int],
+    stop: StopCriteria,
+    config: LookaheadConfig,
+    prediction: Sequence[int] | None = None,
+) -> Served:
+    """Run one greedy request alone through ``engine`` to its end (with a predicted output, when given)."""
     started = time.perf_counter()
-    engine.add("request", prompt_ids, stop, SamplingParams(), config)
+    engine.add("request", prompt_ids, stop, SamplingParams(), config, prediction)
     tokens: list[int] = []
     counts = StepCounts()
     while engine.has_work:

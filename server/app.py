@@ -307,13 +307,18 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
 tools = APIRouter(dependencies=[Depends(require_api_key)])
 
 
+async def tool_body(request: Request, body_type: type[TokenizeRequest] | type[DetokenizeRequest]) -> tuple[Any, Any]:
+    """The parsed body of a ``/tokenize`` or ``/detokenize`` request (its model checked) and the engine."""
+    runtime = runtime_of(request)
+    body = parse(body_type, await read_json(request, runtime.config.max_request_bytes))
+    serving.check_model(runtime.config, body.model)
+    return body, runtime.require_engine()
+
+
 @tools.post("/tokenize")
 async def tokenize(request: Request) -> dict[str, Any]:
     """vLLM's ``/tokenize``: a prompt or messages to the ids a completion or chat would decode from."""
-    runtime = runtime_of(request)
-    body = parse(TokenizeRequest, await read_json(request, runtime.config.max_request_bytes))
-    serving.check_model(runtime.config, body.model)
-    engine = runtime.require_engine()
+    body, engine = await tool_body(request, TokenizeRequest)
     ids = await asyncio.to_thread(serving.tokenize_prompt, engine.codec, body)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.decoder.context_length).model_dump()
 
@@ -321,10 +326,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 @tools.post("/detokenize")
 async def detokenize(request: Request) -> dict[str, Any]:
     """vLLM's ``/detokenize``: token ids to text."""
-    runtime = runtime_of(request)
-    body = parse(DetokenizeRequest, await read_json(request, runtime.config.max_request_bytes))
-    serving.check_model(runtime.config, body.model)
-    engine = runtime.require_engine()
+    body, engine = await tool_body(request, DetokenizeRequest)
     return DetokenizeResponse(prompt=await asyncio.to_thread(serving.detokenize, engine.codec, body)).model_dump()
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.predict import INSTRUCTION, decode, edit_request, totals
+from bench.predict import INSTRUCTION, edit_request, totals
+from bench.workload import serve
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.params import LookaheadConfig, StopCriteria
 from tests.decoding.stubs import StubLM
@@ -13,8 +14,8 @@ def test_the_prediction_saves_steps_and_is_counted():
     engine = BatchEngine(model, BatchPolicy())
     config = LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1)
     stop = StopCriteria(40)
-    plain = decode(engine, [1, 2], stop, config, None)
-    predicted = decode(engine, [1, 2], stop, config, plain.tokens)
+    plain = serve(engine, [1, 2], stop, config, None)
+    predicted = serve(engine, [1, 2], stop, config, plain.tokens)
     assert predicted.tokens == plain.tokens
     report = {"with": totals([predicted]), "without": totals([plain])}
     assert report["with"]["steps"] < report["without"]["steps"]
