@@ -16,16 +16,12 @@ import json
 import sys
 from collections.abc import Sequence
 
-import transformers
-
 from bench.datasets import PromptSpec, encode_prompt, load_dataset
-from bench.settings import LOOKAHEAD_FIELDS, batch_policy
-from bench.workload import Served, serve
+from bench.settings import batch_policy
+from bench.workload import Served, load_preset, serve
 from decoding.batch import BatchEngine
-from decoding.decoder import Decoder, configure_threads
 from decoding.engine import StepCounts
-from decoding.params import LookaheadConfig, StopCriteria
-from server.config import load_config
+from decoding.params import StopCriteria
 
 INSTRUCTION = "Rewrite this function with the variable names in snake_case, keeping everything else:\n\n"
 HELD_OUT = (100, 108)
@@ -57,11 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
     parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
     args = parser.parse_args(argv)
-    config = load_config(device_preset="cuda" if args.device.startswith("cuda") else "cpu")
-    lookahead = LookaheadConfig(**{name: getattr(config.lookahead, name) for name in LOOKAHEAD_FIELDS})
-    configure_threads(config.threads)
-    transformers.utils.logging.disable_progress_bar()
-    decoder = Decoder.load(config.model, args.device, config.dtype, config.quantize, config.weight_layout)
+    config, lookahead, decoder = load_preset(args.device)
     tokenizer = decoder.tokenizer
     engine = BatchEngine(decoder.loaded.model, batch_policy(config))
     stop = StopCriteria(args.max_tokens, decoder.eos_token_ids())

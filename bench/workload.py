@@ -29,7 +29,7 @@ from decoding.decoder import Decoder, configure_threads
 from decoding.engine import StepCounts
 from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from server.config import load_config
+from server.config import ServerConfig, load_config
 
 SYSTEM_PROMPT = "You are a concise assistant. Follow the answer format exactly."
 TEMPLATE = (
@@ -110,6 +110,17 @@ def summary(results: Sequence[tuple[Served, Served]]) -> dict[str, dict[str, flo
     return report
 
 
+def load_preset(device: str) -> tuple[ServerConfig, LookaheadConfig, Decoder]:
+    """The server's device preset (``cuda`` when ``device`` starts with it, else ``cpu``), its lookahead settings,
+    and the model loaded as it says, with its threads set."""
+    config = load_config(device_preset="cuda" if device.startswith("cuda") else "cpu")
+    lookahead = LookaheadConfig(**{name: getattr(config.lookahead, name) for name in LOOKAHEAD_FIELDS})
+    configure_threads(config.threads)
+    transformers.utils.logging.disable_progress_bar()
+    decoder = Decoder.load(config.model, device, config.dtype, config.quantize, config.weight_layout)
+    return config, lookahead, decoder
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 1 when the two engines' outputs differ."""
     parser = argparse.ArgumentParser(prog="python -m bench.workload", description=__doc__.split("\n\n")[0])
@@ -121,11 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
     parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
     args = parser.parse_args(argv)
-    config = load_config(device_preset="cuda" if args.device.startswith("cuda") else "cpu")
-    lookahead = LookaheadConfig(**{name: getattr(config.lookahead, name) for name in LOOKAHEAD_FIELDS})
-    configure_threads(config.threads)
-    transformers.utils.logging.disable_progress_bar()
-    decoder = Decoder.load(config.model, args.device, config.dtype, config.quantize, config.weight_layout)
+    config, lookahead, decoder = load_preset(args.device)
     low, high = HELD_OUT[args.dataset]
     specs = [templated(spec) for spec in load_dataset(args.dataset)[low:high][: args.limit]] * args.rounds
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in specs]
