@@ -12,13 +12,12 @@ writes JSON with ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 
 from bench.datasets import PromptSpec, encode_prompt, load_dataset
 from bench.settings import batch_policy
-from bench.workload import Served, load_preset, serve
+from bench.workload import Served, load_preset, report_and_status, serve
 from decoding.batch import BatchEngine
 from decoding.engine import StepCounts
 from decoding.params import StopCriteria
@@ -75,11 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(*(f"{key}={value}" for key, value in rows[-1].items()), flush=True)
     report = {"with_prediction": totals(with_runs), "without_prediction": totals(without_runs)}
     report["time_ratio"] = report["without_prediction"]["seconds"] / max(report["with_prediction"]["seconds"], 1e-9)
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"rows": rows, "summary": report, "lookahead": vars(lookahead)}, handle, indent=1)
-    return 0 if all(row["same_tokens"] for row in rows) else 1
+    return report_and_status(rows, report, lookahead, args.json)
 
 
 if __name__ == "__main__":

@@ -147,10 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "memory_accepted": remembered.counts.memory_accepted,
         })
         print(*(f"{key}={value}" for key, value in rows[-1].items()), flush=True)
-    report = summary(results)
+    return report_and_status(rows, summary(results), lookahead, args.json)
+
+
+def report_and_status(
+    rows: list[dict[str, object]], report: dict[str, object], lookahead: LookaheadConfig, path: str | None
+) -> int:
+    """Print ``report``, write rows, report and settings as JSON to ``path`` when given; 0 when every row has the
+    same tokens both ways, else 1."""
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
+    if path:
+        with open(path, "w", encoding="utf-8") as handle:
             json.dump({"rows": rows, "summary": report, "lookahead": vars(lookahead)}, handle, indent=1)
     return 0 if all(row["same_tokens"] for row in rows) else 1
 
