@@ -125,7 +125,7 @@ def bad_plan(rng: random.Random, max_request_bytes: int) -> Plan:
         ("bad-json", "POST", chat_path, b'{"messages": [', 400),
         ("bad-temperature", "POST", chat_path, json.dumps(chat("Hi", temperature=5)).encode(), 400),
         ("bad-model", "POST", chat_path, json.dumps({**chat("Hi"), "model": "gpt-4o"}).encode(), 404),
-        ("bad-stops", "POST", chat_path, json.dumps(chat("Hi", stop=list("abcde"))).encode(), 400),
+        ("bad-stops", "POST", chat_path, json.dumps(chat("Hi", stop=[f"s{i}" for i in range(1025)])).encode(), 400),
         ("bad-surrogate", "POST", "/v1/completions", b'{"prompt": "\\ud800"}', 400),
         ("bad-nan", "POST", "/v1/completions", b'{"prompt": "Hi", "top_p": NaN}', 400),
         ("bad-method", "GET", chat_path, None, 405),
