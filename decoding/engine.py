@@ -16,6 +16,8 @@ tokens stay the same.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -30,7 +32,7 @@ from decoding.logprobs import TokenLogprob, token_logprobs
 from decoding.memory import NGramMemory
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.pool import ContextIndex, NGramPool
+from decoding.pool import ContextIndex, NGramPool, covered
 from decoding.tree import TokenTree
 from decoding.verify import Verdict, sample, verify_greedy, verify_sampling, warp
 from decoding.window import Window, context_filler, step_layout
@@ -464,6 +466,11 @@ class _Shape:
     sources: tuple[str, ...] = ()
     copy: bool = False
 
+    @functools.cached_property
+    def tree(self) -> TokenTree:
+        """The candidates merged into one token tree (built once per shape)."""
+        return TokenTree.build(self.candidates)
+
     def keep(self, count: int, window: bool | None = None) -> _Shape:
         """The same step with only its first ``count`` candidates (and the window when ``window`` says so)."""
         window = self.window if window is None else window
@@ -524,7 +531,7 @@ class _Lookahead:
         if copies.candidates and config.lazy_window:
             self._wanted = copies
             gain = self._copy_gain(copies)
-            return Proposal(1 + len(TokenTree.build(copies.candidates)), gain, gain < config.break_even, smallest=2)
+            return Proposal(1 + len(copies.tree), gain, gain < config.break_even, smallest=2)
         paying = self.verifying.pays(config.break_even)
         found = self._candidates() if paying else _Shape(False)
         window = bool(found.candidates) or (paying and not config.lazy_window)
@@ -534,7 +541,7 @@ class _Lookahead:
         if not window and not shape.candidates:
             return Proposal(1)
         window_tokens = len(self.window.rows) * config.window_size if window else 1
-        tokens = window_tokens + len(TokenTree.build(shape.candidates))
+        tokens = window_tokens + len(shape.tree)
         if not shape.candidates:
             return Proposal(tokens)
         gains = [self._copy_gain(copies)] if copies.candidates else []
@@ -554,7 +561,7 @@ class _Lookahead:
             width, levels, tokens = config.window_size, len(self.window.rows), self.window.input_tokens(last)
         else:
             width, levels, tokens = 1, 1, [last]
-        tree = TokenTree.build(shape.candidates)
+        tree = shape.tree
         layout = step_layout(width, levels, tree.parents)
         tokens += tree.tokens
         slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache)
@@ -564,11 +571,12 @@ class _Lookahead:
         """Drop candidates (last first), then the window, until the step holds at most ``budget`` tokens; when
         not even the first candidate fits whole, it is shortened to the room left."""
         window_tokens = len(self.window.rows) * self.config.window_size if shape.window else 1
-        if window_tokens + len(TokenTree.build(shape.candidates)) <= budget:
+        tree = shape.tree
+        if window_tokens + len(tree) <= budget:
             return shape
         if shape.window and shape.candidates and window_tokens + len(shape.candidates[0]) <= budget:
-            return shape.keep(_fitting(shape.candidates, budget - window_tokens))
-        count = _fitting(shape.candidates, budget - 1)
+            return shape.keep(_fitting(tree, budget - window_tokens))
+        count = _fitting(tree, budget - 1)
         if count or not shape.candidates or budget < 2:
             return shape.keep(count, window=False)
         first = shape.candidates[0][: budget - 1]
@@ -637,7 +645,10 @@ class _Lookahead:
             return logits
         rows = [0, *(1 + width + node for node in range(len(tree)))]
         scores = logits.float().clone()
-        scores[rows] = _adjusted(logits[rows], self.sampling, sequence, [(), *tree.node_paths()])
+        scores[rows] = adjust_logits(
+            logits[rows], self.sampling, sequence.stop, sequence.tokens, sequence.prompt_length,
+            [(), *tree.node_paths()],
+        )
         return scores
 
     def _candidates(self) -> _Shape:
@@ -743,17 +754,14 @@ def _add_new(
 ) -> None:
     """Append each of ``found`` (labelled ``source``) that is not a prefix of a copy already in ``copies``."""
     for copy in found:
-        if not any(chosen[: len(copy)] == copy for chosen in copies):
+        if not covered(copy, copies):
             copies.append(copy)
             sources.append(source)
 
 
-def _fitting(candidates: Sequence[tuple[int, ...]], room: int) -> int:
-    """How many leading ``candidates`` fit, merged into one token tree, in ``room`` tokens."""
-    count = 0
-    while count < len(candidates) and len(TokenTree.build(candidates[: count + 1])) <= room:
-        count += 1
-    return count
+def _fitting(tree: TokenTree, room: int) -> int:
+    """How many leading candidates of ``tree`` fit, merged into one token tree, in ``room`` tokens."""
+    return bisect.bisect_right(tree.prefix_sizes(), room)
 
 
 def _reach_by_source(shape: _Shape, accepted: Sequence[int]) -> dict[str, int]:

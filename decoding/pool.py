@@ -66,6 +66,16 @@ class NGramPool:
         return found if limit is None else found[:limit]
 
 
+def covered(candidate: Sequence[int], chosen: Sequence[Sequence[int]]) -> bool:
+    """True when ``candidate`` equals, or is a prefix of, one of ``chosen``: verifying it would add nothing.
+
+    >>> covered((3, 4), [(3, 4, 5)]), covered((3, 5), [(3, 4, 5)])
+    (True, False)
+    """
+    candidate = tuple(candidate)
+    return any(tuple(other[: len(candidate)]) == candidate for other in chosen)
+
+
 class ContextIndex:
     """Where each token occurs in the text so far (prompt and/or output), to propose copied continuations.
 
@@ -173,7 +183,7 @@ class ContextIndex:
         found: list[tuple[int, ...]] = []
         for _, available, _, position in ranked:
             continuation = tuple(tokens[position + 1 : position + 1 + available])
-            if not any(chosen[: len(continuation)] == continuation for chosen in found):
+            if not covered(continuation, found):
                 found.append(continuation)
                 if len(found) == limit:
                     break

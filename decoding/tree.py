@@ -69,6 +69,19 @@ class TokenTree:
             paths.append((*(paths[parent] if parent >= 0 else ()), token))
         return paths
 
+    def prefix_sizes(self) -> list[int]:
+        """``sizes[k]``: the nodes of the tree of the first k+1 candidates. Nodes are numbered in order of first
+        appearance, so that tree is this one's first ``sizes[k]`` nodes; the sizes never fall.
+
+        >>> TokenTree.build([(5, 6, 7), (5, 6, 8), (5, 6), (9,)]).prefix_sizes()
+        [3, 4, 4, 5]
+        """
+        sizes, size = [], 0
+        for path in self.paths:
+            size = max(size, max(path, default=-1) + 1)
+            sizes.append(size)
+        return sizes
+
     @property
     def depth(self) -> int:
         """The longest candidate's length (0 when empty): the most guesses one step can accept."""
