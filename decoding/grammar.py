@@ -1,0 +1,139 @@
+"""Grammar-constrained decoding: what a request's output must match, and the per-decode state that enforces it.
+
+Contract:
+- ``Grammar`` is plain data that crosses the server/decoding boundary: ``kind`` ``"json_schema"`` (``source``
+  a JSON schema as text; ``{"type": "object"}`` for any JSON object), ``"lark"`` (llguidance's Lark dialect,
+  which may embed ``%json {...}`` schemas) or ``"regex"``.
+- ``GrammarCompiler(tokenizer, vocab_size)`` is built once per loaded model. ``check(grammar)`` raises
+  ``GrammarError`` with a readable message when the grammar cannot be used (a bad schema, an unsupported
+  keyword, a syntax error); ``constraint(grammar)`` returns a fresh ``Constraint`` for one decode.
+- ``Constraint`` follows the committed output: ``consume(tokens)`` after each commit. ``mask(scores)`` sets
+  every token the grammar forbids next to ``-inf`` (once the grammar is complete only EOS stays allowed);
+  ``valid_prefix(tokens)`` says how many of a guess's tokens the grammar allows from the current state, without
+  moving it; ``advance(token)`` / ``retreat(count)`` move it along a path being verified and back.
+
+Masks come from llguidance (see ``docs/design.md``, "Structured output"): no dependencies, a median of about
+26 us per mask on this project's 2-core CPU for a JSON schema over the 49152-token SmolLM2 vocabulary, and
+``validate_tokens`` / ``rollback``, which is exactly what multi-token verification needs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+GrammarKind = Literal["json_schema", "lark", "regex"]
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled; the message says why."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must match (module contract). ``source`` is text, so the value is hashable."""
+
+    kind: GrammarKind
+    source: str
+
+    @staticmethod
+    def json_schema(schema: dict[str, Any] | bool) -> Grammar:
+        """The grammar of JSON documents matching ``schema`` (a JSON schema as a Python value)."""
+        return Grammar("json_schema", json.dumps(schema))
+
+
+ANY_JSON_OBJECT = Grammar.json_schema({"type": "object"})
+
+
+class GrammarCompiler:
+    """Turns ``Grammar`` values into constraints over one tokenizer's vocabulary (module contract)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+    def check(self, grammar: Grammar) -> None:
+        """Raise ``GrammarError`` when ``grammar`` cannot be compiled."""
+        import llguidance
+
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            self._serialised(grammar), self._tokenizer
+        )
+        if is_error:
+            raise GrammarError(messages[0] if messages else "invalid grammar")
+
+    def constraint(self, grammar: Grammar) -> Constraint:
+        """A fresh constraint at the start of the output; ``GrammarError`` when the grammar does not compile."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer, self._serialised(grammar), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return Constraint(matcher, self.vocab_size)
+
+    @staticmethod
+    def _serialised(grammar: Grammar) -> str:
+        """llguidance's grammar text for ``grammar``; ``GrammarError`` when a schema is not JSON."""
+        import llguidance
+
+        if grammar.kind == "json_schema":
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(grammar.source)
+            except ValueError as error:
+                raise GrammarError(f"the schema is not a JSON object: {error}") from error
+        if grammar.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+        if grammar.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+        raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
+
+
+class Constraint:
+    """One decode's position in its grammar (module contract)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """Boolean ``[vocab_size]``: the tokens the grammar allows next (CPU)."""
+        packed = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8)
+        bits = (packed.unsqueeze(1) >> _BIT_SHIFTS) & 1  # [bytes, 8], least significant bit first
+        return bits.flatten()[: self.vocab_size].bool()
+
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` ``[vocab]`` (any width >= the grammar's vocabulary) with forbidden tokens at ``-inf``."""
+        allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
+        allowed[: self.vocab_size] = self.allowed()
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar allows from here (the state does not move)."""
+        return int(self._matcher.validate_tokens(list(tokens))) if tokens else 0
+
+    def advance(self, token: int) -> None:
+        """Move past ``token``; ``GrammarError`` when the grammar forbids it."""
+        if not self._matcher.consume_token(token):
+            raise GrammarError(f"token {token} is not allowed here: {self._matcher.get_error()}")
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        """Move past each of ``tokens`` (a commit)."""
+        for token in tokens:
+            self.advance(token)
+
+    def retreat(self, count: int) -> None:
+        """Undo the last ``count`` moves."""
+        if count:
+            self._matcher.rollback(count)
+
+    @property
+    def complete(self) -> bool:
+        """True once the output so far is a whole sentence of the grammar."""
+        return bool(self._matcher.is_accepting())
