@@ -32,6 +32,8 @@ import torch
 from transformers import PreTrainedModel
 
 from decoding.engine import DecodeStream, Proposal, Step, validate_request
+from decoding.errors import InvalidParameterError
+from decoding.grammar import GrammarCompiler
 from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 
@@ -161,7 +163,8 @@ class BatchEngine:
     """The running decodes of one model, keyed by the caller's request ids, stepped together (module contract).
 
     ``open_stream`` builds each decode's ``DecodeStream`` (``DecodeStream`` itself unless a test injects a
-    variant); ``memory``, the server-wide n-gram memory shared by its lookahead decodes (None: off).
+    variant); ``memory``, the server-wide n-gram memory shared by its lookahead decodes (None: off); ``grammars``
+    compiles the constraint of a decode whose ``SamplingParams.grammar`` is set (None: such decodes are refused).
     Not thread-safe: one thread owns the device and calls ``add``, ``step`` and ``cancel``.
     """
 
@@ -171,8 +174,10 @@ class BatchEngine:
         policy: BatchPolicy = BatchPolicy(),
         open_stream: OpenStream = DecodeStream,
         memory: NGramMemory | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
+        self.grammars = grammars
         self.policy = policy
         self.memory = memory
         self._open_stream = open_stream
@@ -213,8 +218,13 @@ class BatchEngine:
         (token ids of the expected output) seeds a lookahead decode's copies (see ``DecodeStream``)."""
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
+        extra = {}
+        if sampling.grammar is not None:
+            if self.grammars is None:
+                raise InvalidParameterError("grammar", "this engine has no grammar compiler")
+            extra["constraint"] = self.grammars.constraint(sampling.grammar)
         self._streams[request_id] = self._open_stream(
-            self.model, prompt_ids, stop, sampling, lookahead, self.memory, prediction
+            self.model, prompt_ids, stop, sampling, lookahead, self.memory, prediction, **extra
         )
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]:

@@ -12,6 +12,7 @@ the generators. Everything crossing this boundary is plain Python data.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from transformers import PreTrainedModel
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
+from decoding.grammar import Constraint, Grammar, GrammarCompiler
 from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
 from decoding.loading import LoadedModel, load_model
 from decoding.memory import NGramMemory
@@ -126,12 +128,26 @@ class Decoder:
         """
         validate_request(self.loaded.model, prompt_ids, stop, sampling, lookahead)
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler over this model's vocabulary (built on first use, about half a second)."""
+        vocab_size = int(self.loaded.model.config.get_text_config(decoder=True).vocab_size)
+        return GrammarCompiler(self.loaded.tokenizer, vocab_size)
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Raise ``decoding.grammar.GrammarError`` (a readable message) when ``grammar`` cannot be used."""
+        self.grammars.check(grammar)
+
+    def constraint(self, sampling: SamplingParams) -> Constraint | None:
+        """A fresh constraint for ``sampling.grammar`` (None without one)."""
+        return None if sampling.grammar is None else self.grammars.constraint(sampling.grammar)
+
     def batch_engine(self, policy: BatchPolicy | None = None, memory_tokens: int = 0) -> BatchEngine:
         """A new, empty continuous batch over this model that spends each forward's tokens as ``policy`` says
         (``BatchPolicy()`` when None), with a server-wide ``NGramMemory(memory_tokens)`` shared by its decodes
         (none when ``memory_tokens`` is 0; each decode's ``LookaheadConfig.shared_memory`` opts it out)."""
         memory = NGramMemory(memory_tokens) if memory_tokens > 0 else None
-        return BatchEngine(self.loaded.model, policy or BatchPolicy(), memory=memory)
+        return BatchEngine(self.loaded.model, policy or BatchPolicy(), memory=memory, grammars=self.grammars)
 
     def decode(
         self,
@@ -145,9 +161,10 @@ class Decoder:
         Raises ``InvalidParameterError`` (and subclasses) here, synchronously, on bad arguments; the
         generator runs its first forward pass (the prefill) on the first ``next``.
         """
+        constraint = self.constraint(sampling)
         if lookahead is None:
-            return generate_autoregressive(self.loaded.model, prompt_ids, stop, sampling)
-        return generate_lookahead(self.loaded.model, prompt_ids, stop, sampling, lookahead)
+            return generate_autoregressive(self.loaded.model, prompt_ids, stop, sampling, constraint)
+        return generate_lookahead(self.loaded.model, prompt_ids, stop, sampling, lookahead, constraint)
 
 
 def _as_ids(value: int | Iterable[int] | None) -> list[int]:

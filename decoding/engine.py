@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel
 
-from decoding.errors import ContextLengthError, EmptyPromptError
+from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
+from decoding.grammar import Constraint
 from decoding.kv_cache import SlotCache, new_cache
 from decoding.logits import adjust_logits, needs_adjusting
 from decoding.logprobs import TokenLogprob, token_logprobs
@@ -34,7 +35,7 @@ from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.pool import ContextIndex, NGramPool, covered
 from decoding.tree import TokenTree
-from decoding.verify import Verdict, sample, verify_greedy, verify_sampling, warp
+from decoding.verify import Verdict, sample, verify_constrained, verify_greedy, verify_sampling, warp
 from decoding.window import Window, context_filler, step_layout
 
 
@@ -129,7 +130,8 @@ class Step:
 
 @dataclass
 class _Sequence:
-    """Committed tokens of one decode; ``tokens[-1]`` is ``last`` and the cache holds all tokens before it."""
+    """Committed tokens of one decode; ``tokens[-1]`` is ``last`` and the cache holds all tokens before it.
+    ``constraint`` (with a grammar) has consumed every committed output token."""
 
     tokens: list[int]
     prompt_length: int
@@ -137,6 +139,7 @@ class _Sequence:
     cache: SlotCache
     generator: torch.Generator | None = None
     finish_reason: str | None = field(default=None)
+    constraint: Constraint | None = None
 
     @property
     def generated(self) -> int:
@@ -154,6 +157,8 @@ class _Sequence:
             if self.generated >= self.stop.max_tokens:
                 self.finish_reason = "length"
                 break
+        if self.constraint is not None:
+            self.constraint.consume(committed)
         return committed
 
 
@@ -221,6 +226,9 @@ class DecodeStream:
     ``prediction`` (token ids the client expects the output to resemble: OpenAI's predicted outputs) keeps it
     as a private ``NGramMemory`` document whose continuations join its copy candidates (see ``_Lookahead``);
     a prediction changes how fast a decode runs, never its greedy output. Without lookahead it is ignored.
+    A stream whose ``sampling.grammar`` is set takes that grammar's ``constraint`` (``decoding.grammar``): every
+    token it chooses or verifies is masked by it, and guesses it forbids are cut before they are offered, so
+    constrained lookahead commits exactly what the constrained autoregressive loop does.
     """
 
     def __init__(
@@ -232,8 +240,12 @@ class DecodeStream:
         lookahead: LookaheadConfig | None = None,
         memory: NGramMemory | None = None,
         prediction: Sequence[int] | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         validate_request(model, prompt_ids, stop, sampling, lookahead)
+        if (sampling.grammar is None) != (constraint is None):
+            raise InvalidParameterError("grammar", "a grammar needs its constraint (GrammarCompiler.constraint), "
+                                        "and a constraint its grammar")
         self.prediction = _prediction_memory(prediction) if lookahead is not None else None
         step_tokens = lookahead.step_tokens if lookahead is not None else 1
         if self.prediction is not None:
@@ -243,7 +255,8 @@ class DecodeStream:
         self.lookahead = lookahead
         self.memory = memory if lookahead is not None and lookahead.shared_memory else None
         self.sequence = _Sequence(
-            list(prompt_ids), len(prompt_ids), stop, new_cache(model, len(prompt_ids) + stop.max_tokens + step_tokens)
+            list(prompt_ids), len(prompt_ids), stop, new_cache(model, len(prompt_ids) + stop.max_tokens + step_tokens),
+            constraint=constraint,
         )
         if not sampling.greedy:
             self.sequence.generator = torch.Generator(device="cpu")
@@ -349,9 +362,11 @@ def generate_autoregressive(
     prompt_ids: Sequence[int],
     stop: StopCriteria,
     sampling: SamplingParams = SamplingParams(),
+    constraint: Constraint | None = None,
 ) -> DecodeStream:
-    """Plain decoding with a KV cache: one token per forward pass. The greedy reference."""
-    return DecodeStream(model, prompt_ids, stop, sampling)
+    """Plain decoding with a KV cache: one token per forward pass. The greedy reference. ``constraint``: the
+    grammar's, when ``sampling.grammar`` is set."""
+    return DecodeStream(model, prompt_ids, stop, sampling, constraint=constraint)
 
 
 def generate_lookahead(
@@ -360,15 +375,19 @@ def generate_lookahead(
     stop: StopCriteria,
     sampling: SamplingParams = SamplingParams(),
     lookahead: LookaheadConfig = LookaheadConfig(),
+    constraint: Constraint | None = None,
 ) -> DecodeStream:
-    """Lookahead decoding: each forward pass runs the Jacobi window and verifies pool candidates."""
-    return DecodeStream(model, prompt_ids, stop, sampling, lookahead)
+    """Lookahead decoding: each forward pass runs the Jacobi window and verifies pool candidates. ``constraint``:
+    the grammar's, when ``sampling.grammar`` is set."""
+    return DecodeStream(model, prompt_ids, stop, sampling, lookahead, constraint=constraint)
 
 
 def _choose(logits: torch.Tensor, sampling: SamplingParams, sequence: _Sequence) -> int:
     """Pick the token after ``sequence`` from ``[vocab]`` logits (adjusted, ``decoding.logits``): argmax when
     greedy, else a sample."""
     scores = _adjusted(logits.unsqueeze(0), sampling, sequence, [()])[0]
+    if sequence.constraint is not None:
+        scores = sequence.constraint.mask(scores)
     if sampling.greedy:
         return int(scores.argmax())
     return sample(warp(scores.unsqueeze(0), sampling)[0].cpu(), sequence.generator)
@@ -527,13 +546,13 @@ class _Lookahead:
     def propose(self) -> Proposal:
         """Find this step's candidates and decide whether to verify them; say how many tokens that takes."""
         config = self.config
-        copies = self._copies()
+        copies = self._allowed(self._copies())
         if copies.candidates and config.lazy_window:
             self._wanted = copies
             gain = self._copy_gain(copies)
             return Proposal(1 + len(copies.tree), gain, gain < config.break_even, smallest=2)
         paying = self.verifying.pays(config.break_even)
-        found = self._candidates() if paying else _Shape(False)
+        found = self._allowed(self._candidates()) if paying else _Shape(False)
         window = bool(found.candidates) or (paying and not config.lazy_window)
         shape = _Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
                        copy=bool(copies.candidates))
@@ -680,6 +699,21 @@ class _Lookahead:
         else:
             self.scanned = self.pool.add_sequence(self.sequence.tokens, self.scanned)
 
+    def _allowed(self, shape: _Shape) -> _Shape:
+        """``shape`` with each candidate cut before the first token the grammar forbids (candidates left empty,
+        or covered by an earlier one, dropped); ``shape`` itself when the decode has no grammar."""
+        constraint = self.sequence.constraint
+        if constraint is None or not shape.candidates:
+            return shape
+        kept: list[tuple[int, ...]] = []
+        sources: list[str] = []
+        for candidate, source in zip(shape.candidates, shape.sources, strict=True):
+            allowed = candidate[: constraint.valid_prefix(candidate)]
+            if allowed and not covered(allowed, kept):
+                kept.append(allowed)
+                sources.append(source)
+        return _Shape(shape.window, tuple(kept), tuple(sources), shape.copy and bool(kept))
+
     def _copies(self) -> _Shape:
         """This step's copied continuations (``copy_candidates`` from the context, as many from the shared
         memory), when copy steps are on, some match and copying pays (its running mean of accepted tokens is at
@@ -722,6 +756,10 @@ class _Lookahead:
         candidates: list[tuple[int, ...]],
         candidate_row: Callable[[int, int], int],
     ) -> Verdict:
+        constraint = self.sequence.constraint
+        if constraint is not None:
+            return verify_constrained(logits, candidates, candidate_row, constraint, self.sampling,
+                                      self.sequence.generator)
         if self.sampling.greedy:
             return verify_greedy(predicted, candidates, candidate_row)
         probs = warp(logits, self.sampling).cpu()

@@ -3,7 +3,8 @@
 Contract:
 - ``Grammar`` is plain data that crosses the server/decoding boundary: ``kind`` ``"json_schema"`` (``source``
   a JSON schema as text; ``{"type": "object"}`` for any JSON object), ``"lark"`` (llguidance's Lark dialect,
-  which may embed ``%json {...}`` schemas) or ``"regex"``.
+  which may embed ``%json {...}`` schemas) or ``"regex"``. A schema's JSON allows bounded whitespace only
+  (``JSON_WHITESPACE``).
 - ``GrammarCompiler(tokenizer, vocab_size)`` is built once per loaded model. ``check(grammar)`` raises
   ``GrammarError`` with a readable message when the grammar cannot be used (a bad schema, an unsupported
   keyword, a syntax error); ``constraint(grammar)`` returns a fresh ``Constraint`` for one decode.
@@ -27,6 +28,9 @@ from typing import Any, Literal
 import torch
 
 GrammarKind = Literal["json_schema", "lark", "regex"]
+# Whitespace a JSON schema's grammar allows between tokens: none, one space, or a newline and up to 20 spaces or
+# tabs of indentation (llama.cpp's JSON grammars bound it the same way), so a model cannot loop on whitespace.
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
@@ -85,7 +89,9 @@ class GrammarCompiler:
 
         if grammar.kind == "json_schema":
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(grammar.source)
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    grammar.source, defaults={"whitespace_pattern": JSON_WHITESPACE}
+                )
             except ValueError as error:
                 raise GrammarError(f"the schema is not a JSON object: {error}") from error
         if grammar.kind == "lark":

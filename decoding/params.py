@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from decoding.errors import InvalidParameterError
+from decoding.grammar import Grammar
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the embedded default model (decoding.loading fetches it)
 
@@ -43,6 +44,9 @@ class SamplingParams:
     ``top_logprobs`` (None: no logprobs; 0..``MAX_TOP_LOGPROBS``) asks every ``Step`` for the committed tokens'
     logprobs under the raw model logits plus that many alternatives each (``decoding.logprobs``); it never
     changes which tokens are chosen.
+
+    ``grammar`` (None: unconstrained) restricts every chosen or verified token to what the grammar allows next
+    (``decoding.grammar``); it is applied after the logit adjustments, before the argmax or the warp.
     """
 
     temperature: float = 0.0
@@ -55,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:

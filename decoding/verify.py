@@ -9,6 +9,9 @@ candidate's length).
 - ``verify_sampling`` preserves the target distribution: tokens proposed by deterministic drafts are
   accepted with probability ``P[x]``; on rejection ``P[x] = 0`` and ``P`` is renormalised before trying the
   next distinct token (SpecInfer's multi-candidate rule with a point-mass draft).
+- ``verify_constrained`` applies either rule under a grammar's masks: it walks the candidates position by
+  position, masking each row after the tokens accepted before it, so each mask is computed once per accepted
+  token (plus one), never for rows that are not reached.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding.grammar import Constraint
 from decoding.params import SamplingParams
 
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
@@ -115,6 +119,47 @@ def verify_sampling(
         winner = survivors[0]
         target = probs[candidate_row(winner, k)].clone()
     return Verdict(winner, len(accepted), [*accepted, sample(target, generator)])
+
+
+def verify_constrained(
+    scores: torch.Tensor,
+    candidates: Sequence[Sequence[int]],
+    candidate_row: Callable[[int, int], int],
+    constraint: Constraint,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """``verify_greedy`` (argmax) or ``verify_sampling`` (its acceptance rule) over ``scores`` ``[rows, vocab]``
+    with each row masked by ``constraint`` after the tokens accepted before it.
+
+    ``constraint`` is left where it was found. Each candidate must be allowed by it whole (the engine cuts
+    guesses at the first forbidden token), so the walk only moves through allowed states.
+    """
+    survivors = list(range(len(candidates)))
+    accepted: list[int] = []
+    winner, row = None, 0
+    try:
+        while True:
+            depth = len(accepted)
+            target = constraint.mask(scores[row])
+            survivors = [c for c in survivors if len(candidates[c]) > depth]
+            proposals = [candidates[c][depth] for c in survivors]
+            if sampling.greedy:
+                token = int(target.argmax())
+                chosen = token if token in proposals else None
+            else:
+                probs = warp(target.unsqueeze(0), sampling)[0].cpu()
+                chosen = _accept_one(probs, proposals, generator)
+                token = chosen if chosen is not None else sample(probs, generator)
+            if chosen is None:
+                return Verdict(winner, depth, [*accepted, token])
+            accepted.append(chosen)
+            survivors = [c for c in survivors if candidates[c][depth] == chosen]
+            winner = survivors[0]
+            constraint.advance(chosen)
+            row = candidate_row(winner, depth)
+    finally:
+        constraint.retreat(len(accepted))
 
 
 def _accept_one(target: torch.Tensor, proposals: Sequence[int], generator: torch.Generator | None) -> int | None:

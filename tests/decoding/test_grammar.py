@@ -1,0 +1,170 @@
+"""Grammar-constrained decoding: the constraint's moves, and constrained lookahead == constrained greedy."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from decoding.batch import BatchEngine
+from decoding.engine import DecodeStream, generate_autoregressive, generate_lookahead
+from decoding.errors import InvalidParameterError
+from decoding.grammar import ANY_JSON_OBJECT, Grammar, GrammarCompiler, GrammarError
+from decoding.loading import ensure_default_model
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from tests.conftest import TINY_SIZES
+
+PERSON = Grammar.json_schema({
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "mood": {"enum": ["happy", "sad", "calm"]},
+        "age": {"type": "integer"},
+    },
+    "required": ["name", "mood", "age"],
+    "additionalProperties": False,
+})
+YES_NO = Grammar("regex", r"(yes|no)( (yes|no)){1,6}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The default model's tokenizer (files only: no weights are read)."""
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A tiny random LLaMA over the real vocabulary, so the real tokenizer's grammars apply to it."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY_SIZES, "vocab_size": len(tokenizer)})).eval()
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_constraint_allows_valid_prefixes_and_moves_only_when_told(compiler, tokenizer):
+    constraint = compiler.constraint(PERSON)
+    good = encode(tokenizer, '{"name": "Ada", "mood": "calm", "age": 36}')
+    bad = encode(tokenizer, '{"nom": 1}')
+    assert constraint.valid_prefix(good) == len(good)
+    assert 0 < constraint.valid_prefix(bad) < len(bad)
+    assert constraint.valid_prefix(good) == len(good), "valid_prefix must not move the state"
+    constraint.consume(good[:3])
+    constraint.advance(good[3])
+    constraint.retreat(1)
+    assert constraint.valid_prefix(good[3:]) == len(good) - 3
+    constraint.consume(good[3:])
+    assert constraint.complete
+    assert constraint.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_mask_sets_forbidden_tokens_to_minus_infinity(compiler, tokenizer):
+    constraint = compiler.constraint(YES_NO)
+    scores = constraint.mask(torch.zeros(len(tokenizer) + 7))  # wider than the vocabulary: padding is forbidden
+    allowed = torch.isfinite(scores).nonzero().flatten().tolist()
+    assert allowed and all(tokenizer.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
+    with pytest.raises(GrammarError):
+        constraint.advance(encode(tokenizer, "maybe")[0])
+
+
+@pytest.mark.parametrize("grammar", [
+    Grammar("json_schema", '{"type": "nonsense"}'),
+    Grammar("json_schema", "[1, 2"),
+    Grammar("lark", "start: ("),
+    Grammar("regex", "(unclosed"),
+])
+def test_bad_grammars_raise_a_readable_error(compiler, grammar):
+    with pytest.raises(GrammarError) as raised:
+        compiler.check(grammar)
+    assert str(raised.value)
+
+
+def test_a_grammar_needs_its_constraint(model, compiler):
+    stop = StopCriteria(4)
+    with pytest.raises(InvalidParameterError, match="grammar"):
+        DecodeStream(model, [1, 2], stop, SamplingParams(grammar=YES_NO))
+    with pytest.raises(InvalidParameterError, match="grammar"):
+        DecodeStream(model, [1, 2], stop, SamplingParams(), constraint=compiler.constraint(YES_NO))
+    with pytest.raises(InvalidParameterError, match="grammar"):
+        BatchEngine(model).add("r", [1, 2], stop, SamplingParams(grammar=YES_NO))
+
+
+CONFIGS = [
+    LookaheadConfig(1, 3, 2),
+    LookaheadConfig(3, 4, 3),
+    LookaheadConfig(5, 4, 5),
+    LookaheadConfig(5, 4, 5, copy_length=16, copy_min_match=1, copy_candidates=3),
+    LookaheadConfig(1, 3, 2, lazy_window=True, break_even=0.85, copy_length=16, copy_min_match=2),
+]
+GRAMMARS = {"person": PERSON, "yes-no": YES_NO, "object": ANY_JSON_OBJECT}
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+def test_constrained_lookahead_equals_constrained_greedy(model, compiler, tokenizer):
+    stop = StopCriteria(48, frozenset({tokenizer.eos_token_id}))
+    prompts = [encode(tokenizer, 'Reply with JSON: {"name": "Bo", "mood": "sad", "age": 3}'), [5, 6, 7, 5, 6, 7]]
+    accepted = 0
+    for grammar, prompt, config in itertools.product(GRAMMARS.values(), prompts, CONFIGS):
+        sampling = SamplingParams(grammar=grammar)
+        expected = tokens_of(generate_autoregressive(model, prompt, stop, sampling, compiler.constraint(grammar)))
+        steps = list(generate_lookahead(model, prompt, stop, sampling, config, compiler.constraint(grammar)))
+        assert tokens_of(steps) == expected, (grammar, prompt, config)
+        assert compiler.constraint(grammar).valid_prefix(expected) == len(expected)
+        accepted += sum(step.stats.accepted for step in steps)
+    assert accepted > 0, "multi-token steps must happen"
+
+
+def test_json_whitespace_is_bounded(compiler, tokenizer):
+    constraint = compiler.constraint(ANY_JSON_OBJECT)
+    indented = encode(tokenizer, '{\n  "a": [1, 2]\n}')
+    assert constraint.valid_prefix(indented) == len(indented)
+    endless = encode(tokenizer, "{" + " " * 40 + '"a": 1}')
+    assert constraint.valid_prefix(endless) < len(endless)
+
+
+def test_a_complete_output_matches_the_schema_and_ends_with_eos(model, compiler, tokenizer):
+    """A strong bias towards closing tokens makes the random model finish: the text is then valid JSON."""
+    closing = {token: 8.0 for token in encode(tokenizer, '"}0')}
+    sampling = SamplingParams(grammar=PERSON, logit_bias=tuple(closing.items()))
+    stop = StopCriteria(64, frozenset({tokenizer.eos_token_id}))
+    steps = list(generate_lookahead(model, [1, 2, 3], stop, sampling, CONFIGS[2], compiler.constraint(PERSON)))
+    assert steps[-1].finish_reason == "stop"
+    document = json.loads(tokenizer.decode(tokens_of(steps)))
+    assert set(document) == {"name", "mood", "age"} and document["mood"] in ("happy", "sad", "calm")
+
+
+def test_sampled_constrained_lookahead_stays_in_the_grammar(model, compiler, tokenizer):
+    stop = StopCriteria(24, frozenset({tokenizer.eos_token_id}))
+    for seed in range(4):
+        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=YES_NO)
+        steps = generate_lookahead(model, [9, 9, 9], stop, sampling, CONFIGS[1], compiler.constraint(YES_NO))
+        text = tokenizer.decode(tokens_of(steps))
+        assert set(text.split(" ")) <= {"yes", "no"}, text
+
+
+def test_batched_constrained_decodes_equal_their_greedy_loops(model, compiler, tokenizer):
+    stop = StopCriteria(32, frozenset({tokenizer.eos_token_id}))
+    engine = BatchEngine(model, grammars=compiler)
+    requests = {name: SamplingParams(grammar=grammar) for name, grammar in GRAMMARS.items()}
+    for name, sampling in requests.items():
+        engine.add(name, [4, 5, 6], stop, sampling, CONFIGS[2])
+    produced: dict[str, list[int]] = {name: [] for name in requests}
+    while engine.has_work:
+        for name, step in engine.step():
+            produced[name] += step.token_ids
+    for name, sampling in requests.items():
+        constraint = compiler.constraint(sampling.grammar)
+        assert produced[name] == tokens_of(generate_autoregressive(model, [4, 5, 6], stop, sampling, constraint))
