@@ -22,6 +22,13 @@ class InvalidParameterError(DecodingError, ValueError):
         self.param = param
 
 
+class GrammarError(InvalidParameterError):
+    """A grammar that cannot be compiled (``decoding.grammar``); the message says why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("grammar", message)
+
+
 class EmptyPromptError(InvalidParameterError):
     """The prompt has no tokens."""
 

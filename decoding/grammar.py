@@ -1,7 +1,8 @@
 """Grammar-constrained decoding: what a request's output must match, and the per-decode state that enforces it.
 
 Contract:
-- ``Grammar`` is plain data that crosses the server/decoding boundary: ``kind`` ``"json_schema"`` (``source``
+- ``Grammar`` (defined in ``decoding.params``, which imports no torch) is plain data that crosses the
+  server/decoding boundary: ``kind`` ``"json_schema"`` (``source``
   a JSON schema as text; ``{"type": "object"}`` for any JSON object), ``"lark"`` (llguidance's Lark dialect,
   which may embed ``%json {...}`` schemas) or ``"regex"``. A schema's JSON allows bounded whitespace only
   (``JSON_WHITESPACE``).
@@ -20,38 +21,17 @@ Masks come from llguidance (see ``docs/design.md``, "Structured output"): no dep
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-GrammarKind = Literal["json_schema", "lark", "regex"]
-# Whitespace a JSON schema's grammar allows between tokens: none, one space, or a newline and up to 20 spaces or
-# tabs of indentation (llama.cpp's JSON grammars bound it the same way), so a model cannot loop on whitespace.
-JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+from decoding.errors import GrammarError
+from decoding.params import ANY_JSON_OBJECT, JSON_WHITESPACE, Grammar
+
+__all__ = ["ANY_JSON_OBJECT", "Constraint", "Grammar", "GrammarCompiler", "GrammarError"]
+
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
-
-class GrammarError(ValueError):
-    """A grammar that cannot be compiled; the message says why."""
-
-
-@dataclass(frozen=True)
-class Grammar:
-    """What the output must match (module contract). ``source`` is text, so the value is hashable."""
-
-    kind: GrammarKind
-    source: str
-
-    @staticmethod
-    def json_schema(schema: dict[str, Any] | bool) -> Grammar:
-        """The grammar of JSON documents matching ``schema`` (a JSON schema as a Python value)."""
-        return Grammar("json_schema", json.dumps(schema))
-
-
-ANY_JSON_OBJECT = Grammar.json_schema({"type": "object"})
 
 
 class GrammarCompiler:

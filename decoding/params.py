@@ -7,11 +7,12 @@ caller can never start a decode with parameters out of range.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from decoding.errors import InvalidParameterError
-from decoding.grammar import Grammar
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the embedded default model (decoding.loading fetches it)
 
@@ -27,6 +28,30 @@ LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
 }
 MAX_STEP_TOKENS = 1024
 MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's chat limit)
+
+
+GrammarKind = Literal["json_schema", "lark", "regex"]
+# Whitespace a JSON schema's grammar allows between tokens: none, one space, or a newline and up to 20 spaces or
+# tabs of indentation (llama.cpp's JSON grammars bound it the same way), so a model cannot loop on whitespace.
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must match: ``kind`` ``"json_schema"`` (``source`` a JSON schema as text), ``"lark"``
+    (llguidance's Lark dialect) or ``"regex"``; enforced by ``decoding.grammar``. ``source`` is text, so the
+    value is hashable."""
+
+    kind: GrammarKind
+    source: str
+
+    @staticmethod
+    def json_schema(schema: dict[str, Any] | bool) -> Grammar:
+        """The grammar of JSON documents matching ``schema`` (a JSON schema as a Python value)."""
+        return Grammar("json_schema", json.dumps(schema))
+
+
+ANY_JSON_OBJECT = Grammar.json_schema({"type": "object"})
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,9 @@ async def generate(
     engine = runtime.require_engine()
     prompt_ids = await asyncio.to_thread(prompt_of, engine.codec, body)  # a long prompt must not stall the loop
     prediction = await asyncio.to_thread(serving.prediction_ids, engine.codec, body) if body.prediction else None
-    generation = serving.plan(engine, body, prompt_ids, prompt_param, prediction)
+    grammar = serving.response_grammar(body)
+    await asyncio.to_thread(serving.check_grammar, engine, grammar, "response_format.json_schema.schema")
+    generation = serving.plan(engine, body, prompt_ids, prompt_param, prediction, grammar)
     handle = serving.start(engine, generation)
     renderer = renderer_type(
         model, body.include_usage, body.include_steps, engine.codec.token_text, runtime.fingerprint

@@ -92,6 +92,28 @@ ERROR_DESCRIPTIONS = {
 }
 
 
+RESPONSE_FORMAT = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "description": {"type": "string"},
+                "schema": {"type": "object", "description": "A JSON schema; absent: any JSON object."},
+                "strict": {"type": "boolean"},
+            },
+        },
+    },
+    "description": "Structured output: json_object (any JSON object) or json_schema (JSON matching the schema), "
+    "enforced by a grammar at every generated token (strict or not). A schema the grammar cannot enforce is a "
+    "400 naming response_format.json_schema.schema.",
+}
+
+
 def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema`` or null, defaulting to null (the shape pydantic gives ``X | None = None``)."""
     return {"anyOf": [schema, {"type": "null"}], "default": None}
@@ -202,10 +224,7 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
             "tools": nullable({"type": "array", "maxItems": 0, "description": "Tool calls are not implemented yet: "
                                "only an empty list."}),
             "tool_choice": nullable({"enum": ["none", "auto"], "description": "Only none or auto (no tools yet)."}),
-            "response_format": nullable({
-                "type": "object", "required": ["type"], "properties": {"type": {"const": "text"}},
-                "description": "Only {\"type\": \"text\"}: structured output is not implemented yet.",
-            }),
+            "response_format": nullable(RESPONSE_FORMAT),
         },
         "CompletionRequest": {
             **shared,

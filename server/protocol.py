@@ -109,6 +109,30 @@ class Prediction(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema``: OpenAI's ``name`` (1-64 letters, digits, ``_`` or ``-``), ``description``,
+    ``schema`` (a JSON schema object; absent: any JSON object) and ``strict`` (the output always matches here,
+    strict or not: the schema is enforced by a grammar, see ``decoding.grammar``)."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -198,7 +222,7 @@ class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     # relying on them gets a 400 instead of prose.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -441,6 +465,6 @@ def protocol_field_names() -> set[str]:
     """Every request field name, nested ones included (to render validation error locations)."""
     names: set[str] = set()
     for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextContentPart, StreamOptions,
-                  LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest):
-        names.update(model.model_fields)
+                  LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat):
+        names.update(field.alias or name for name, field in model.model_fields.items())
     return names

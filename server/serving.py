@@ -33,7 +33,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decoding import BatchPolicy, InvalidParameterError, LookaheadConfig, SamplingParams, StopCriteria, TokenLogprob
+from decoding import (
+    ANY_JSON_OBJECT,
+    BatchPolicy,
+    Grammar,
+    GrammarError,
+    InvalidParameterError,
+    LookaheadConfig,
+    SamplingParams,
+    StopCriteria,
+    TokenLogprob,
+)
 from server.config import LookaheadSettings, ServerConfig, lookahead_bounds
 from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
 from server.protocol import (
@@ -108,6 +118,8 @@ class DecoderLike(Protocol):
         lookahead: LookaheadConfig | None,
     ) -> None: ...
 
+    def check_grammar(self, grammar: Grammar) -> None: ...
+
     def batch_engine(self, policy: BatchPolicy | None, memory_tokens: int = 0) -> EngineLike: ...
 
 
@@ -149,19 +161,34 @@ def check_supported(request: GenerationFields) -> None:
 
 def check_chat_supported(request: ChatCompletionRequest) -> None:
     """400 for chat options not implemented yet: tool calls (``tools`` non-empty, ``tool_choice`` other than
-    ``none`` / ``auto``) and structured output (``response_format`` other than ``text``); and ``top_logprobs``
-    without ``logprobs``."""
+    ``none`` / ``auto``); and ``top_logprobs`` without ``logprobs``."""
     if request.top_logprobs is not None and not request.logprobs:
         raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     if request.tools:
         raise BadRequestError("tools are not supported yet: this server does not produce tool calls.", param="tools")
     if request.tool_choice not in (None, "none", "auto"):
         raise BadRequestError("tool_choice other than none or auto is not supported yet.", param="tool_choice")
-    kind = (request.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise BadRequestError(
-            f"response_format {kind!r} is not supported yet; only text.", param="response_format.type"
-        )
+
+
+def response_grammar(request: GenerationFields) -> Grammar | None:
+    """The grammar ``response_format`` asks for: any JSON object for ``json_object`` (and for ``json_schema``
+    without a schema), the schema's JSON for ``json_schema``; None for ``text`` or no ``response_format``."""
+    response_format = getattr(request, "response_format", None)
+    if response_format is None or response_format.type == "text":
+        return None
+    schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
+    return ANY_JSON_OBJECT if schema is None else Grammar.json_schema(schema)
+
+
+def check_grammar(engine: Engine, grammar: Grammar | None, param: str) -> None:
+    """400 naming ``param`` when the decoder cannot compile ``grammar`` (a schema it cannot enforce); may take
+    a while for a large schema: call it off the event loop."""
+    if grammar is None:
+        return
+    try:
+        engine.decoder.check_grammar(grammar)
+    except GrammarError as error:
+        raise BadRequestError(f"{param} cannot be enforced: {error}", param=param) from error
 
 
 def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSettings) -> LookaheadConfig | None:
@@ -306,9 +333,10 @@ def prediction_ids(codec: TextCodec, request: GenerationFields) -> list[int] | N
 def plan(
     engine: Engine, request: GenerationFields, prompt_ids: list[int], prompt_param: str,
     prediction: list[int] | None = None,
+    grammar: Grammar | None = None,
 ) -> GenerationPlan:
     """Build the decoder's parameters from the request and the config (``prediction``: its predicted output's
-    token ids, see ``prediction_ids``)."""
+    token ids, see ``prediction_ids``; ``grammar``: what the output must match, checked by ``check_grammar``)."""
     if not prompt_ids:
         raise BadRequestError("the prompt is empty: at least one token is required", param=prompt_param)
     config = engine.config
@@ -330,6 +358,7 @@ def plan(
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         logit_bias=resolve_logit_bias(request.logit_bias, engine.codec.vocab_size),
+        grammar=grammar,
     )
     eos = frozenset() if request.ignore_eos else frozenset(engine.decoder.eos_token_ids())
     return GenerationPlan(

@@ -69,6 +69,7 @@ GOOD = [
     {**CHAT, "logprobs": True, "top_logprobs": 20},
     {**CHAT, "tools": [], "tool_choice": "auto", "response_format": {"type": "text"}},
     {**CHAT, "add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": True}},
+    {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
 ]
 BAD = [
     {},
@@ -98,7 +99,7 @@ BAD = [
     {**CHAT, "logprobs": True, "top_logprobs": 21},
     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
     {**CHAT, "tool_choice": "required"},
-    {**CHAT, "response_format": {"type": "json_object"}},
+    {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "has space"}}},
     {**CHAT, "logprobs": True, "top_logprobs": -1},
     {**CHAT, "continue_final_message": True},
     {**CHAT, "chat_template_kwargs": [1]},

@@ -89,9 +89,14 @@ async def test_body_must_be_an_object(client):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-         "response_format.type"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "no spaces"}}},
+         "response_format.json_schema.name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+         "response_format.json_schema.schema"),
     ],
 )
 async def test_bad_generation_fields(client, fields, param):
