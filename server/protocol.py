@@ -33,7 +33,8 @@ from pydantic_core import PydanticCustomError
 
 from decoding.params import MAX_TOP_LOGPROBS
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and json_schema) names
 MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "refusal")  # OpenAI's other content parts
 
 
@@ -62,12 +63,35 @@ class TextContentPart(StrictModel):
                                   {"kind": value})
 
 
-class ChatMessage(StrictModel):
-    """One message. ``developer`` is treated as ``system``; ``content`` may be null only for ``assistant``."""
+class FunctionCall(StrictModel):
+    """A call's function: its ``name`` and ``arguments``, a JSON object serialised as a string (as OpenAI sends
+    them back; the string is not checked here: ``server.tools`` renders an unparsable one as it is)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    """One tool call of an assistant message in the history (a call the model made earlier)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(StrictModel):
+    """One message. ``developer`` is treated as ``system``; ``content`` may be null only for ``assistant``.
+
+    ``tool`` messages carry a tool's result: ``content`` and ``tool_call_id`` (the id of the call it answers;
+    its absence is a 400 naming ``messages[i].tool_call_id``, checked in ``server.tools``); ``assistant``
+    messages may carry the ``tool_calls`` the model made (their content then may be null).
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
@@ -114,7 +138,7 @@ class JsonSchemaFormat(StrictModel):
     ``schema`` (a JSON schema object; absent: any JSON object) and ``strict`` (the output always matches here,
     strict or not: the schema is enforced by a grammar, see ``decoding.grammar``)."""
 
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -131,6 +155,35 @@ class ResponseFormat(StrictModel):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format of type json_schema needs a json_schema object")
         return self
+
+
+class FunctionDefinition(StrictModel):
+    """A tool's function: ``name`` (1-64 letters, digits, ``_`` or ``-``), ``description``, ``parameters`` (a
+    JSON schema of its arguments object; absent: any object) and ``strict`` (calls always match here, strict or
+    not, when ``tool_choice`` forces a call: see ``server.tools``)."""
+
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    """``tools[i]``: OpenAI's ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    """``tool_choice`` naming the one function to call: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(StrictModel):
@@ -218,10 +271,9 @@ class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Not implemented yet: accepted only at their neutral values (``server.serving.check_supported``), so a client
-    # relying on them gets a 400 instead of prose.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
 
@@ -350,9 +402,35 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class ResponseFunctionCall(BaseModel):
+    """A call's function in a response: ``arguments`` is the arguments object as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    """One tool call the model made: ``id`` is ``call_`` and 24 hex digits, unique per call."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """The reply: ``content`` is null when the reply is only tool calls; ``tool_calls`` is absent without
+    calls."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler: SerializerFunctionWrapHandler):  # no return type: keeps the schema
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -373,9 +451,28 @@ class ChatCompletion(BaseModel):
     decoding: DecodingInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    """A piece of a call's function: ``name`` in the call's first delta only, ``arguments`` a fragment of the
+    arguments' JSON text (``""`` in the first delta); the fragments of one call concatenate to its arguments."""
+
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of one tool call in a stream: ``index`` says which call; ``id`` and ``type`` only in its first
+    delta."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -448,13 +545,22 @@ def chunk_json(chunk: ChatCompletionChunk | CompletionChunk, include_usage: bool
     data: dict[str, Any] = chunk.model_dump(mode="json")
     for choice in data["choices"]:
         if "delta" in choice:
-            choice["delta"] = {key: value for key, value in choice["delta"].items() if value is not None}
+            choice["delta"] = _without_nulls(choice["delta"])
     if not include_usage:
         data.pop("usage")
     for extension in ("decoding", "step"):
         if data.get(extension) is None:
             data.pop(extension)
     return _dumps(data)
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with every null member of its objects dropped, at any depth (deltas carry set fields only)."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 def _dumps(data: dict[str, Any]) -> str:
@@ -465,6 +571,7 @@ def protocol_field_names() -> set[str]:
     """Every request field name, nested ones included (to render validation error locations)."""
     names: set[str] = set()
     for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextContentPart, StreamOptions,
-                  LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat):
+                  LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat,
+                  Tool, FunctionDefinition, NamedToolChoice, NamedFunction, ToolCall, FunctionCall):
         names.update(field.alias or name for name, field in model.model_fields.items())
     return names
