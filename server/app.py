@@ -271,13 +271,14 @@ async def generate(
     engine = runtime.require_engine()
     prompt_ids = await asyncio.to_thread(prompt_of, engine.codec, body)  # a long prompt must not stall the loop
     prediction = await asyncio.to_thread(serving.prediction_ids, engine.codec, body) if body.prediction else None
-    grammar = serving.response_grammar(body)
-    await asyncio.to_thread(serving.check_grammar, engine, grammar, "response_format.json_schema.schema")
+    grammar = await asyncio.to_thread(serving.output_grammar, engine, body)  # compiling may take a while
     generation = serving.plan(engine, body, prompt_ids, prompt_param, prediction, grammar)
     handle = serving.start(engine, generation)
     renderer = renderer_type(
         model, body.include_usage, body.include_steps, engine.codec.token_text, runtime.fingerprint
     )
+    if isinstance(renderer, ChatRenderer):
+        renderer.use_tools(serving.tool_plan(body))
     return await respond(request, handle, renderer, bool(body.stream))
 
 

@@ -44,6 +44,7 @@ from decoding import (
     StopCriteria,
     TokenLogprob,
 )
+from server import tools
 from server.config import LookaheadSettings, ServerConfig, lookahead_bounds
 from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
 from server.protocol import (
@@ -63,6 +64,7 @@ from server.protocol import (
     CompletionTokensDetails,
     DecodingInfo,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     GenerationFields,
     LookaheadRequest,
@@ -160,14 +162,11 @@ def check_supported(request: GenerationFields) -> None:
 
 
 def check_chat_supported(request: ChatCompletionRequest) -> None:
-    """400 for chat options not implemented yet: tool calls (``tools`` non-empty, ``tool_choice`` other than
-    ``none`` / ``auto``); and ``top_logprobs`` without ``logprobs``."""
+    """400 for ``top_logprobs`` without ``logprobs`` and for tool fields that cannot work together
+    (``server.tools.resolve``)."""
     if request.top_logprobs is not None and not request.logprobs:
         raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
-    if request.tools:
-        raise BadRequestError("tools are not supported yet: this server does not produce tool calls.", param="tools")
-    if request.tool_choice not in (None, "none", "auto"):
-        raise BadRequestError("tool_choice other than none or auto is not supported yet.", param="tool_choice")
+    tools.resolve(request)
 
 
 def response_grammar(request: GenerationFields) -> Grammar | None:
@@ -178,6 +177,27 @@ def response_grammar(request: GenerationFields) -> Grammar | None:
         return None
     schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
     return ANY_JSON_OBJECT if schema is None else Grammar.json_schema(schema)
+
+
+def output_grammar(engine: Engine, request: GenerationFields) -> Grammar | None:
+    """The grammar the output must match, checked: ``response_format``'s, or the tool call grammar when calls
+    can come (``server.tools.grammar``; each tool's ``parameters`` checked first, a 400 naming the bad one). Call
+    it off the event loop."""
+    plan = tool_plan(request)
+    if plan is None:
+        grammar = response_grammar(request)
+        check_grammar(engine, grammar, "response_format.json_schema.schema")
+        return grammar
+    for param, parameters in tools.parameter_grammars(plan):
+        check_grammar(engine, parameters, param)
+    grammar = tools.grammar(plan)
+    check_grammar(engine, grammar, "tools")
+    return grammar
+
+
+def tool_plan(request: GenerationFields) -> tools.ToolPlan | None:
+    """The tool calls a chat request allows (``server.tools.resolve``); None for completions."""
+    return tools.resolve(request) if isinstance(request, ChatCompletionRequest) else None
 
 
 def check_grammar(engine: Engine, grammar: Grammar | None, param: str) -> None:
@@ -278,11 +298,12 @@ def template_options(codec: TextCodec, request: ChatCompletionRequest | Tokenize
 
 
 def chat_prompt(codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-    """Render the conversation with the chat template (as its template fields say) and tokenize it."""
+    """Render the conversation with the chat template (as its template fields say), tools and tool messages as
+    ``server.tools.render`` says, and tokenize it."""
     options = template_options(codec, request)
-    messages = [{"role": message.role, "content": message.text()} for message in request.messages or []]
+    messages, tool_list = tools.render(request.messages or [], tools.resolve(request), codec.native_tools)
     try:
-        return codec.encode_chat(messages, options)
+        return codec.encode_chat(messages, options, tool_list)
     except TemplateError as exc:
         raise BadRequestError(str(exc), param="messages") from exc
 
@@ -461,9 +482,9 @@ class Renderer(Protocol):
 
     def content(
         self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
-    ) -> str: ...
+    ) -> list[str]: ...
 
-    def finish(self, reason: str, step: StepInfo | None = None) -> str: ...
+    def finish(self, reason: str, step: StepInfo | None = None) -> list[str]: ...
 
     def usage(self, summary: Summary) -> str: ...
 
@@ -500,20 +521,35 @@ class _Identity:
 
 
 class ChatRenderer(_Identity):
-    """``chat.completion`` and ``chat.completion.chunk`` objects."""
+    """``chat.completion`` and ``chat.completion.chunk`` objects; with ``use_tools``, the reply is read for tool
+    calls (``server.tools``): a stream sends one chunk per content piece or ``delta.tool_calls`` entry, the
+    step's logprobs and ``step`` on its first chunk (an empty delta carries logprobs when a step sends nothing
+    else; its ``step`` counts then wait for the next chunk)."""
 
     id_prefix = "chatcmpl-"
     chunk_type = ChatCompletionChunk
+    _plan: tools.ToolPlan | None = None
+    _tools: tools.ToolStream | None = None
+    _held: StepInfo | None = None  # counts of steps that sent no chunk yet
+
+    def use_tools(self, plan: tools.ToolPlan | None) -> None:
+        """Read the reply for tool calls under ``plan`` (None: plain text)."""
+        self._plan = plan
+        self._tools = tools.ToolStream(plan) if plan is not None else None
 
     def response(self, text: str, last: Output) -> dict[str, Any]:
         assert last.summary is not None and last.finish_reason is not None
+        message, reason = AssistantMessage(content=text), last.finish_reason
+        if self._plan is not None:
+            content, calls = tools.reply(self._plan, text)
+            message, reason = AssistantMessage(content=content, tool_calls=calls), tools.finish_reason(
+                reason, len(calls or []))
         return ChatCompletion(
             id=self.id,
             created=self.created,
             model=self.model,
             system_fingerprint=self.fingerprint,
-            choices=[ChatChoice(message=AssistantMessage(content=text), logprobs=self._logprobs(last.logprobs),
-                                finish_reason=last.finish_reason)],
+            choices=[ChatChoice(message=message, logprobs=self._logprobs(last.logprobs), finish_reason=reason)],
             usage=usage_of(last.summary),
             decoding=decoding_of(last.summary),
         ).model_dump(mode="json")
@@ -523,9 +559,27 @@ class ChatRenderer(_Identity):
 
     def content(
         self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
-    ) -> str:
+    ) -> list[str]:
+        if self._tools is not None:
+            return self._pieces(self._tools.feed(text), step, logprobs)
         choice = ChatChunkChoice(delta=DeltaMessage(content=text), logprobs=self._logprobs(logprobs))
-        return self._chunk([choice], step=step)
+        return [self._chunk([choice], step=step)]
+
+    def _pieces(
+        self, pieces: Sequence[str | DeltaToolCall], step: StepInfo | None, logprobs: Sequence[TokenLogprob] | None
+    ) -> list[str]:
+        """One chunk per content piece or tool call delta (class docstring)."""
+        deltas = [DeltaMessage(content=piece) if isinstance(piece, str) else DeltaMessage(tool_calls=[piece])
+                  for piece in pieces]
+        if not deltas and logprobs is None:
+            self._held = _added(self._held, step)
+            return []
+        step, self._held = _added(self._held, step), None
+        chunks = []
+        for index, delta in enumerate(deltas or [DeltaMessage()]):
+            choice = ChatChunkChoice(delta=delta, logprobs=self._logprobs(logprobs) if index == 0 else None)
+            chunks.append(self._chunk([choice], step=step if index == 0 else None))
+        return chunks
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> ChoiceLogprobs | None:
         """OpenAI's ``{"content": [{token, logprob, bytes, top_logprobs}]}`` for these tokens."""
@@ -538,11 +592,23 @@ class ChatRenderer(_Identity):
         ]
         return ChoiceLogprobs(content=content)
 
-    def finish(self, reason: str, step: StepInfo | None = None) -> str:
-        return self._chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)], step=step)
+    def finish(self, reason: str, step: StepInfo | None = None) -> list[str]:
+        chunks: list[str] = []
+        if self._tools is not None:
+            chunks = self._pieces(self._tools.close(), None, None)
+            reason, step, self._held = tools.finish_reason(reason, self._tools.calls), _added(self._held, step), None
+        return [*chunks, self._chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)], step=step)]
 
     def usage(self, summary: Summary) -> str:
         return self._chunk([], summary)
+
+
+def _added(first: StepInfo | None, second: StepInfo | None) -> StepInfo | None:
+    """The counts of both (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return StepInfo(tokens=first.tokens + second.tokens, accepted=first.accepted + second.accepted,
+                    offered=first.offered + second.offered)
 
 
 class CompletionRenderer(_Identity):
@@ -570,8 +636,8 @@ class CompletionRenderer(_Identity):
 
     def content(
         self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
-    ) -> str:
-        return self._chunk([CompletionChoice(text=text, logprobs=self._logprobs(logprobs))], step=step)
+    ) -> list[str]:
+        return [self._chunk([CompletionChoice(text=text, logprobs=self._logprobs(logprobs))], step=step)]
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> CompletionLogprobs | None:
         """The legacy shape for these tokens; ``text_offset`` counts characters of token texts from the start of
@@ -591,8 +657,8 @@ class CompletionRenderer(_Identity):
             text_offset=offsets,
         )
 
-    def finish(self, reason: str, step: StepInfo | None = None) -> str:
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)], step=step)
+    def finish(self, reason: str, step: StepInfo | None = None) -> list[str]:
+        return [self._chunk([CompletionChoice(text="", finish_reason=reason)], step=step)]
 
     def usage(self, summary: Summary) -> str:
         return self._chunk([], summary)
@@ -607,10 +673,12 @@ async def stream(handle: Handle, renderer: Renderer) -> AsyncIterator[str]:
         async for output in handle:
             carried = bool(output.text or output.logprobs)
             if carried:
-                yield renderer.content(output.text, step_of(output), output.logprobs)
+                for payload in renderer.content(output.text, step_of(output), output.logprobs):
+                    yield payload
             if output.finish_reason is not None:
                 leftover = output if not carried else Output("")  # counts not yet carried by a chunk
-                yield renderer.finish(output.finish_reason, step_of(leftover))
+                for payload in renderer.finish(output.finish_reason, step_of(leftover)):
+                    yield payload
                 if renderer.include_usage and output.summary is not None:
                     yield renderer.usage(output.summary)
         yield "[DONE]"

@@ -72,8 +72,16 @@ def settable_variables(template: str, tokenizer: Any) -> frozenset[str]:
     >>> sorted(settable_variables("{% if think %}{{ bos_token }}{% endif %}{{ messages[0].content }}", None))
     ['think']
     """
-    read = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    return frozenset(read - reserved_variables(tokenizer))
+    return frozenset(template_reads(template) - reserved_variables(tokenizer))
+
+
+def template_reads(template: str) -> frozenset[str]:
+    """Every variable ``template`` reads (a template that reads ``tools`` renders tools itself).
+
+    >>> sorted(template_reads("{% for t in tools %}{{ t }}{% endfor %}{{ messages }}"))
+    ['messages', 'tools']
+    """
+    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
 
 
 def reserved_variables(tokenizer: Any) -> frozenset[str]:
@@ -107,6 +115,7 @@ class TextCodec:
         self._chat_template: str | None = chat_template or (own if isinstance(own, str) else None)
         template = self._chat_template or ""
         self.template_variables = settable_variables(template, tokenizer) if template else frozenset()
+        self.native_tools = bool(template) and "tools" in template_reads(template)  # else: server.tools' format
         self.reserved_variables = reserved_variables(tokenizer)
 
     @property
@@ -114,14 +123,20 @@ class TextCodec:
         return len(self._tokenizer)
 
     def encode_chat(
-        self, messages: Sequence[dict[str, str]], options: ChatTemplateOptions = ChatTemplateOptions()
+        self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions = ChatTemplateOptions(),
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Render ``[{"role", "content"}]`` with the chat template as ``options`` say and tokenize it.
+        """Render ``[{"role", "content", ...}]`` (and ``tools``, when given) with the chat template as ``options``
+        say and tokenize it.
 
-        ``developer`` becomes ``system``. Raises ``TemplateError`` when the model has no chat template or the
-        template rejects the conversation.
+        ``developer`` becomes ``system``; other message keys (``tool_calls``, ``tool_call_id``) go to the template
+        as they are. Raises ``TemplateError`` when the model has no chat template or the template rejects the
+        conversation.
         """
-        conversation = [{"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": m["content"]} for m in messages]
+        conversation = [{**m, "role": ROLE_ALIASES.get(m["role"], m["role"])} for m in messages]
+        if tools is not None:
+            options = ChatTemplateOptions(options.add_generation_prompt, options.continue_final_message,
+                                          {**options.variables, "tools": list(tools)})
         if not self._chat_template:
             raise TemplateError("this model has no chat template; use /v1/completions or --chat-template")
         with self._lock:
