@@ -165,7 +165,8 @@ def prompt_schema(vocab_size: int | None) -> dict[str, Any]:
 
 
 def chat_message_schema(pydantic_schema: dict[str, Any]) -> dict[str, Any]:
-    """``ChatMessage`` split by role: content is required (not null) except in ``assistant`` messages."""
+    """``ChatMessage`` split by role: content is required (not null) except in ``assistant`` messages, which may
+    carry ``tool_calls``; ``tool`` messages need ``tool_call_id``."""
     properties = pydantic_schema["properties"]
     content = {"anyOf": [branch for branch in properties["content"]["anyOf"] if branch != {"type": "null"}]}
     speaker = {
@@ -177,10 +178,53 @@ def chat_message_schema(pydantic_schema: dict[str, Any]) -> dict[str, Any]:
     assistant = {
         "type": "object",
         "properties": {"role": {"type": "string", "const": "assistant"}, "content": nullable(content),
-                       "name": properties["name"]},
+                       "name": properties["name"], "tool_calls": properties["tool_calls"]},
         "required": ["role"],
     }
-    return {"title": "ChatMessage", "description": pydantic_schema["description"], "anyOf": [speaker, assistant]}
+    tool = {
+        "type": "object",
+        "properties": {"role": {"type": "string", "const": "tool"}, "content": content,
+                       "tool_call_id": {"type": "string", "minLength": 1}},
+        "required": ["role", "content", "tool_call_id"],
+    }
+    return {"title": "ChatMessage", "description": pydantic_schema["description"], "anyOf": [speaker, assistant, tool]}
+
+
+TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object", "description": "A JSON schema of the arguments object; absent: "
+                               "any object. One the grammar cannot enforce is a 400 naming "
+                               "tools[i].function.parameters."},
+                "strict": {"type": "boolean"},
+            },
+        },
+    },
+}
+TOOL_CHOICE = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "function"],
+         "properties": {"type": {"const": "function"}, "function": {
+             "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+    ],
+    "description": "none (tools left out of the prompt), auto (default with tools: text, or a call enforced by a "
+    "grammar once the reply starts with '{'), required or a named function (a call is enforced). A named function "
+    "must be among the tools (else 400).",
+}
+TOOL_CHOICE_NEEDS_TOOLS = {
+    "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+           "required": ["tool_choice"]},
+    "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+}
 
 
 def token_id_schema(vocab_size: int | None) -> dict[str, Any]:
@@ -221,9 +265,11 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
             "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                                       "description": "Most likely alternatives per token; needs logprobs: true."}),
             "chat_template_kwargs": TEMPLATE_KWARGS,
-            "tools": nullable({"type": "array", "maxItems": 0, "description": "Tool calls are not implemented yet: "
-                               "only an empty list."}),
-            "tool_choice": nullable({"enum": ["none", "auto"], "description": "Only none or auto (no tools yet)."}),
+            "tools": nullable({"type": "array", "items": TOOL, "description": "Functions the model may call; "
+                               "see docs/api.md for how they reach a template without tool support."}),
+            "tool_choice": nullable(TOOL_CHOICE),
+            "parallel_tool_calls": {"type": "boolean", "default": True,
+                                    "description": "false: at most one call per reply; true: 1 to 8."},
             "response_format": nullable(RESPONSE_FORMAT),
         },
         "CompletionRequest": {
@@ -252,7 +298,7 @@ def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> di
     schemas: dict[str, Any] = bundle["$defs"]
     for name, overrides in request_overrides(config, vocab_size).items():
         schemas[name]["properties"].update(overrides)
-    schemas["ChatCompletionRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT)
+    schemas["ChatCompletionRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT, allOf=[TOOL_CHOICE_NEEDS_TOOLS])
     schemas["TokenizeRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT)
     schemas["TokenizeRequest"]["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
     schemas["TextContentPart"]["properties"]["type"] = {"type": "string", "const": "text"}

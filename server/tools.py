@@ -69,9 +69,9 @@ class ToolPlan:
 
 
 def resolve(request: ChatCompletionRequest | TokenizeRequest) -> ToolPlan | None:
-    """The request's ``ToolPlan``, or None when no call can come; 400 for a ``required`` or named choice without
-    tools (``tool_choice``), a name no tool has (``tool_choice``), two tools with one name
-    (``tools[i].function.name``), ``response_format`` with calls possible, and bad tool messages
+    """The request's ``ToolPlan``, or None when no call can come (``none``, or ``auto`` without tools); 400 for a
+    ``required`` or named choice without tools (``tool_choice``), a name no tool has (``tool_choice``), two tools
+    with one name (``tools[i].function.name``), ``response_format`` with calls possible, and bad tool messages
     (``check_messages``)."""
     check_messages(request.messages or [])
     if not isinstance(request, ChatCompletionRequest):
@@ -82,8 +82,8 @@ def resolve(request: ChatCompletionRequest | TokenizeRequest) -> ToolPlan | None
         if function.name in seen:
             raise BadRequestError(f"two tools are named {function.name!r}", param=f"tools[{index}].function.name")
         seen.add(function.name)
-    choice = request.tool_choice if request.tool_choice is not None else ("auto" if functions else "none")
-    if choice == "none":
+    choice = request.tool_choice if request.tool_choice is not None else "auto"
+    if choice == "none" or (choice == "auto" and not functions):
         return None
     if not functions:
         raise BadRequestError(f"tool_choice {_choice_text(choice)} needs tools", param="tool_choice")

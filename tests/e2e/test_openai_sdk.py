@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.e2e.conftest import API_KEY, start_server
 
@@ -49,6 +51,44 @@ def test_chat_sync_non_stream_and_stream_agree(client):
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
     assert text == choice.message.content
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False},
+}}
+
+
+def test_streamed_tool_call_reassembles_into_the_whole_one(client):
+    fields = {**ask("What is the weather in Paris?"), "max_tokens": 48, "tools": [WEATHER_TOOL],
+              "tool_choice": "required"}
+    whole = client.chat.completions.create(**fields)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        deltas = (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []
+        for delta in deltas:
+            call = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
+            call["arguments"] += delta.function.arguments or ""
+    expected = [(call.function.name, call.function.arguments) for call in whole.choices[0].message.tool_calls]
+    assert [(call["name"], call["arguments"]) for call in calls.values()] == expected
+    assert all(call["id"].startswith("call_") for call in calls.values())
+    arguments = json.loads(expected[0][1])
+    assert arguments["unit"] in ("celsius", "fahrenheit") and isinstance(arguments["city"], str)
+
+
+class City(BaseModel):
+    city: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+
+def test_parse_returns_a_pydantic_object(client):
+    completion = client.chat.completions.parse(**ask("Give the capital of France as JSON.", max_tokens=48),
+                                              response_format=City)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, City) and parsed.city
 
 
 def test_completions_sync(client):

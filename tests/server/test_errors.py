@@ -86,9 +86,14 @@ async def test_body_must_be_an_object(client):
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": "2"}, "top_logprobs"),
         ({"max_tokens": 8192}, "max_tokens"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+         "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+          "function": {"name": "g"}}}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "no spaces"}}},
@@ -105,7 +110,8 @@ async def test_bad_generation_fields(client, fields, param):
 
 @pytest.mark.parametrize(
     "fields",
-    [{"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"response_format": {"type": "text"}}],
+    [{"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"response_format": {"type": "text"}},
+     {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}],
 )
 async def test_neutral_tool_and_format_fields_are_accepted(client, fields):
     response = await client.post(CHAT, json=chat_body("Hi", max_tokens=2, **fields))
@@ -123,6 +129,11 @@ async def test_neutral_tool_and_format_fields_are_accepted(client, fields):
         ([{"role": "user"}], "messages[0]"),
         ([{"role": "user", "content": 5}], "messages[0].content"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}], "messages[1].tool_call_id"),
+        ([{"role": "tool", "tool_call_id": "c"}], "messages[0]"),
+        ([{"role": "function", "content": "x", "name": "f"}], "messages[0].role"),
+        ([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}],
+         "messages[0].tool_calls[0].function.arguments"),
     ],
 )
 async def test_bad_messages(client, messages, param):
