@@ -62,8 +62,8 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 def test_streamed_tool_call_reassembles_into_the_whole_one(client):
-    fields = {**ask("What is the weather in Paris?"), "max_tokens": 48, "tools": [WEATHER_TOOL],
-              "tool_choice": "required"}
+    fields = {**ask("What is the weather in Paris?"), "max_tokens": 64, "tools": [WEATHER_TOOL],
+              "tool_choice": "required", "parallel_tool_calls": False}
     whole = client.chat.completions.create(**fields)
     assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
     calls: dict[int, dict] = {}
