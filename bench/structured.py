@@ -3,7 +3,7 @@
 Contract: ``python -m bench.structured`` first times the grammar libraries it can import (llguidance, the one the
 server uses; xgrammar when installed) on one JSON schema over the default model's vocabulary: compile time and
 the median time of one next-token mask as the engine uses it (computed, then unpacked to one bool per token, the same
-way for both),
+way for both; outlines-core, when installed: its index build and its allowed-token list),
 walking the tokens of a valid document. Then it asks the chat model, for each held-out AlpacaEval prompt (odd
 positions), for a JSON answer matching ``ANSWER_SCHEMA`` and decodes it through a ``BatchEngine`` (the server's
 decode loop) twice with the server's device preset: autoregressive and lookahead, both under the grammar,
@@ -90,6 +90,28 @@ def time_xgrammar(tokenizer: Any, vocab_size: int, tokens: Sequence[int]) -> dic
     return {"tokenizer_setup_s": setup, "compile_s": compile_seconds, "mask_median_us": median * 1e6}
 
 
+def time_outlines(tokenizer: Any, tokens: Sequence[int]) -> dict[str, float] | None:
+    """outlines-core's vocabulary setup, index build (its compile) and median time of its allowed-token list;
+    None when it is not installed."""
+    try:
+        import outlines_core
+    except ImportError:
+        return None
+    started = time.perf_counter()
+    texts: dict[str, list[int]] = {}
+    for piece, token in tokenizer.get_vocab().items():
+        if token != tokenizer.eos_token_id:
+            texts.setdefault(tokenizer.convert_tokens_to_string([piece]), []).append(token)
+    vocabulary = outlines_core.Vocabulary(tokenizer.eos_token_id, texts)
+    setup = time.perf_counter() - started
+    started = time.perf_counter()
+    regex = outlines_core.json_schema.build_regex_from_schema(json.dumps(ANSWER_SCHEMA))
+    guide = outlines_core.Guide(outlines_core.Index(regex, vocabulary))
+    compile_seconds = time.perf_counter() - started
+    median = median_mask_seconds(guide.advance, guide.get_tokens, tokens)
+    return {"tokenizer_setup_s": setup, "compile_s": compile_seconds, "mask_median_us": median * 1e6}
+
+
 def structured_request(spec: PromptSpec) -> PromptSpec:
     """The chat request asking for ``spec``'s answer as JSON."""
     request = spec.text if spec.messages is None else spec.messages[-1]["content"]
@@ -109,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab_size = decoder.grammars.vocab_size
     document = tokenizer(json.dumps(EXAMPLE), add_special_tokens=False).input_ids
     libraries = {"llguidance": time_llguidance(tokenizer, vocab_size, document),
-                 "xgrammar": time_xgrammar(tokenizer, vocab_size, document)}
+                 "xgrammar": time_xgrammar(tokenizer, vocab_size, document),
+                 "outlines_core": time_outlines(tokenizer, document)}
     print(json.dumps(libraries, indent=1), flush=True)
     engine = BatchEngine(decoder.loaded.model, batch_policy(config), grammars=decoder.grammars)
     stop = StopCriteria(args.max_tokens, decoder.eos_token_ids())
