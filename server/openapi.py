@@ -131,7 +131,7 @@ def generation_overrides(config: ServerConfig) -> dict[str, dict[str, Any]]:
         ]}),
         "seed": nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
         "n": nullable({"type": "integer", "minimum": 1, "maximum": config.max_n,
-                       "description": "Choices per prompt, decoded side by side; with a seed, choice j uses seed + j."}),
+                       "description": "Choices per prompt, decoded side by side; choice j samples with seed + j."}),
         "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "logit_bias": nullable({
