@@ -4,10 +4,10 @@ Contract: ``Scheduler.submit`` runs on the event loop; it refuses work while dra
 running slots plus the bounded waiting queue are full (429 with ``Retry-After``), else hands a ``Job`` to the
 ``Worker`` and returns a ``Handle``. ``submit_many`` admits the sequences of one request (its prompts times
 ``n``) all or none: each is a job of its own and takes its own place in the slots and the queue. The worker
-reports into the handle's ``asyncio.Queue`` through
-``loop.call_soon_threadsafe``; exceptions travel the same way and are raised by the handle. ``Handle.cancel``
-(client disconnect) stops the job at its next step, or at once while it waits. ``drain`` stops admission,
-lets in-flight work finish for a grace period, then cancels what is left.
+reports into the handle's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``; exceptions travel the same
+way and are raised by the handle. ``Handle.cancel`` (client disconnect) stops the job at its next step, or at
+once while it waits. ``drain`` stops admission, lets in-flight work finish for a grace period, then cancels
+what is left.
 """
 
 from __future__ import annotations
