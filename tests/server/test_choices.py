@@ -147,6 +147,11 @@ async def test_echo_logprobs_with_max_tokens_zero_are_the_prompts(client, real_m
                                                            abs=TOLERANCE)
     assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
     assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    body = {"prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 0, "stream": True}
+    chunks, last = streamed((await client.post("/v1/completions", json=body)).text)
+    assert last == "[DONE]" and [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, "length"]
+    assert chunks[0]["choices"][0]["text"] == choice["text"]
+    assert chunks[0]["choices"][0]["logprobs"]["tokens"] == logprobs["tokens"]
 
 
 @pytest.mark.real_model
