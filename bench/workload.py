@@ -62,12 +62,14 @@ def serve(
     engine: BatchEngine,
     prompt_ids: Sequence[int],
     stop: StopCriteria,
-    config: LookaheadConfig,
+    config: LookaheadConfig | None,
     prediction: Sequence[int] | None = None,
+    sampling: SamplingParams = SamplingParams(),
 ) -> Served:
-    """Run one greedy request alone through ``engine`` to its end (with a predicted output, when given)."""
+    """Run one request alone through ``engine`` to its end (greedy unless ``sampling`` says otherwise; with a
+    predicted output, when given; autoregressive when ``config`` is None)."""
     started = time.perf_counter()
-    engine.add("request", prompt_ids, stop, SamplingParams(), config, prediction)
+    engine.add("request", prompt_ids, stop, sampling, config, prediction)
     tokens: list[int] = []
     counts = StepCounts()
     while engine.has_work:

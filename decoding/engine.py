@@ -7,6 +7,9 @@ forward pass: the tokens that pass committed (never a stop token, never past ``m
 statistics (``StepStats``; ``StepStats.counts`` turns them into the ``StepCounts`` record that callers sum).
 When ``SamplingParams.top_logprobs`` is set, each step also carries its tokens' logprobs (``Step.logprobs``,
 read off the raw logits rows that predicted them: equal to the autoregressive loop's, to float tolerance).
+When ``SamplingParams.prompt_logprobs`` is set, the prefill reads every prompt row and its steps carry the
+prompt tokens' logprobs (``Step.prompt_logprobs``, prompt chunks of at most ``PROMPT_LOGPROBS_CHUNK`` tokens);
+``StopCriteria.max_tokens == 0`` prefills only and commits nothing.
 The last step carries ``finish_reason`` "stop" or "length". ``close()`` cancels the decode and
 frees its cache. With greedy sampling both produce exactly the same tokens; with sampling lookahead
 preserves the output distribution. The same stream can instead be stepped inside a batch
@@ -120,12 +123,16 @@ class Step:
     """One forward pass's output: new token ids, stats, and why decoding ended (None while it goes on).
 
     ``logprobs`` (only when ``SamplingParams.top_logprobs`` is set, else None) is aligned with ``token_ids``.
+    ``prompt_logprobs`` (only when ``SamplingParams.prompt_logprobs`` is set, else None): on a prefill step, the
+    logprobs of the prompt tokens its chunk's rows predicted, in order; prompt token 0 has none, so a whole
+    prefill's steps together carry tokens 1..P-1.
     """
 
     token_ids: list[int]
     stats: StepStats
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -193,6 +200,7 @@ PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 64
 ACCEPT_SMOOTHING = 0.3
 PREDICTION_COPY_LENGTH = 32  # the fewest tokens a prediction's copy proposes (see prediction_copy_length)
+PROMPT_LOGPROBS_CHUNK = 256  # the most prompt tokens per prefill forward when every row's logits are read
 
 
 @dataclass(frozen=True)
@@ -292,6 +300,8 @@ class DecodeStream:
         """What the next step wants; call once per step, before ``plan``."""
         remaining = self.sequence.prompt_length - self.sequence.cache.length
         if remaining > 0:
+            if self.sampling.prompt_logprobs is not None:  # every row's logits: bound the chunk's memory
+                remaining = min(remaining, PROMPT_LOGPROBS_CHUNK)
             return Proposal(remaining, prefill=True)
         return self._policy.propose()
 
@@ -310,23 +320,32 @@ class DecodeStream:
         if planned is None:
             raise RuntimeError("finish() without a planned step")
         step = planned(logits)
-        if step.finish_reason is not None and self.memory is not None:
+        if step.finish_reason is not None and self.memory is not None and self.sequence.generated:
             self.memory.add(self.sequence.tokens[max(0, self.sequence.prompt_length - MEMORY_PROMPT_TAIL) :])
         return replace(step, stats=replace(step.stats, seconds=time.perf_counter() - self._started))
 
     def _plan_prefill(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
-        """The next prompt chunk; the chunk reaching the prompt's end reads the first token off its last row."""
-        sequence = self.sequence
+        """The next prompt chunk; the chunk reaching the prompt's end reads the first token off its last row
+        (unless ``max_tokens`` is 0: then the decode ends there). With ``prompt_logprobs`` every row is read."""
+        sequence, every_row = self.sequence, self.sampling.prompt_logprobs is not None
         start = sequence.cache.length
-        end = min(sequence.prompt_length, start + budget)
+        end = min(sequence.prompt_length, start + (min(budget, PROMPT_LOGPROBS_CHUNK) if every_row else budget))
         last_chunk = end == sequence.prompt_length
-        rows = torch.tensor([end - start - 1] if last_chunk else [], dtype=torch.long)
+        if every_row:
+            rows = torch.arange(end - start)
+        else:
+            rows = torch.tensor([end - start - 1] if last_chunk else [], dtype=torch.long)
         slice_ = Slice(sequence.tokens[start:end], torch.arange(start, end), None, rows, sequence.cache)
 
         def finish(logits: torch.Tensor) -> Step:
+            prompt = _prompt_logprobs(logits, sequence.tokens[: sequence.prompt_length], start, end, self.sampling)
             if not last_chunk:
                 stats = StepStats(end - start, 0, prefill=True)
-                return Step([], stats, logprobs=_logprobs(logits, [], [], self.sampling))
+                return Step([], stats, logprobs=_logprobs(logits, [], [], self.sampling), prompt_logprobs=prompt)
+            if sequence.stop.max_tokens == 0:
+                sequence.finish_reason = "length"
+                return Step([], StepStats(end - start, 0, prefill=True), "length",
+                            _logprobs(logits, [], [], self.sampling), prompt)
             row = logits.shape[0] - 1
             committed = sequence.accept([_choose(logits[row], self.sampling, sequence)])
             if sequence.finish_reason is None:
@@ -336,9 +355,24 @@ class DecodeStream:
                     else _Lookahead(self.model, sequence, self.sampling, self.lookahead, self.memory, self.prediction)
                 )
             return Step(committed, StepStats(end - start, len(committed), prefill=True), sequence.finish_reason,
-                        _logprobs(logits, [row], committed, self.sampling))
+                        _logprobs(logits, [row], committed, self.sampling), prompt)
 
         return slice_, finish
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, prompt: Sequence[int], start: int, end: int, sampling: SamplingParams
+) -> list[TokenLogprob] | None:
+    """The logprobs of the prompt tokens that a prefill chunk over positions ``[start, end)`` predicts (None
+    unless asked for): row r (position ``start + r``) predicts prompt token ``start + r + 1``.
+
+    Example: a 5-token prompt in chunks [0, 3) and [3, 5): the first chunk's rows 0-2 give tokens 1-3, the
+    second's row 0 token 4 (its row 1 predicts the first generated token, not a prompt token).
+    """
+    if sampling.prompt_logprobs is None:
+        return None
+    last = min(end, len(prompt) - 1)  # the last prompt token this chunk predicts
+    return token_logprobs(logits, range(last - start), prompt[start + 1 : last + 1], sampling.prompt_logprobs)
 
 
 def _prediction_memory(prediction: Sequence[int] | None) -> NGramMemory | None:

@@ -24,15 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy
 import torch
 
 from decoding.errors import GrammarError
 from decoding.params import ANY_JSON_OBJECT, JSON_WHITESPACE, Grammar
 
 __all__ = ["ANY_JSON_OBJECT", "Constraint", "Grammar", "GrammarCompiler", "GrammarError"]
-
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
 
 class GrammarCompiler:
     """Turns ``Grammar`` values into constraints over one tokenizer's vocabulary (module contract)."""
@@ -90,9 +88,9 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """Boolean ``[vocab_size]``: the tokens the grammar allows next (CPU)."""
-        packed = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8)
-        bits = (packed.unsqueeze(1) >> _BIT_SHIFTS) & 1  # [bytes, 8], least significant bit first
-        return bits.flatten()[: self.vocab_size].bool()
+        packed = numpy.frombuffer(self._matcher.compute_bitmask(), dtype=numpy.uint8)
+        bits = numpy.unpackbits(packed, bitorder="little")[: self.vocab_size]  # bit i of byte j: token 8j + i
+        return torch.from_numpy(bits.astype(bool))
 
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         """``scores`` ``[vocab]`` (any width >= the grammar's vocabulary) with forbidden tokens at ``-inf``."""

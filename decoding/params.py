@@ -72,6 +72,10 @@ class SamplingParams:
 
     ``grammar`` (None: unconstrained) restricts every chosen or verified token to what the grammar allows next
     (``decoding.grammar``); it is applied after the logit adjustments, before the argmax or the warp.
+
+    ``prompt_logprobs`` (None: not computed; 0..``MAX_TOP_LOGPROBS``) asks the prefill for the logprob of every
+    prompt token after the first (read off the raw logits row of the position before it, chunk by chunk) plus
+    that many alternatives each, in ``Step.prompt_logprobs``; without it the prefill reads one row only.
     """
 
     temperature: float = 0.0
@@ -85,6 +89,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: Grammar | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +112,8 @@ class SamplingParams:
             raise InvalidParameterError("top_k", f"top_k must be >= 0, got {self.top_k}")
         if self.top_logprobs is not None:
             _check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         _check_float("min_p", self.min_p, 0.0, 1.0)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -126,7 +133,8 @@ class StopCriteria:
 
     A stop token ends the generation with reason ``"stop"`` and is not emitted. ``min_tokens`` (0..max_tokens):
     the stop tokens' logits are masked at every position before that many tokens were generated, so none
-    can be chosen there. (To ignore EOS, leave it out of ``stop_token_ids``.)
+    can be chosen there. (To ignore EOS, leave it out of ``stop_token_ids``.) ``max_tokens == 0`` decodes
+    nothing: the prompt is prefilled (for ``SamplingParams.prompt_logprobs``) and the decode ends with "length".
     """
 
     max_tokens: int
@@ -134,9 +142,9 @@ class StopCriteria:
     min_tokens: int = 0
 
     def validate(self) -> None:
-        """Raise ``InvalidParameterError`` if ``max_tokens`` is not positive or ``min_tokens`` out of range."""
-        if self.max_tokens < 1:
-            raise InvalidParameterError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+        """Raise ``InvalidParameterError`` if ``max_tokens`` is negative or ``min_tokens`` out of range."""
+        if self.max_tokens < 0:
+            raise InvalidParameterError("max_tokens", f"max_tokens must be >= 0, got {self.max_tokens}")
         _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
 
 

@@ -59,7 +59,7 @@ from server.protocol import (
     protocol_field_names,
 )
 from server.scheduler import Handle, Scheduler
-from server.serving import ChatRenderer, CompletionRenderer, Engine, Renderer
+from server.serving import Engine, Renderer
 from server.text import TextCodec, read_chat_template
 from server.worker import Worker
 
@@ -246,11 +246,11 @@ def disconnect_watcher(request: Request) -> Callable[[], Any]:
     return wait
 
 
-async def respond(request: Request, handle: Handle, renderer: Renderer, stream: bool) -> Response:
-    """A streamed (SSE) or whole JSON response for a submitted request."""
+async def respond(request: Request, handles: list[Handle], renderer: Renderer, stream: bool) -> Response:
+    """A streamed (SSE) or whole JSON response for a submitted request (one handle per choice)."""
     if stream:
-        return EventSourceResponse(serving.stream(handle, renderer), sep="\n", ping=SSE_PING_SECONDS)
-    return JSONResponse(await serving.complete(handle, renderer, disconnect_watcher(request)))
+        return EventSourceResponse(serving.stream(handles, renderer), sep="\n", ping=SSE_PING_SECONDS)
+    return JSONResponse(await serving.complete(handles, renderer, disconnect_watcher(request)))
 
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -259,37 +259,37 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 async def generate(
     request: Request,
     request_type: type[ChatCompletionRequest] | type[CompletionRequest],
-    prompt_of: Callable[[Any, Any], list[int]],
+    prompts_of: Callable[[Any, Any], list[list[int]]],
     prompt_param: str,
-    renderer_type: type[ChatRenderer] | type[CompletionRenderer],
 ) -> Response:
-    """Parse, check, plan, submit and answer one generation request (chat or completion alike)."""
+    """Parse, check, plan, submit and answer one generation request (chat or completion alike), every choice
+    of every prompt."""
     runtime = runtime_of(request)
     body = parse(request_type, await read_json(request, runtime.config.max_request_bytes))
     model = serving.check_model(runtime.config, body.model)
     serving.check_supported(body)
+    prompt_count = len(body.prompt_list()) if isinstance(body, CompletionRequest) else 1
+    serving.check_choices(runtime.config, body.n, prompt_count)
     engine = runtime.require_engine()
-    prompt_ids = await asyncio.to_thread(prompt_of, engine.codec, body)  # a long prompt must not stall the loop
+    prompts = await asyncio.to_thread(prompts_of, engine.codec, body)  # a long prompt must not stall the loop
     prediction = await asyncio.to_thread(serving.prediction_ids, engine.codec, body) if body.prediction else None
     grammar = await asyncio.to_thread(serving.output_grammar, engine, body)  # compiling may take a while
-    generation = serving.plan(engine, body, prompt_ids, prompt_param, prediction, grammar)
-    handle = serving.start(engine, generation)
-    renderer = renderer_type(
-        model, body.include_usage, body.include_steps, engine.codec.token_text, runtime.fingerprint
-    )
-    if isinstance(renderer, ChatRenderer):
+    generations = serving.plan_choices(engine, body, prompts, prompt_param, prediction, grammar)
+    renderer = await asyncio.to_thread(serving.renderer_for, body, model, engine.codec, prompts, runtime.fingerprint)
+    if isinstance(renderer, serving.ChatRenderer):
         renderer.use_tools(serving.tool_plan(body))
-    return await respond(request, handle, renderer, bool(body.stream))
+    handles = serving.start_many(engine, generations)
+    return await respond(request, handles, renderer, bool(body.stream))
 
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await generate(request, ChatCompletionRequest, serving.chat_prompt, "messages", ChatRenderer)
+    return await generate(request, ChatCompletionRequest, serving.chat_prompts, "messages")
 
 
 @router.post("/completions")
 async def completions(request: Request) -> Response:
-    return await generate(request, CompletionRequest, serving.completion_prompt, "prompt", CompletionRenderer)
+    return await generate(request, CompletionRequest, serving.completion_prompts, "prompt")
 
 
 @router.get("/models")

@@ -158,6 +158,8 @@ class ServerConfig(BaseModel):
                                     "(clamped to what fits the context)")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies -> 413")
     max_stop_strings: int = Field(16, ge=1, le=1024, description="stop strings a request may send; more -> 400")
+    max_n: int = Field(8, ge=1, le=128, description="choices per prompt (n) a request may ask for; more -> 400 "
+                       "(each choice is a sequence of its own in the running slots and the queue)")
     drain_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, finish in-flight work this long, "
                                        "then cancel")
     warmup: bool = Field(True, description="run one tiny decode before /health reports ready")

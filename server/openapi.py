@@ -6,14 +6,16 @@ nothing to infer; this module fills in, per route, the request body (the ``serve
 the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every error status the route can answer with
 ``ErrorResponse``. The request schemas state what the server really accepts: the validators' limits (at most
 ``max_stop_strings`` non-empty stop strings, an int64 seed, penalties in [-2, 2], ``logit_bias`` token id keys
-with biases in [-100, 100], ``min_p`` in [0, 1], ``repetition_penalty`` > 0), the options only accepted at their
-neutral value (``n`` = 1, no echo/best_of/suffix), logprobs with at most 20 alternatives (chat's
+with biases in [-100, 100], ``min_p`` in [0, 1], ``repetition_penalty`` > 0), ``n`` up to ``max_n``, the options
+only accepted at their neutral value (no suffix), logprobs with at most 20 alternatives (chat's
 ``top_logprobs`` only with ``logprobs: true``, said in its description), the served model names and the configured
-lookahead maxima (``lookahead`` extension), non-empty prompts (token ids below the vocabulary size once the model
-is loaded), content required except in ``assistant`` messages, text content parts only, ``continue_final_message``
+lookahead maxima (``lookahead`` extension), non-empty prompts in OpenAI's four forms (token ids below the
+vocabulary size once the model is loaded), completions' ``max_tokens`` 0 only with ``echo: true``, content
+required except in ``assistant`` messages, text content parts only, ``continue_final_message``
 only with ``add_generation_prompt`` false, ``/tokenize`` bodies with one of ``prompt`` and ``messages``. What no
 schema can say (``prompt + max_tokens`` within the model's context, a text that tokenizes to nothing, the variables
-a chat template reads) stays a 400 at run time.
+a chat template reads, ``best_of`` equal to ``n``, prompts times ``n`` within the server's capacity) stays a 400 at
+run time.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ SSE_EVENT = {
         },
     ]
 }
-NULLABLE_BOOL_FALSE = {"anyOf": [{"type": "boolean", "const": False}, {"type": "null"}]}
 SERVICE_STATUSES = ("500", "503")
 DESCRIPTION = (
     "OpenAI-compatible completions decoded with lookahead decoding. Extensions: the request field `lookahead` "
@@ -129,7 +130,8 @@ def generation_overrides(config: ServerConfig) -> dict[str, dict[str, Any]]:
             {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": config.max_stop_strings},
         ]}),
         "seed": nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
-        "n": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+        "n": nullable({"type": "integer", "minimum": 1, "maximum": config.max_n,
+                       "description": "Choices per prompt, decoded side by side; choice j samples with seed + j."}),
         "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "logit_bias": nullable({
@@ -155,13 +157,22 @@ def lookahead_schema(config: ServerConfig) -> dict[str, Any]:
 
 
 def prompt_schema(vocab_size: int | None) -> dict[str, Any]:
-    """One prompt: a non-empty string, a list holding one, or token ids (below the vocabulary size once known)."""
-    token = token_id_schema(vocab_size)
+    """OpenAI's four prompt forms, each prompt non-empty: a string, a list of strings, token ids (below the
+    vocabulary size once known), a list of lists of token ids."""
+    tokens = {"type": "array", "items": token_id_schema(vocab_size), "minItems": 1}
     return {"anyOf": [
         {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": token, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        tokens,
+        {"type": "array", "items": tokens, "minItems": 1},
     ]}
+
+
+# Completions' max_tokens may be 0 only with echo (the prompt and its logprobs alone).
+ZERO_MAX_TOKENS_NEEDS_ECHO = {
+    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+    "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+}
 
 
 def chat_message_schema(pydantic_schema: dict[str, Any]) -> dict[str, Any]:
@@ -275,11 +286,15 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
         "CompletionRequest": {
             **shared,
             "prompt": prompt_schema(vocab_size),
+            "max_tokens": nullable({"type": "integer", "minimum": 0,
+                                    "description": "Tokens to generate; 0 only with echo (the prompt alone)."}),
             "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                                   "description": "Return each token's logprob and this many alternatives (legacy "
-                                  "shape: tokens, token_logprobs, top_logprobs, text_offset); not with echo."}),
-            "echo": NULLABLE_BOOL_FALSE,
-            "best_of": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+                                  "shape: tokens, token_logprobs, top_logprobs, text_offset); with echo, the "
+                                  "prompt's tokens first (the first one's logprob null)."}),
+            "echo": nullable({"type": "boolean", "description": "Prepend each prompt to its choices' text."}),
+            "best_of": nullable({"type": "integer", "minimum": 1, "maximum": config.max_n,
+                                 "description": "Only null or equal to n (choices are not ranked)."}),
             "suffix": nullable({"type": "string", "maxLength": 0}),
         },
     }
@@ -299,6 +314,7 @@ def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> di
     for name, overrides in request_overrides(config, vocab_size).items():
         schemas[name]["properties"].update(overrides)
     schemas["ChatCompletionRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT, allOf=[TOOL_CHOICE_NEEDS_TOOLS])
+    schemas["CompletionRequest"].update(ZERO_MAX_TOKENS_NEEDS_ECHO)
     schemas["TokenizeRequest"].update(CONTINUE_EXCLUDES_GENERATION_PROMPT)
     schemas["TokenizeRequest"]["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
     schemas["TextContentPart"]["properties"]["type"] = {"type": "string", "const": "text"}

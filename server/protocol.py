@@ -12,7 +12,11 @@ vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and `
 refuse unknown fields. Logprobs: chat's ``logprobs`` + ``top_logprobs`` give ``choices[].logprobs.content[]``
 (``ChoiceLogprobs``), completions' ``logprobs: int`` the legacy ``CompletionLogprobs``; both the raw model's
 (before temperature, top-k, top-p), with at most ``MAX_TOP_LOGPROBS`` alternatives. Predicted outputs: chat's
-and completions' ``prediction`` (``Prediction``) give ``usage.completion_tokens_details``.
+and completions' ``prediction`` (``Prediction``) give ``usage.completion_tokens_details``. Completions'
+``prompt`` is a string, a list of strings, a list of token ids or a list of lists of token ids (one prompt per
+item; ``CompletionRequest.prompt_list``); with several prompts and ``n`` each prompt has ``n`` choices,
+``index = prompt_index * n + j``. With ``echo`` a choice's text (and legacy logprobs) start with its prompt's,
+the first prompt token's logprob and top alternatives null (``CompletionLogprobs``).
 """
 
 from __future__ import annotations
@@ -283,12 +287,29 @@ class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str] | list[int]
+    """``/v1/completions``: ``max_tokens`` may be 0 together with ``echo`` (the prompt and its logprobs only;
+    checked in ``server.serving``); ``best_of`` is accepted when null or equal to ``n``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
     prediction: Prediction | None = None
+
+    def prompt_list(self) -> list[str] | list[list[int]]:
+        """``prompt`` as a list of prompts, each a string or token ids (an empty list stays empty).
+
+        >>> CompletionRequest(prompt=[1, 2]).prompt_list(), CompletionRequest(prompt="a").prompt_list()
+        ([[1, 2]], ['a'])
+        """
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -394,11 +415,13 @@ class ChoiceLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, ``top_logprobs`` as {token text: logprob} per token and
-    ``text_offset`` each token's character offset in the completion text."""
+    ``text_offset`` each token's character offset in the choice's text. With ``echo`` the prompt's tokens come
+    first; the first prompt token's ``token_logprobs`` and ``top_logprobs`` entries are null (nothing predicts
+    it), as in OpenAI's."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

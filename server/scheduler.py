@@ -2,17 +2,19 @@
 
 Contract: ``Scheduler.submit`` runs on the event loop; it refuses work while draining (503) or when the
 running slots plus the bounded waiting queue are full (429 with ``Retry-After``), else hands a ``Job`` to the
-``Worker`` and returns a ``Handle``. The worker reports into the handle's ``asyncio.Queue`` through
-``loop.call_soon_threadsafe``; exceptions travel the same way and are raised by the handle. ``Handle.cancel``
-(client disconnect) stops the job at its next step, or at once while it waits. ``drain`` stops admission,
-lets in-flight work finish for a grace period, then cancels what is left.
+``Worker`` and returns a ``Handle``. ``submit_many`` admits the sequences of one request (its prompts times
+``n``) all or none: each is a job of its own and takes its own place in the slots and the queue. The worker
+reports into the handle's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``; exceptions travel the same
+way and are raised by the handle. ``Handle.cancel`` (client disconnect) stops the job at its next step, or at
+once while it waits. ``drain`` stops admission, lets in-flight work finish for a grace period, then cancels
+what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 from decoding import TokenLogprob
@@ -51,12 +53,16 @@ class Handle:
         pieces: list[str] = []
         logprobs: list[TokenLogprob] = []
         last: Output | None = None
+        prompt_logprobs = None
         async for output in self:
             pieces.append(output.text)
             logprobs.extend(output.logprobs or ())
+            prompt_logprobs = prompt_logprobs or output.prompt_logprobs
             last = output
         assert last is not None
-        return "".join(pieces), last if last.logprobs is None else replace(last, logprobs=tuple(logprobs))
+        if last.logprobs is not None:
+            last = replace(last, logprobs=tuple(logprobs))
+        return "".join(pieces), replace(last, prompt_logprobs=prompt_logprobs)
 
     def cancel(self) -> None:
         """The client went away: cancel unless already finished (counted as a client disconnect)."""
@@ -89,13 +95,24 @@ class Scheduler:
         ``tracked=False`` keeps the request out of the metrics; ``force=True`` admits even while draining or
         full (the warm-up request).
         """
+        return self.submit_many([(plan, text)], tracked, force)[0]
+
+    def submit_many(
+        self, generations: Sequence[tuple[GenerationPlan, TextStream]], tracked: bool = True, force: bool = False
+    ) -> list[Handle]:
+        """Admit several generations at once, all or none (as ``submit``): refused unless every one of them
+        finds a place among the running slots and the waiting queue."""
         if not force and not self.accepting:
             raise ServiceUnavailableError("The server is shutting down; retry on another instance.", reason="draining")
-        if not force and self.worker.running + self.worker.waiting >= self.capacity:
+        if not force and self.worker.running + self.worker.waiting + len(generations) > self.capacity:
             raise QueueFullError(
                 f"The server is at capacity ({self.worker.max_running} running, {self.max_queue} waiting); "
                 "retry after a short wait."
             )
+        return [self._enqueue(plan, text, tracked) for plan, text in generations]
+
+    def _enqueue(self, plan: GenerationPlan, text: TextStream, tracked: bool) -> Handle:
+        """Hand one admitted generation to the worker; its outputs come back through the handle's queue."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 

@@ -16,6 +16,19 @@ the server's ``system_fingerprint``. Both paths concatenate the same
 ``Output`` texts, so a stream and a non-stream give the same text. Every count (``usage``, ``decoding``,
 ``step``) is read from the ``decoding.StepCounts`` the worker summed.
 
+Several choices: a request's sequences are its prompts (completions' ``prompt`` list; chat has one) times
+``n`` (at most ``max_n``; all of them must fit the running slots plus the queue), each its own generation in the
+batch, admitted all or none (``start_many``); choice ``index = prompt_index * n + j``, as OpenAI and vLLM
+number them. With a ``seed``, sequence j of each prompt decodes with seed ``seed + j`` (``derived_seed``), so
+results are reproducible yet differ; greedy choices are identical. ``usage`` sums over choices, counting each
+prompt's tokens once (as vLLM); ``decoding`` sums the choices' counts. A stream interleaves the choices' chunks
+(chat: one role chunk per choice first), each with its own finish chunk; the usage chunk comes after the last.
+A disconnect, or a failure of one sequence, cancels them all.
+Echo (completions): each choice's text starts with its prompt's text (the string sent, or the decoded token
+ids); with ``logprobs`` the prompt's tokens come first in the legacy lists, computed by the decoder's prefill
+(``SamplingParams.prompt_logprobs``) only then; ``max_tokens: 0`` with echo returns the prompt alone
+(finish_reason "length"). A stream sends each choice's prompt in its first content chunk.
+
 ``max_tokens`` rule: when a request gives none, it is ``min(default_max_tokens, context_length -
 prompt_tokens)``; when it gives one and prompt + max_tokens exceeds the context, the request fails with 400.
 """
@@ -23,6 +36,7 @@ prompt_tokens)``; when it gives one and prompt + max_tokens exceeds the context,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -30,7 +44,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from decoding import (
@@ -82,6 +96,7 @@ logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
 LOWEST_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity; OpenAI's floor)
 FINGERPRINTED = ("model", "dtype", "quantize", "weight_layout", "lookahead")  # what decides the outputs
+INT64 = 1 << 64
 
 
 def server_version() -> str:
@@ -143,22 +158,31 @@ def check_model(config: ServerConfig, model: str | None) -> str:
 
 
 def check_supported(request: GenerationFields) -> None:
-    """400 for OpenAI options this server does not implement (rather than silently ignoring them)."""
-    if request.n not in (None, 1):
-        raise BadRequestError("n > 1 is not supported; send n = 1 and repeat the request instead.", param="n")
+    """400 for OpenAI options this server does not implement (rather than silently ignoring them): ``best_of``
+    other than null or ``n`` (no server-side ranking), ``suffix``, ``max_tokens: 0`` without ``echo``."""
     if isinstance(request, ChatCompletionRequest):
         check_chat_supported(request)
     if isinstance(request, CompletionRequest):
-        if request.echo and request.logprobs is not None:
-            raise BadRequestError(
-                "echo with logprobs is not supported: prompt logprobs are not computed; leave echo out.", param="echo"
-            )
-        if request.echo:
-            raise BadRequestError("echo is not supported.", param="echo")
-        if request.best_of not in (None, 1):
-            raise BadRequestError("best_of > 1 is not supported.", param="best_of")
+        if request.best_of is not None and request.best_of != (request.n or 1):
+            raise BadRequestError("best_of must be null or equal to n: the server returns every choice it decodes "
+                                  "and does not rank them.", param="best_of")
         if request.suffix:
             raise BadRequestError("suffix is not supported.", param="suffix")
+        if request.max_tokens == 0 and not request.echo:
+            raise BadRequestError("max_tokens must be at least 1 (0 only with echo: the prompt alone).",
+                                  param="max_tokens")
+
+
+def check_choices(config: ServerConfig, n: int | None, prompts: int) -> None:
+    """400 naming ``n`` above ``max_n``, and naming ``prompt`` (or ``n``) when the request's sequences (prompts
+    times ``n``) could never all fit the running slots plus the queue (``max_running + max_queue``)."""
+    n = n or 1
+    if n > config.max_n:
+        raise BadRequestError(f"n must be at most {config.max_n}, got {n}", param="n")
+    capacity = config.max_running + config.max_queue
+    if prompts * n > capacity:
+        raise BadRequestError(f"this request has {prompts} prompt(s) x n={n} = {prompts * n} sequences; the server "
+                              f"holds at most {capacity} at once: split it", param="prompt" if prompts > 1 else "n")
 
 
 def check_chat_supported(request: ChatCompletionRequest) -> None:
@@ -328,19 +352,49 @@ def detokenize(codec: TextCodec, request: DetokenizeRequest) -> str:
     return codec.decode(request.tokens)
 
 
-def completion_prompt(codec: TextCodec, request: CompletionRequest) -> list[int]:
-    """One prompt: a string, a list holding one string, or a list of token ids (checked against the vocab)."""
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return codec.encode_text(prompt)
-    if prompt and all(isinstance(item, int) for item in prompt):
-        vocab = codec.vocab_size
-        if any(not 0 <= token < vocab for token in prompt):
-            raise BadRequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
-        return list(prompt)
-    if len(prompt) == 1:
-        return codec.encode_text(prompt[0])
-    raise BadRequestError("exactly one prompt per request is supported", param="prompt")
+def completion_prompts(codec: TextCodec, request: CompletionRequest) -> list[list[int]]:
+    """The token ids of each prompt (``CompletionRequest.prompt_list``: strings tokenized, token ids checked
+    against the vocabulary); 400 for an empty list or an empty prompt in it, naming ``prompt``, or
+    ``prompt[i]`` for the i-th prompt of a list of prompts (as validation errors name it)."""
+    prompts = request.prompt_list()
+    if not prompts:
+        raise BadRequestError("prompt must not be an empty list", param="prompt")
+    several = isinstance(request.prompt, list) and not (request.prompt and isinstance(request.prompt[0], int))
+    vocab = codec.vocab_size
+    encoded = []
+    for index, prompt in enumerate(prompts):
+        param = f"prompt[{index}]" if several else "prompt"
+        if isinstance(prompt, str):
+            ids = codec.encode_text(prompt)
+        elif any(not 0 <= token < vocab for token in prompt):
+            raise BadRequestError(f"{param}: token ids must lie in [0, {vocab})", param=param)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise BadRequestError(f"{param} is empty: at least one token is required", param=param)
+        encoded.append(ids)
+    return encoded
+
+
+def chat_prompts(codec: TextCodec, request: ChatCompletionRequest) -> list[list[int]]:
+    """The conversation as the request's one prompt (``chat_prompt``)."""
+    return [chat_prompt(codec, request)]
+
+
+@dataclass(frozen=True)
+class EchoPrompt:
+    """What ``echo`` puts before a choice: its prompt's text and token ids."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+def echo_prompts(codec: TextCodec, request: CompletionRequest, prompts: Sequence[Sequence[int]]) -> list[EchoPrompt]:
+    """Each prompt as echo returns it: the string sent, or the text of the token ids sent (special tokens
+    skipped, as in completions)."""
+    texts = request.prompt_list()
+    return [EchoPrompt(text if isinstance(text, str) else codec.decode(ids), tuple(ids))
+            for text, ids in zip(texts, prompts, strict=True)]
 
 
 def prediction_ids(codec: TextCodec, request: GenerationFields) -> list[int] | None:
@@ -380,6 +434,7 @@ def plan(
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         logit_bias=resolve_logit_bias(request.logit_bias, engine.codec.vocab_size),
         grammar=grammar,
+        prompt_logprobs=requested_prompt_logprobs(request),
     )
     eos = frozenset() if request.ignore_eos else frozenset(engine.decoder.eos_token_ids())
     return GenerationPlan(
@@ -390,6 +445,34 @@ def plan(
         stop_strings=tuple(stop_strings),
         prediction=None if prediction is None else tuple(prediction),
     )
+
+
+def plan_choices(
+    engine: Engine, request: GenerationFields, prompts: Sequence[list[int]], prompt_param: str,
+    prediction: list[int] | None = None, grammar: Grammar | None = None,
+) -> list[GenerationPlan]:
+    """One plan per choice (``plan``), in choice order (prompt by prompt, ``n`` each); choice j of a prompt
+    decodes with ``derived_seed(seed, j)``."""
+    n = request.n or 1
+    choices = []
+    for prompt_ids in prompts:
+        generation = plan(engine, request, prompt_ids, prompt_param, prediction, grammar)
+        sampling = generation.sampling
+        choices += [replace(generation, sampling=replace(sampling, seed=derived_seed(sampling.seed, j)))
+                    for j in range(n)]
+    return choices
+
+
+def derived_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s seed: ``seed + index`` (vLLM's rule), wrapped into int64; None stays None (each
+    choice then draws its own random seed).
+
+    >>> derived_seed(7, 2), derived_seed(None, 1), derived_seed(2**63 - 1, 1)
+    (9, None, -9223372036854775808)
+    """
+    if seed is None:
+        return None
+    return (seed + index + INT64 // 2) % INT64 - INT64 // 2
 
 
 def resolve_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -419,39 +502,61 @@ def requested_top_logprobs(request: GenerationFields) -> int | None:
     return None
 
 
+def requested_prompt_logprobs(request: GenerationFields) -> int | None:
+    """The decoder's ``prompt_logprobs``: completions' ``logprobs`` when ``echo`` is on, else None (prompt rows
+    are never read unless echoed with logprobs)."""
+    if isinstance(request, CompletionRequest) and request.echo:
+        return request.logprobs
+    return None
+
+
 def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, force: bool = False) -> Handle:
     """Validate with the decoder (400 on bad parameters) and submit to the scheduler (429 / 503 when refused)."""
-    try:
-        engine.decoder.validate(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
-    except InvalidParameterError:
-        raise
-    except Exception as exc:
-        logger.exception("the decoder refused a request")
-        raise InternalError("The server had an error while processing your request.") from exc
-    text = TextStream(engine.codec.decode, generation.stop_strings)
-    return engine.scheduler.submit(generation, text, tracked=tracked, force=force)
+    return start_many(engine, [generation], tracked, force)[0]
 
 
-def usage_of(summary: Summary) -> Usage:
-    """OpenAI's ``usage``; with a prediction, its accepted tokens and the rest of it as rejected."""
+def start_many(
+    engine: Engine, generations: Sequence[GenerationPlan], tracked: bool = True, force: bool = False
+) -> list[Handle]:
+    """``start`` for a request's choices: every one validated first, then all admitted or none."""
+    for generation in generations:
+        try:
+            engine.decoder.validate(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
+        except InvalidParameterError:
+            raise
+        except Exception as exc:
+            logger.exception("the decoder refused a request")
+            raise InternalError("The server had an error while processing your request.") from exc
+    texts = [TextStream(engine.codec.decode, generation.stop_strings) for generation in generations]
+    return engine.scheduler.submit_many(list(zip(generations, texts, strict=True)), tracked=tracked, force=force)
+
+
+def usage_of(summaries: Sequence[Summary], n: int = 1) -> Usage:
+    """OpenAI's ``usage`` over a response's choices (``n`` per prompt, in choice order): each prompt's tokens
+    counted once, completion tokens summed; with a prediction, the accepted tokens and the rest of each choice's
+    prediction as rejected."""
+    prompt_tokens = sum(summary.prompt_tokens for summary in summaries[::n])
+    completion_tokens = sum(summary.counts.tokens for summary in summaries)
     details = None
-    if summary.prediction_tokens is not None:
-        accepted = summary.counts.prediction_accepted
+    if summaries[0].prediction_tokens is not None:
+        accepted = [summary.counts.prediction_accepted for summary in summaries]
         details = CompletionTokensDetails(
-            accepted_prediction_tokens=accepted,
-            rejected_prediction_tokens=max(0, summary.prediction_tokens - accepted),
+            accepted_prediction_tokens=sum(accepted),
+            rejected_prediction_tokens=sum(max(0, (summary.prediction_tokens or 0) - taken)
+                                           for summary, taken in zip(summaries, accepted, strict=True)),
         )
     return Usage(
-        prompt_tokens=summary.prompt_tokens,
-        completion_tokens=summary.counts.tokens,
-        total_tokens=summary.prompt_tokens + summary.counts.tokens,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
         completion_tokens_details=details,
     )
 
 
-def decoding_of(summary: Summary) -> DecodingInfo:
-    """The ``decoding`` extension object."""
-    lookahead, counts = summary.lookahead, summary.counts
+def decoding_of(summaries: Sequence[Summary]) -> DecodingInfo:
+    """The ``decoding`` extension object: the choices' counts summed."""
+    lookahead = summaries[0].lookahead
+    counts = sum((summary.counts for summary in summaries[1:]), summaries[0].counts)
     return DecodingInfo(
         method="lookahead" if lookahead is not None else "autoregressive",
         steps=counts.steps,
@@ -472,33 +577,36 @@ def step_of(output: Output) -> StepInfo:
 
 class Renderer(Protocol):
     """Builds one endpoint's response and chunks; ``step`` objects are dropped unless ``include_steps``;
-    ``logprobs`` (None: not asked for) are the tokens behind the text."""
+    ``logprobs`` (None: not asked for) are the tokens behind the text; ``index`` is the choice's."""
 
     include_usage: bool
 
-    def response(self, text: str, last: Output) -> dict[str, Any]: ...
+    def response(self, choices: Sequence[tuple[str, Output]]) -> dict[str, Any]: ...
 
-    def opening(self) -> str | None: ...
+    def opening(self, index: int) -> str | None: ...
+
+    def pending_echo(self, index: int) -> bool: ...
 
     def content(
-        self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
-    ) -> list[str]: ...
+        self, index: int, text: str, step: StepInfo | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None, prompt_logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> str | list[str]: ...
 
-    def finish(self, reason: str, step: StepInfo | None = None) -> list[str]: ...
+    def finish(self, index: int, reason: str, step: StepInfo | None = None) -> str | list[str]: ...
 
-    def usage(self, summary: Summary) -> str: ...
+    def usage(self, summaries: Sequence[Summary]) -> str: ...
 
 
 class _Identity:
     """The id, creation time and model name shared by every chunk of one response; ``token_text`` names a token
-    id in logprobs (``TextCodec.token_text``; its decimal id when not given)."""
+    id in logprobs (``TextCodec.token_text``; its decimal id when not given); ``n`` choices per prompt."""
 
     id_prefix = ""
     chunk_type: type[ChatCompletionChunk] | type[CompletionChunk]
 
     def __init__(
         self, model: str, include_usage: bool, include_steps: bool = False,
-        token_text: Callable[[int], str] | None = None, fingerprint: str | None = None,
+        token_text: Callable[[int], str] | None = None, fingerprint: str | None = None, n: int = 1,
     ) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -507,78 +615,99 @@ class _Identity:
         self.include_usage = include_usage
         self.include_steps = include_steps
         self.token_text = token_text or str
+        self.n = n
 
-    def _chunk(self, choices: list[Any], summary: Summary | None = None, step: StepInfo | None = None) -> str:
+    def _chunk(
+        self, choices: list[Any], summaries: Sequence[Summary] | None = None, step: StepInfo | None = None
+    ) -> str:
         """One SSE ``data`` payload of this response's chunk type (usage only on the usage chunk)."""
         chunk = self.chunk_type(
             id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint, choices=choices
         )
-        if summary is not None:
-            chunk.usage, chunk.decoding = usage_of(summary), decoding_of(summary)
+        if summaries is not None:
+            chunk.usage, chunk.decoding = usage_of(summaries, self.n), decoding_of(summaries)
         if self.include_steps:
             chunk.step = step
         return chunk_json(chunk, self.include_usage)
 
+    def pending_echo(self, index: int) -> bool:
+        """True while choice ``index`` still owes its echoed prompt (its next chunk must carry it)."""
+        return False
+
+    def usage(self, summaries: Sequence[Summary]) -> str:
+        return self._chunk([], summaries)
+
 
 class ChatRenderer(_Identity):
-    """``chat.completion`` and ``chat.completion.chunk`` objects; with ``use_tools``, the reply is read for tool
-    calls (``server.tools``): a stream sends one chunk per content piece or ``delta.tool_calls`` entry, the
-    step's logprobs and ``step`` on its first chunk (an empty delta carries logprobs when a step sends nothing
+    """``chat.completion`` and ``chat.completion.chunk`` objects; with ``use_tools``, each choice's reply is read
+    for tool calls (``server.tools``): a stream sends one chunk per content piece or ``delta.tool_calls`` entry,
+    the step's logprobs and ``step`` on its first chunk (an empty delta carries logprobs when a step sends nothing
     else; its ``step`` counts then wait for the next chunk)."""
 
     id_prefix = "chatcmpl-"
     chunk_type = ChatCompletionChunk
     _plan: tools.ToolPlan | None = None
-    _tools: tools.ToolStream | None = None
-    _held: StepInfo | None = None  # counts of steps that sent no chunk yet
 
     def use_tools(self, plan: tools.ToolPlan | None) -> None:
-        """Read the reply for tool calls under ``plan`` (None: plain text)."""
+        """Read the replies for tool calls under ``plan`` (None: plain text)."""
         self._plan = plan
-        self._tools = tools.ToolStream(plan) if plan is not None else None
+        self._tools: dict[int, tools.ToolStream] = {}
+        self._held: dict[int, StepInfo | None] = {}  # per choice: counts of steps that sent no chunk yet
 
-    def response(self, text: str, last: Output) -> dict[str, Any]:
-        assert last.summary is not None and last.finish_reason is not None
+    def _message(self, text: str, last: Output) -> ChatChoice:
+        """One whole choice (its tool calls read when ``use_tools`` gave a plan)."""
         message, reason = AssistantMessage(content=text), last.finish_reason
         if self._plan is not None:
             content, calls = tools.reply(self._plan, text)
-            message, reason = AssistantMessage(content=content, tool_calls=calls), tools.finish_reason(
-                reason, len(calls or []))
+            message = AssistantMessage(content=content, tool_calls=calls)
+            reason = tools.finish_reason(reason, len(calls or []))
+        return ChatChoice(message=message, logprobs=self._logprobs(last.logprobs), finish_reason=reason)
+
+    def response(self, choices: Sequence[tuple[str, Output]]) -> dict[str, Any]:
+        summaries = _summaries(choices)
         return ChatCompletion(
             id=self.id,
             created=self.created,
             model=self.model,
             system_fingerprint=self.fingerprint,
-            choices=[ChatChoice(message=message, logprobs=self._logprobs(last.logprobs), finish_reason=reason)],
-            usage=usage_of(last.summary),
-            decoding=decoding_of(last.summary),
+            choices=[self._message(text, last).model_copy(update={"index": index})
+                     for index, (text, last) in enumerate(choices)],
+            usage=usage_of(summaries, self.n),
+            decoding=decoding_of(summaries),
         ).model_dump(mode="json")
 
-    def opening(self) -> str | None:
-        return self._chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+    def opening(self, index: int) -> str | None:
+        return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
 
     def content(
-        self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
-    ) -> list[str]:
-        if self._tools is not None:
-            return self._pieces(self._tools.feed(text), step, logprobs)
-        choice = ChatChunkChoice(delta=DeltaMessage(content=text), logprobs=self._logprobs(logprobs))
-        return [self._chunk([choice], step=step)]
+        self, index: int, text: str, step: StepInfo | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None, prompt_logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> str | list[str]:
+        if self._plan is not None:
+            return self._pieces(index, self._stream(index).feed(text), step, logprobs)
+        choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text), logprobs=self._logprobs(logprobs))
+        return self._chunk([choice], step=step)
+
+    def _stream(self, index: int) -> tools.ToolStream:
+        assert self._plan is not None
+        return self._tools.setdefault(index, tools.ToolStream(self._plan))
 
     def _pieces(
-        self, pieces: Sequence[str | DeltaToolCall], step: StepInfo | None, logprobs: Sequence[TokenLogprob] | None
+        self, index: int, pieces: Sequence[str | DeltaToolCall], step: StepInfo | None,
+        logprobs: Sequence[TokenLogprob] | None,
     ) -> list[str]:
-        """One chunk per content piece or tool call delta (class docstring)."""
+        """One chunk per content piece or tool call delta of choice ``index`` (class docstring)."""
         deltas = [DeltaMessage(content=piece) if isinstance(piece, str) else DeltaMessage(tool_calls=[piece])
                   for piece in pieces]
         if not deltas and logprobs is None:
-            self._held = _added(self._held, step)
+            self._held[index] = _added(self._held.get(index), step)
             return []
-        step, self._held = _added(self._held, step), None
+        step = _added(self._held.pop(index, None), step)
         chunks = []
-        for index, delta in enumerate(deltas or [DeltaMessage()]):
-            choice = ChatChunkChoice(delta=delta, logprobs=self._logprobs(logprobs) if index == 0 else None)
-            chunks.append(self._chunk([choice], step=step if index == 0 else None))
+        for position, delta in enumerate(deltas or [DeltaMessage()]):
+            first = position == 0
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(logprobs) if first else None)
+            chunks.append(self._chunk([choice], step=step if first else None))
         return chunks
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> ChoiceLogprobs | None:
@@ -592,15 +721,14 @@ class ChatRenderer(_Identity):
         ]
         return ChoiceLogprobs(content=content)
 
-    def finish(self, reason: str, step: StepInfo | None = None) -> list[str]:
-        chunks: list[str] = []
-        if self._tools is not None:
-            chunks = self._pieces(self._tools.close(), None, None)
-            reason, step, self._held = tools.finish_reason(reason, self._tools.calls), _added(self._held, step), None
-        return [*chunks, self._chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)], step=step)]
-
-    def usage(self, summary: Summary) -> str:
-        return self._chunk([], summary)
+    def finish(self, index: int, reason: str, step: StepInfo | None = None) -> str | list[str]:
+        if self._plan is None:
+            return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason)], step=step)
+        stream = self._stream(index)
+        chunks = self._pieces(index, stream.close(), None, None)
+        reason, step = tools.finish_reason(reason, stream.calls), _added(self._held.pop(index, None), step)
+        return [*chunks, self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason)],
+                                     step=step)]
 
 
 def _added(first: StepInfo | None, second: StepInfo | None) -> StepInfo | None:
@@ -612,103 +740,210 @@ def _added(first: StepInfo | None, second: StepInfo | None) -> StepInfo | None:
 
 
 class CompletionRenderer(_Identity):
-    """``text_completion`` objects, whole and chunked."""
+    """``text_completion`` objects, whole and chunked; with ``echo`` (one ``EchoPrompt`` per prompt) each
+    choice's text and logprobs start with its prompt's."""
 
     id_prefix = "cmpl-"
     chunk_type = CompletionChunk
-    _offset = 0  # characters of token text rendered so far (per response: set on the instance once it grows)
 
-    def response(self, text: str, last: Output) -> dict[str, Any]:
-        assert last.summary is not None and last.finish_reason is not None
+    def __init__(
+        self, model: str, include_usage: bool, include_steps: bool = False,
+        token_text: Callable[[int], str] | None = None, fingerprint: str | None = None, n: int = 1,
+        echo: Sequence[EchoPrompt] | None = None,
+    ) -> None:
+        super().__init__(model, include_usage, include_steps, token_text, fingerprint, n)
+        self.echo = echo
+        self._echoed: set[int] = set()  # choices whose prompt went out already
+        self._offsets: dict[int, int] = {}  # per choice: characters of token text rendered so far
+
+    def response(self, choices: Sequence[tuple[str, Output]]) -> dict[str, Any]:
+        summaries = _summaries(choices)
+        rendered = []
+        for index, (text, last) in enumerate(choices):
+            prefix, prompt_logprobs = self._echo(index, last.logprobs is not None, last.prompt_logprobs)
+            rendered.append(CompletionChoice(
+                index=index, text=prefix + text, finish_reason=last.finish_reason,
+                logprobs=self._logprobs(index, last.logprobs, prompt_logprobs),
+            ))
         return Completion(
             id=self.id,
             created=self.created,
             model=self.model,
             system_fingerprint=self.fingerprint,
-            choices=[CompletionChoice(text=text, logprobs=self._logprobs(last.logprobs),
-                                      finish_reason=last.finish_reason)],
-            usage=usage_of(last.summary),
-            decoding=decoding_of(last.summary),
+            choices=rendered,
+            usage=usage_of(summaries, self.n),
+            decoding=decoding_of(summaries),
         ).model_dump(mode="json")
 
-    def opening(self) -> str | None:
+    def opening(self, index: int) -> str | None:
         return None
 
-    def content(
-        self, text: str, step: StepInfo | None = None, logprobs: Sequence[TokenLogprob] | None = None
-    ) -> list[str]:
-        return [self._chunk([CompletionChoice(text=text, logprobs=self._logprobs(logprobs))], step=step)]
+    def pending_echo(self, index: int) -> bool:
+        return self.echo is not None and index not in self._echoed
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> CompletionLogprobs | None:
-        """The legacy shape for these tokens; ``text_offset`` counts characters of token texts from the start of
-        the completion (it runs on across a stream's chunks)."""
+    def content(
+        self, index: int, text: str, step: StepInfo | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None, prompt_logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> str:
+        prefix, prompt = self._echo(index, logprobs is not None, prompt_logprobs)
+        choice = CompletionChoice(index=index, text=prefix + text, logprobs=self._logprobs(index, logprobs, prompt))
+        return self._chunk([choice], step=step)
+
+    def _echo(
+        self, index: int, with_logprobs: bool, prompt_logprobs: Sequence[TokenLogprob] | None
+    ) -> tuple[str, list[tuple[int, TokenLogprob | None]] | None]:
+        """The prompt text choice ``index`` still owes (once) and its tokens as (id, logprob entry or None for
+        the first token), the latter only with logprobs."""
+        if not self.pending_echo(index):
+            return "", None
+        self._echoed.add(index)
+        assert self.echo is not None
+        prompt = self.echo[index // self.n]
+        if not with_logprobs:
+            return prompt.text, None
+        entries = list(prompt_logprobs or ())
+        first: list[TokenLogprob | None] = [None] * (len(prompt.token_ids) - len(entries))
+        return prompt.text, list(zip(prompt.token_ids, first + entries, strict=True))
+
+    def _logprobs(
+        self, index: int, logprobs: Sequence[TokenLogprob] | None,
+        prompt: list[tuple[int, TokenLogprob | None]] | None = None,
+    ) -> CompletionLogprobs | None:
+        """The legacy shape for these tokens (after the echoed prompt's, if any); ``text_offset`` counts
+        characters of token texts from the start of the choice (it runs on across a stream's chunks)."""
         if logprobs is None:
             return None
-        texts = [self.token_text(entry.token_id) for entry in logprobs]
+        entries: list[tuple[int, TokenLogprob | None]] = list(prompt or [])
+        entries += [(entry.token_id, entry) for entry in logprobs]
+        texts = [self.token_text(token) for token, _ in entries]
         offsets = []
         for text in texts:
-            offsets.append(self._offset)
-            self._offset += len(text)
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(text)
         return CompletionLogprobs(
             tokens=texts,
-            token_logprobs=[_reported(entry.logprob) for entry in logprobs],
-            top_logprobs=[{self.token_text(token): _reported(value) for token, value in entry.top}
-                          for entry in logprobs],
+            token_logprobs=[None if entry is None else _reported(entry.logprob) for _, entry in entries],
+            top_logprobs=[None if entry is None else
+                          {self.token_text(token): _reported(value) for token, value in entry.top}
+                          for _, entry in entries],
             text_offset=offsets,
         )
 
-    def finish(self, reason: str, step: StepInfo | None = None) -> list[str]:
-        return [self._chunk([CompletionChoice(text="", finish_reason=reason)], step=step)]
-
-    def usage(self, summary: Summary) -> str:
-        return self._chunk([], summary)
+    def finish(self, index: int, reason: str, step: StepInfo | None = None) -> str:
+        return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)], step=step)
 
 
-async def stream(handle: Handle, renderer: Renderer) -> AsyncIterator[str]:
-    """SSE data strings for one streamed request; cancels the request if the client goes away."""
+def renderer_for(
+    request: GenerationFields, model: str, codec: TextCodec, prompts: Sequence[Sequence[int]],
+    fingerprint: str | None = None,
+) -> Renderer:
+    """The request's renderer: chat or completion, its ``n``, and (completions with ``echo``) its prompts."""
+    options = dict(include_usage=request.include_usage, include_steps=request.include_steps,
+                   token_text=codec.token_text, fingerprint=fingerprint, n=request.n or 1)
+    if isinstance(request, CompletionRequest):
+        echo = echo_prompts(codec, request, prompts) if request.echo else None
+        return CompletionRenderer(model, echo=echo, **options)
+    return ChatRenderer(model, **options)
+
+
+def _summaries(choices: Sequence[tuple[str, Output]]) -> list[Summary]:
+    """Each finished choice's summary."""
+    summaries = [last.summary for _, last in choices]
+    assert all(summary is not None for summary in summaries)
+    return summaries  # type: ignore[return-value]
+
+
+async def merged(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, Output]]:
+    """The outputs of several handles as they come, each with its handle's index; ends once every handle has
+    finished; a handle's exception is raised at once."""
+    if len(handles) == 1:
+        async for output in handles[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: Handle) -> None:
+        try:
+            async for output in handle:
+                queue.put_nowait((index, output))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(index, handle)) for index, handle in enumerate(handles)]
     try:
-        opening = renderer.opening()
-        if opening is not None:
-            yield opening
-        async for output in handle:
-            carried = bool(output.text or output.logprobs)
-            if carried:
-                for payload in renderer.content(output.text, step_of(output), output.logprobs):
-                    yield payload
-            if output.finish_reason is not None:
-                leftover = output if not carried else Output("")  # counts not yet carried by a chunk
-                for payload in renderer.finish(output.finish_reason, step_of(leftover)):
-                    yield payload
-                if renderer.include_usage and output.summary is not None:
-                    yield renderer.usage(output.summary)
+        running = len(handles)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            running -= item.finish_reason is not None
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream(handles: Sequence[Handle], renderer: Renderer) -> AsyncIterator[str]:
+    """SSE data strings for one streamed request (all its choices); cancels every choice if the client goes
+    away or one of them fails."""
+    try:
+        for index in range(len(handles)):
+            opening = renderer.opening(index)
+            if opening is not None:
+                yield opening
+        summaries: list[Summary | None] = [None] * len(handles)
+        async with contextlib.aclosing(merged(handles)) as outputs:
+            async for index, output in outputs:
+                carried = bool(output.text or output.logprobs) or renderer.pending_echo(index)
+                if carried:
+                    for payload in _payloads(renderer.content(index, output.text, step_of(output),
+                                                              output.logprobs, output.prompt_logprobs)):
+                        yield payload
+                if output.finish_reason is not None:
+                    leftover = output if not carried else Output("")  # counts not yet carried by a chunk
+                    for payload in _payloads(renderer.finish(index, output.finish_reason, step_of(leftover))):
+                        yield payload
+                    summaries[index] = output.summary
+        if renderer.include_usage and all(summary is not None for summary in summaries):
+            yield renderer.usage(summaries)  # type: ignore[arg-type]
         yield "[DONE]"
     except Exception as exc:  # after the 200 went out, an error can only be an event
         yield _json(to_api_error(exc).body())
     finally:
-        handle.cancel()
+        for handle in handles:
+            handle.cancel()
+
+
+def _payloads(rendered: str | list[str]) -> list[str]:
+    """A renderer's chunk, or its chunks (a tool call reply may send several or none per step)."""
+    return [rendered] if isinstance(rendered, str) else rendered
 
 
 async def complete(
-    handle: Handle, renderer: Renderer, disconnected: Callable[[], Awaitable[None]]
+    handles: Sequence[Handle], renderer: Renderer, disconnected: Callable[[], Awaitable[None]]
 ) -> dict[str, Any]:
-    """The whole response; if ``disconnected`` returns first, cancel the request and raise ``ClientGone``."""
-    result = asyncio.ensure_future(handle.collect())
+    """The whole response (every choice); if ``disconnected`` returns first, cancel every choice and raise
+    ``ClientGone``; if one choice fails, cancel the others and raise its error."""
+    collecting = [asyncio.ensure_future(handle.collect()) for handle in handles]
+    result = asyncio.ensure_future(asyncio.gather(*collecting))
     watcher = asyncio.ensure_future(disconnected())
     try:
         done, _ = await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if result in done:
             try:
-                text, last = result.result()
+                choices = result.result()
             except Exception as exc:  # the generation failed (already logged by the worker)
                 raise to_api_error(exc) from exc
-            return renderer.response(text, last)
-        handle.cancel()
+            return renderer.response(choices)
         raise ClientGone()
     finally:
         watcher.cancel()
-        if not result.done():
-            result.cancel()
-        handle.cancel()
+        for task in collecting:
+            task.cancel()
+        result.cancel()
+        for handle in handles:
+            handle.cancel()
+        await asyncio.gather(*collecting, result, return_exceptions=True)  # retrieve what they raised
 
 
 class ClientGone(APIError):

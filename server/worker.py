@@ -9,7 +9,9 @@ admitted jobs join it, and one ``engine.step()`` advances every running job (one
 production). Each job's steps become text in its own ``TextStream`` here, on this thread (detokenization and
 stop strings never wait on a lock the event loop's encoding holds, see ``server.text``); a stop string ends
 the job.
-Each step's token logprobs (when the request asked for them) follow its kept tokens into the outputs.
+Each step's token logprobs (when the request asked for them) follow its kept tokens into the outputs; the
+prompt's logprobs (``SamplingParams.prompt_logprobs``) are gathered over the prefill and ride on the job's
+first output.
 Counts flow as one ``decoding.StepCounts`` record per step into the job's totals, its outputs and the metrics.
 Each job reports through its own ``post`` callable: ``Output`` items, the last one carrying ``finish_reason``
 and a ``Summary``, or one exception that ends it. An exception reported for one job ends that job only (a
@@ -98,6 +100,8 @@ class Output:
     ``counts`` covers the steps since the previous output: normally one step's, more when a step's text was
     held back (an incomplete character, a possible stop-string prefix, EOS), so outputs add up to the totals.
     ``logprobs`` (None unless the request asked for them) are those same tokens' logprobs, in order.
+    ``prompt_logprobs`` (only on a job's first output, and only when the request asked for them): the logprobs
+    of prompt tokens 1..P-1 (token 0 has none).
     """
 
     text: str
@@ -105,6 +109,7 @@ class Output:
     summary: Summary | None = None
     counts: StepCounts = StepCounts()
     logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -120,6 +125,7 @@ class Job:
     totals: StepCounts = StepCounts()
     reported: StepCounts = StepCounts()  # the totals as of the last posted output
     pending_logprobs: list[TokenLogprob] | None = None  # kept tokens' logprobs not yet posted (None: not asked)
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, gathered over the prefill, until posted
     cancel_requested: bool = False
     cancel_error: BaseException | None = None
     started: float | None = None
@@ -135,8 +141,10 @@ class Job:
     def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
         """An output carrying the counts since the previous one."""
         logprobs = None if self.pending_logprobs is None else tuple(self.pending_logprobs)
-        output = Output(text, finish_reason, summary, self.totals - self.reported, logprobs)
+        prompt = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
+        output = Output(text, finish_reason, summary, self.totals - self.reported, logprobs, prompt)
         self.reported = self.totals
+        self.prompt_logprobs = None
         self.pending_logprobs = None if self.pending_logprobs is None else []
         return output
 
@@ -317,6 +325,8 @@ class Worker:
         job.totals += counts
         if step.logprobs is not None:
             job.pending_logprobs = (job.pending_logprobs or []) + step.logprobs[: delta.tokens]
+        if step.prompt_logprobs is not None:
+            job.prompt_logprobs = (job.prompt_logprobs or []) + step.prompt_logprobs
         if job.metrics is not None:
             job.metrics.step(counts, step.stats.seconds, now - job.last_step, step.stats.prefill)
             if counts.tokens > 0 and not job.first_token_seen:

@@ -229,7 +229,7 @@ def test_engine_a_failing_request_leaves_alone(tiny_model):
 def test_engine_validates_before_adding(tiny_model):
     engine = BatchEngine(tiny_model)
     with pytest.raises(InvalidParameterError) as error:
-        engine.validate([1, 2], StopCriteria(0))
+        engine.validate([1, 2], StopCriteria(-1))
     assert error.value.param == "max_tokens"
     with pytest.raises(InvalidParameterError):
         engine.add("x", [], StopCriteria(4))

@@ -318,7 +318,7 @@ def test_bad_lookahead_arguments_raise_typed_errors(tiny_model, config, param):
         (SamplingParams(temperature=1.0, top_p=-0.5), StopCriteria(4), "top_p"),
         (SamplingParams(temperature=1.0, top_k=-2), StopCriteria(4), "top_k"),
         (SamplingParams(temperature=float("nan")), StopCriteria(4), "temperature"),
-        (SamplingParams(), StopCriteria(0), "max_tokens"),
+        (SamplingParams(), StopCriteria(-1), "max_tokens"),
     ],
 )
 def test_bad_sampling_and_stop_arguments_raise_typed_errors(tiny_model, sampling, stop, param):

@@ -145,3 +145,69 @@ def test_bad_top_logprobs_raise_naming_the_field(tiny_model, value):
     with pytest.raises(InvalidParameterError) as error:
         generate_lookahead(tiny_model, [1, 2], StopCriteria(4), SamplingParams(top_logprobs=value))
     assert error.value.param == "top_logprobs"
+
+
+@torch.inference_mode()
+def full_forward_prompt_logprobs(model, prompt: list[int], top: int = TOP):
+    """The reference of prompt logprobs: one plain forward over the prompt, token i read at row i - 1."""
+    logits = model(torch.tensor([prompt])).logits[0]
+    return token_logprobs(logits, range(len(prompt) - 1), prompt[1:], top)
+
+
+def prefill_prompt_logprobs(steps) -> list:
+    """The prompt logprobs of a run's steps, checking that prefill steps and only they carry them."""
+    found = []
+    for step in steps:
+        assert (step.prompt_logprobs is not None) == step.stats.prefill
+        found += step.prompt_logprobs or []
+    return found
+
+
+@pytest.mark.parametrize("prefill_chunk", [3, 128])
+def test_prompt_logprobs_equal_a_full_forward_with_chunked_prefill(tiny_model, prefill_chunk):
+    """Prompt logprobs read chunk by chunk (batched with another stream, so the prefill really is chunked)
+    equal one forward over the whole prompt; the completion and its own logprobs are unchanged."""
+    sampling = SamplingParams(top_logprobs=TOP, prompt_logprobs=TOP)
+    engine = BatchEngine(tiny_model, BatchPolicy(max_step_tokens=16, prefill_chunk=prefill_chunk))
+    engine.add("other", PROMPTS[1], StopCriteria(30), GREEDY_LOGPROBS, LookaheadConfig(2, 3, 2))
+    for index, prompt in enumerate(PROMPTS):
+        engine.add(index, prompt, StopCriteria(12), sampling, LookaheadConfig(4, 4, 4) if index % 2 else None)
+    outputs: dict = {}
+    while engine.has_work:
+        for request_id, step in engine.step():
+            assert not isinstance(step, BaseException), step
+            outputs.setdefault(request_id, []).append(step)
+    for index, prompt in enumerate(PROMPTS):
+        steps = outputs[index]
+        if prefill_chunk < len(prompt):
+            assert sum(step.stats.prefill for step in steps) > 1  # the prompt took several chunks
+        prompt_logprobs = prefill_prompt_logprobs(steps)
+        assert [entry.token_id for entry in prompt_logprobs] == prompt[1:]
+        assert_same_logprobs(prompt_logprobs, full_forward_prompt_logprobs(tiny_model, prompt))
+        tokens, logprobs = flatten(steps)
+        reference_tokens, reference = autoregressive(tiny_model, prompt, 12)
+        assert tokens == reference_tokens
+        assert_same_logprobs(logprobs, reference)
+    assert all(step.prompt_logprobs is None for step in outputs["other"])
+
+
+def test_max_tokens_zero_prefills_only(tiny_model):
+    """``max_tokens`` 0: one prefill step, no token, finish "length", the prompt's logprobs when asked."""
+    prompt = PROMPTS[0]
+    steps = list(generate_lookahead(tiny_model, prompt, StopCriteria(0), SamplingParams(prompt_logprobs=2)))
+    assert [step.token_ids for step in steps] == [[]] and steps[0].finish_reason == "length"
+    assert_same_logprobs(steps[0].prompt_logprobs, full_forward_prompt_logprobs(tiny_model, prompt, 2))
+    [plain] = list(generate_autoregressive(tiny_model, prompt, StopCriteria(0)))
+    assert plain.token_ids == [] and plain.finish_reason == "length" and plain.prompt_logprobs is None
+
+
+def test_long_prompts_read_their_logprobs_in_bounded_chunks(tiny_model, monkeypatch):
+    """A lone stream asks for at most ``PROMPT_LOGPROBS_CHUNK`` prompt rows per forward."""
+    from decoding import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PROMPT_LOGPROBS_CHUNK", 4)
+    prompt = PROMPTS[0] * 3
+    steps = list(generate_autoregressive(tiny_model, prompt, StopCriteria(2), SamplingParams(prompt_logprobs=0)))
+    prefills = [step for step in steps if step.stats.prefill]
+    assert len(prefills) == -(-len(prompt) // 4) and all(step.stats.input_tokens <= 4 for step in prefills)
+    assert_same_logprobs(prefill_prompt_logprobs(steps), full_forward_prompt_logprobs(tiny_model, prompt, 0))

@@ -97,6 +97,40 @@ def test_completions_sync(client):
     assert response.usage.completion_tokens == 8 or response.choices[0].finish_reason == "stop"
 
 
+def test_completions_with_a_list_of_prompts(client):
+    response = client.completions.create(model=MODEL, prompt=["The sky is", "Two plus two is"], max_tokens=4,
+                                         temperature=0)
+    assert [choice.index for choice in response.choices] == [0, 1]
+    alone = client.completions.create(model=MODEL, prompt="Two plus two is", max_tokens=4, temperature=0)
+    assert response.choices[1].text == alone.choices[0].text
+    first = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
+    assert response.usage.prompt_tokens == first.usage.prompt_tokens + alone.usage.prompt_tokens
+    assert response.usage.completion_tokens == first.usage.completion_tokens + alone.usage.completion_tokens
+
+
+def test_completions_echo_logprobs_without_new_tokens(client):
+    """lm-evaluation-harness' loglikelihood request shape."""
+    response = client.completions.create(model=MODEL, prompt="The capital of France is Paris", echo=True,
+                                         logprobs=1, max_tokens=0, temperature=0)
+    [choice] = response.choices
+    assert choice.text == "The capital of France is Paris" and choice.finish_reason == "length"
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == choice.text and len(logprobs.tokens) == response.usage.prompt_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert response.usage.completion_tokens == 0
+
+
+def test_chat_with_n_choices(client):
+    response = client.chat.completions.create(**ask(PROMPTS[0], n=2, max_tokens=8))
+    assert [choice.index for choice in response.choices] == [0, 1]
+    assert response.choices[0].message.content == response.choices[1].message.content  # greedy
+    one = client.chat.completions.create(**ask(PROMPTS[0], max_tokens=8))
+    assert response.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert response.usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
 def test_lookahead_extension_through_extra_body(client):
     response = client.chat.completions.create(
         **ask(PROMPTS[1]), extra_body={"lookahead": {"window_size": 3, "ngram_size": 3, "guess_set_size": 2}}
@@ -116,8 +150,9 @@ def test_bad_input_raises_bad_request(client):
         client.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(**ask("Hi"), extra_body={"lookahead": {"window_size": 1000}})
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(**ask("Hi", n=3))
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**ask("Hi", n=9))  # over max_n
+    assert error.value.body["param"] == "n"
 
 
 def test_unknown_model_raises_not_found(client):

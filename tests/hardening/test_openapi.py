@@ -90,7 +90,7 @@ BAD = [
     {**CHAT, "stop": [f"s{i}" for i in range(17)]},
     {**CHAT, "stop": [""]},
     {**CHAT, "seed": 2**63},
-    {**CHAT, "n": 2},
+    {**CHAT, "n": 9},
     {**CHAT, "model": "gpt-4o"},
     {**CHAT, "logit_bias": {"1": 101}},
     {**CHAT, "logit_bias": {"x": 1}},
@@ -135,10 +135,15 @@ def test_schema_refuses_what_the_server_refuses(doc, body):
 
 @pytest.mark.parametrize("body, valid", [
     (PROMPT, True), ({"prompt": [1, 2, 3]}, True), ({"prompt": ["one"]}, True), ({**PROMPT, "echo": False}, True),
-    ({**PROMPT, "echo": True}, False), ({**PROMPT, "best_of": 2}, False), ({**PROMPT, "suffix": "x"}, False),
+    ({**PROMPT, "echo": True}, True), ({**PROMPT, "n": 2, "best_of": 2}, True), ({**PROMPT, "suffix": "x"}, False),
+    ({**PROMPT, "best_of": 9}, False), ({**PROMPT, "n": 8}, True), ({**PROMPT, "n": 9}, False),
     ({**PROMPT, "logprobs": 1}, True), ({**PROMPT, "logprobs": 21}, False), ({**PROMPT, "logprobs": -1}, False),
     ({"prompt": 5}, False), ({}, False), ({"prompt": ""}, False),
-    ({"prompt": []}, False), ({"prompt": ["a", "b"]}, False), ({"prompt": [-1]}, False),
+    ({"prompt": []}, False), ({"prompt": ["a", "b"]}, True), ({"prompt": [-1]}, False),
+    ({"prompt": [[1, 2], [3]]}, True), ({"prompt": [[1], []]}, False), ({"prompt": ["a", ""]}, False),
+    ({"prompt": ["a", 1]}, False), ({"prompt": [[]]}, False),
+    ({**PROMPT, "max_tokens": 0, "echo": True}, True), ({**PROMPT, "max_tokens": 0}, False),
+    ({**PROMPT, "max_tokens": 0, "echo": False}, False), ({**PROMPT, "echo": True, "logprobs": 1}, True),
 ])
 def test_completion_schema(doc, body, valid):
     assert validator(doc, "CompletionRequest").is_valid(body) is valid
