@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from decoding.errors import InvalidParameterError
 from decoding.grammar import ANY_JSON_OBJECT, Grammar, GrammarCompiler, GrammarError
 from decoding.loading import ensure_default_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.verify import verify_constrained
 from tests.conftest import TINY_SIZES
+from tests.decoding.test_sampling import P_FLOOR, goodness_of_fit
 
 PERSON = Grammar.json_schema({
     "type": "object",
@@ -168,3 +171,59 @@ def test_batched_constrained_decodes_equal_their_greedy_loops(model, compiler, t
     for name, sampling in requests.items():
         constraint = compiler.constraint(sampling.grammar)
         assert produced[name] == tokens_of(generate_autoregressive(model, [4, 5, 6], stop, sampling, constraint))
+
+
+class SetConstraint:
+    """A stand-in grammar over a 6-token vocabulary: ``forbidden(path)`` is the set the grammar rules out next."""
+
+    def __init__(self, forbidden) -> None:
+        self.forbidden = forbidden
+        self.path: list[int] = []
+
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        banned = torch.tensor(sorted(self.forbidden(tuple(self.path))), dtype=torch.long)
+        return scores.index_fill(0, banned, float("-inf")) if len(banned) else scores
+
+    def advance(self, token: int) -> None:
+        assert token not in self.forbidden(tuple(self.path)), "the walk moved through a forbidden token"
+        self.path.append(token)
+
+    def retreat(self, count: int) -> None:
+        del self.path[len(self.path) - count :]
+
+
+def test_constrained_sampling_verification_keeps_each_masked_conditional():
+    """Rows are masked after the accepted path: the first token follows the masked root, the second the masked row
+    of the accepted candidate; the constraint ends where it started."""
+    forbidden = {(): {0}, (1,): {5}, (3,): {2}}
+    constraint = SetConstraint(lambda path: forbidden.get(path, set()))
+    scores = torch.log(torch.tensor([
+        [0.2, 0.3, 0.1, 0.2, 0.1, 0.1],   # after last
+        [0.1, 0.1, 0.4, 0.1, 0.1, 0.2],   # after candidate 0's token 1
+        [0.3, 0.1, 0.2, 0.1, 0.2, 0.1],   # after candidate 1's token 3
+    ]))
+    candidates = [(1, 2), (3, 4)]
+    sampling = SamplingParams(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    first, second = Counter(), {1: Counter(), 3: Counter()}
+    total = 6000
+    for _ in range(total):
+        verdict = verify_constrained(scores, candidates, lambda c, k: 1 + c, constraint, sampling, generator)
+        assert constraint.path == []
+        first[verdict.tokens[0]] += 1
+        if verdict.num_accepted:
+            second[verdict.tokens[0]][verdict.tokens[1]] += 1
+    masked = {(): scores[0], (1,): scores[1], (3,): scores[2]}
+    exact = {path: torch.softmax(constraint_free(row, forbidden[path]), dim=0) for path, row in masked.items()}
+    assert goodness_of_fit(Counter({(t,): n for t, n in first.items()}),
+                           {(t,): float(p) for t, p in enumerate(exact[()])}, total) > P_FLOOR
+    for token in (1, 3):
+        seen = Counter({(t,): n for t, n in second[token].items()})
+        expected = {(t,): float(p) for t, p in enumerate(exact[(token,)])}
+        assert sum(seen.values()) > 500 and goodness_of_fit(seen, expected, sum(seen.values())) > P_FLOOR
+    assert first[0] == 0 and second[1][5] == 0 and second[3][2] == 0
+
+
+def constraint_free(row: torch.Tensor, banned: set[int]) -> torch.Tensor:
+    """``row`` with ``banned`` at -inf."""
+    return row.index_fill(0, torch.tensor(sorted(banned), dtype=torch.long), float("-inf"))
