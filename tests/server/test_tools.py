@@ -123,6 +123,7 @@ def test_without_tools_history_still_renders_and_no_section_is_added():
     assert messages[0] == {"role": "system", "content": "Be brief."} and messages[3]["role"] == "user"
 
 
+@pytest.mark.real_model  # the real tokenizer
 def test_a_template_that_reads_tools_gets_them_natively(tokenizer):
     template = ("{% for t in tools %}T:{{ t.function.name }}\n{% endfor %}{% for m in messages %}{{ m.role }}:"
                 "{{ m.content }}{% for c in m.tool_calls or [] %}CALL:{{ c.function.name }}{{ c.function.arguments "
