@@ -138,7 +138,8 @@ class Step:
 @dataclass
 class _Sequence:
     """Committed tokens of one decode; ``tokens[-1]`` is ``last`` and the cache holds all tokens before it.
-    ``constraint`` (with a grammar) has consumed every committed output token."""
+    ``constraint`` (with a grammar) has consumed every committed output token; its end (EOS) stops the decode
+    even where EOS is not a stop token (``ignore_eos``): nothing can follow it."""
 
     tokens: list[int]
     prompt_length: int
@@ -155,8 +156,9 @@ class _Sequence:
     def accept(self, run: Sequence[int]) -> list[int]:
         """Commit ``run`` token by token until a stop token or ``max_tokens``; return what was committed."""
         committed: list[int] = []
+        ended = self.constraint.eos if self.constraint is not None else None
         for token in run:
-            if token in self.stop.stop_token_ids:
+            if token in self.stop.stop_token_ids or token == ended:
                 self.finish_reason = "stop"
                 break
             committed.append(token)

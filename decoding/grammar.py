@@ -30,7 +30,7 @@ import torch
 from decoding.errors import GrammarError
 from decoding.params import ANY_JSON_OBJECT, JSON_WHITESPACE, Grammar
 
-__all__ = ["ANY_JSON_OBJECT", "Constraint", "Grammar", "GrammarCompiler", "GrammarError"]
+__all__ = ["ANY_JSON_OBJECT", "Constraint", "ConstraintViolation", "Grammar", "GrammarCompiler", "GrammarError"]
 
 class GrammarCompiler:
     """Turns ``Grammar`` values into constraints over one tokenizer's vocabulary (module contract)."""
@@ -58,7 +58,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, self._serialised(grammar), log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Constraint(matcher, self.vocab_size)
+        return Constraint(matcher, self.vocab_size, self._tokenizer.eos_token)
 
     @staticmethod
     def _serialised(grammar: Grammar) -> str:
@@ -79,15 +79,30 @@ class GrammarCompiler:
         raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
 
 
-class Constraint:
-    """One decode's position in its grammar (module contract)."""
+class ConstraintViolation(RuntimeError):
+    """A token the grammar forbids was moved past: an engine bug (every chosen token is masked), never bad input,
+    so it is not a ``DecodingError`` and a server answers it as an internal error."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+
+class Constraint:
+    """One decode's position in its grammar (module contract).
+
+    The end of the output (``eos``, allowed once the grammar is complete) is tracked here and never handed to the
+    matcher: llguidance's rollback does not undo a consumed EOS correctly (rolling back over it leaves the matcher
+    in a state that refuses the tokens it had accepted), and a verified path may end with EOS before the walk
+    retreats. After ``eos`` nothing more is allowed.
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int, eos: int) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.eos = eos
+        self._ended = False
 
     def allowed(self) -> torch.Tensor:
         """Boolean ``[vocab_size]``: the tokens the grammar allows next (CPU)."""
+        if self._ended:
+            return torch.zeros(self.vocab_size, dtype=torch.bool)
         packed = numpy.frombuffer(self._matcher.compute_bitmask(), dtype=numpy.uint8)
         bits = numpy.unpackbits(packed, bitorder="little")[: self.vocab_size]  # bit i of byte j: token 8j + i
         return torch.from_numpy(bits.astype(bool))
@@ -100,12 +115,19 @@ class Constraint:
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar allows from here (the state does not move)."""
-        return int(self._matcher.validate_tokens(list(tokens))) if tokens else 0
+        if self._ended or not tokens:
+            return 0
+        tokens = list(tokens)
+        end = tokens.index(self.eos) + 1 if self.eos in tokens else len(tokens)
+        return int(self._matcher.validate_tokens(tokens[:end]))
 
     def advance(self, token: int) -> None:
-        """Move past ``token``; ``GrammarError`` when the grammar forbids it."""
-        if not self._matcher.consume_token(token):
-            raise GrammarError(f"token {token} is not allowed here: {self._matcher.get_error()}")
+        """Move past ``token``; ``ConstraintViolation`` when the grammar forbids it."""
+        if token == self.eos and not self._ended and self._matcher.is_accepting():
+            self._ended = True
+            return
+        if self._ended or not self._matcher.consume_token(token):
+            raise ConstraintViolation(f"token {token} is not allowed here: {self._matcher.get_error()}")
 
     def consume(self, tokens: Sequence[int]) -> None:
         """Move past each of ``tokens`` (a commit)."""
@@ -114,10 +136,13 @@ class Constraint:
 
     def retreat(self, count: int) -> None:
         """Undo the last ``count`` moves."""
+        if count and self._ended:
+            self._ended = False
+            count -= 1
         if count:
             self._matcher.rollback(count)
 
     @property
     def complete(self) -> bool:
         """True once the output so far is a whole sentence of the grammar."""
-        return bool(self._matcher.is_accepting())
+        return self._ended or bool(self._matcher.is_accepting())

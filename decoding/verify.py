@@ -133,7 +133,8 @@ def verify_constrained(
     with each row masked by ``constraint`` after the tokens accepted before it.
 
     ``constraint`` is left where it was found. Each candidate must be allowed by it whole (the engine cuts
-    guesses at the first forbidden token), so the walk only moves through allowed states.
+    guesses at the first forbidden token), so the walk only moves through allowed states. A guess of the
+    grammar's end (``constraint.eos``) that is taken ends the run as its model token.
     """
     survivors = list(range(len(candidates)))
     accepted: list[int] = []
@@ -151,7 +152,7 @@ def verify_constrained(
                 probs = warp(target.unsqueeze(0), sampling)[0].cpu()
                 chosen = _accept_one(probs, proposals, generator)
                 token = chosen if chosen is not None else sample(probs, generator)
-            if chosen is None:
+            if chosen is None or chosen == constraint.eos:  # nothing follows the end of the grammar's output
                 return Verdict(winner, depth, [*accepted, token])
             accepted.append(chosen)
             survivors = [c for c in survivors if candidates[c][depth] == chosen]

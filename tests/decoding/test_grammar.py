@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from decoding.batch import BatchEngine
 from decoding.engine import DecodeStream, generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
-from decoding.grammar import ANY_JSON_OBJECT, Grammar, GrammarCompiler, GrammarError
+from decoding.grammar import ANY_JSON_OBJECT, ConstraintViolation, Grammar, GrammarCompiler, GrammarError
 from decoding.loading import ensure_default_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.verify import verify_constrained
@@ -76,7 +76,7 @@ def test_mask_sets_forbidden_tokens_to_minus_infinity(compiler, tokenizer):
     scores = constraint.mask(torch.zeros(len(tokenizer) + 7))  # wider than the vocabulary: padding is forbidden
     allowed = torch.isfinite(scores).nonzero().flatten().tolist()
     assert allowed and all(tokenizer.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
-    with pytest.raises(GrammarError):
+    with pytest.raises(ConstraintViolation):
         constraint.advance(encode(tokenizer, "maybe")[0])
 
 
@@ -149,6 +149,30 @@ def test_a_complete_output_matches_the_schema_and_ends_with_eos(model, compiler,
     assert set(document) == {"name", "mood", "age"} and document["mood"] in ("happy", "sad", "calm")
 
 
+def test_a_walk_through_the_end_of_the_output_leaves_the_constraint_where_it_was(compiler, tokenizer):
+    """llguidance cannot roll back over a consumed EOS: the constraint keeps EOS to itself."""
+    constraint = compiler.constraint(PERSON)
+    document = encode(tokenizer, '{"name": "Ada", "mood": "calm", "age": 36}')
+    constraint.consume(document[:-1])
+    ending = [document[-1], tokenizer.eos_token_id, document[0]]
+    assert constraint.valid_prefix(ending) == 2
+    constraint.advance(ending[0])
+    constraint.advance(ending[1])
+    assert constraint.complete and not constraint.allowed().any() and constraint.valid_prefix([ending[1]]) == 0
+    constraint.retreat(2)
+    constraint.advance(ending[0])  # llguidance alone refuses this token after rolling back over EOS
+    assert constraint.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_the_grammars_end_stops_the_decode_even_when_eos_is_ignored(model, compiler, tokenizer):
+    closing = {token: 8.0 for token in encode(tokenizer, '"}0')}
+    sampling = SamplingParams(grammar=PERSON, logit_bias=tuple(closing.items()))
+    stop = StopCriteria(64)  # ignore_eos: EOS is no stop token
+    for config in (None, CONFIGS[2]):
+        steps = list(DecodeStream(model, [1, 2, 3], stop, sampling, config, constraint=compiler.constraint(PERSON)))
+        assert steps[-1].finish_reason == "stop" and json.loads(tokenizer.decode(tokens_of(steps)))
+
+
 def test_sampled_constrained_lookahead_stays_in_the_grammar(model, compiler, tokenizer):
     stop = StopCriteria(24, frozenset({tokenizer.eos_token_id}))
     for seed in range(4):
@@ -175,6 +199,8 @@ def test_batched_constrained_decodes_equal_their_greedy_loops(model, compiler, t
 
 class SetConstraint:
     """A stand-in grammar over a 6-token vocabulary: ``forbidden(path)`` is the set the grammar rules out next."""
+
+    eos = 99  # outside the vocabulary: never chosen
 
     def __init__(self, forbidden) -> None:
         self.forbidden = forbidden
