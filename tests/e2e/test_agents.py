@@ -1,0 +1,46 @@
+"""A full tool loop in a real agent framework: the OpenAI Agents SDK's chat-completions model against the live
+server on the default model: a tool call, the tool's result sent back, and an answer in text."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+from tests.e2e.conftest import API_KEY
+
+pytestmark = pytest.mark.real_model
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_an_agent_calls_a_tool_and_answers_with_its_result(server):
+    set_tracing_disabled(True)  # nothing leaves the machine
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        asked.append(city)
+        return f"Sunny, 21 degrees Celsius in {city}."
+
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    caller = Agent(
+        name="weather",
+        instructions="Answer questions about the weather. Call get_weather first, then answer in one sentence.",
+        tools=[get_weather],
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    called = Runner.run_sync(caller, "What is the weather in Paris?", max_turns=2)
+    assert asked and all(isinstance(city, str) and city for city in asked)
+    assert called.final_output == f"Sunny, 21 degrees Celsius in {asked[0]}."
+    # The 135M model, left on `auto` after a call, imitates its own call again (docs/design.md, "Tool calls"): the
+    # answering turn asks for text. Its input is the SDK's own history: the call and the tool's result.
+    answerer = caller.clone(model_settings=ModelSettings(tool_choice="none", temperature=0, max_tokens=48),
+                            tool_use_behavior="run_llm_again")
+    answered = Runner.run_sync(answerer, called.to_input_list(), max_turns=2)
+    assert isinstance(answered.final_output, str) and answered.final_output.strip()
+    assert [item.type for item in answered.new_items] == ["message_output_item"]
+    kinds = [entry.get("type", entry.get("role")) for entry in called.to_input_list()]
+    assert kinds == ["user", "function_call", "function_call_output"]
