@@ -11,13 +11,12 @@ writes JSON with ``--json``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
 from bench.datasets import PromptSpec, encode_prompt, load_dataset
 from bench.settings import batch_policy
-from bench.workload import Served, load_preset, report_and_status, serve
+from bench.workload import Served, load_preset, preset_parser, report_and_status, serve
 from decoding.batch import BatchEngine
 from decoding.engine import StepCounts
 from decoding.params import StopCriteria
@@ -46,12 +45,7 @@ def totals(runs: Sequence[Served]) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 1 when the outputs with and without the prediction differ."""
-    parser = argparse.ArgumentParser(prog="python -m bench.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit", type=int, default=8, help="requests, from HumanEval/100 on (8)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per request (256)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
-    parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
-    args = parser.parse_args(argv)
+    args = preset_parser("python -m bench.predict", __doc__, "requests, from HumanEval/100 on", 256).parse_args(argv)
     config, lookahead, decoder = load_preset(args.device)
     tokenizer = decoder.tokenizer
     engine = BatchEngine(decoder.loaded.model, batch_policy(config))

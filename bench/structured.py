@@ -14,7 +14,6 @@ ratio, checks that both return the same tokens (exit status 1 if not) and that t
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 
 from bench.datasets import PromptSpec, encode_prompt, load_split
 from bench.settings import batch_policy
-from bench.workload import Served, load_preset, report_and_status, serve
+from bench.workload import Served, load_preset, preset_parser, report_and_status, serve
 from decoding.batch import BatchEngine
 from decoding.grammar import GrammarCompiler
 from decoding.params import Grammar, LookaheadConfig, SamplingParams, StopCriteria
@@ -120,12 +119,7 @@ def structured_request(spec: PromptSpec) -> PromptSpec:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 1 when constrained lookahead and constrained greedy differ."""
-    parser = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit", type=int, default=8, help="held-out AlpacaEval requests (8)")
-    parser.add_argument("--max-tokens", type=int, default=192, help="tokens per request (192)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
-    parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
-    args = parser.parse_args(argv)
+    args = preset_parser("python -m bench.structured", __doc__, "held-out AlpacaEval requests", 192).parse_args(argv)
     config, lookahead, decoder = load_preset(args.device)
     tokenizer = decoder.tokenizer
     vocab_size = decoder.grammars.vocab_size

@@ -123,16 +123,23 @@ def load_preset(device: str) -> tuple[ServerConfig, LookaheadConfig, Decoder]:
     return config, lookahead, decoder
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns 1 when the two engines' outputs differ."""
-    parser = argparse.ArgumentParser(prog="python -m bench.workload", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", choices=sorted(HELD_OUT), default="chat", help="held-out prompts to template")
-    parser.add_argument("--limit", type=int, default=8, help="requests (8)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (128)")
-    parser.add_argument("--rounds", type=int, default=1, help="times the whole set is sent (2: retries, loops) (1)")
-    parser.add_argument("--memory-tokens", type=int, default=200_000, help="the memory's size (200000)")
+def preset_parser(prog: str, doc: str, limit_help: str, max_tokens: int) -> argparse.ArgumentParser:
+    """The arguments every side-by-side preset benchmark takes: ``--limit`` (8), ``--max-tokens``, ``--device``
+    (the preset) and ``--json``; ``doc``'s first paragraph describes it."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("--limit", type=int, default=8, help=f"{limit_help} (8)")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens per request ({max_tokens})")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
     parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns 1 when the two engines' outputs differ."""
+    parser = preset_parser("python -m bench.workload", __doc__, "requests", 128)
+    parser.add_argument("--dataset", choices=sorted(HELD_OUT), default="chat", help="held-out prompts to template")
+    parser.add_argument("--rounds", type=int, default=1, help="times the whole set is sent (2: retries, loops) (1)")
+    parser.add_argument("--memory-tokens", type=int, default=200_000, help="the memory's size (200000)")
     args = parser.parse_args(argv)
     config, lookahead, decoder = load_preset(args.device)
     low, high = HELD_OUT[args.dataset]

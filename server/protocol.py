@@ -42,6 +42,13 @@ FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (
 MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "refusal")  # OpenAI's other content parts
 
 
+def _without_none(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """``data`` (a serialised model) without ``key`` when its value is None: OpenAI leaves such fields out."""
+    if data.get(key) is None:
+        data.pop(key, None)
+    return data
+
+
 class StrictModel(BaseModel):
     """Base of request models: strict types, unknown fields ignored, no NaN or infinity."""
 
@@ -362,10 +369,7 @@ class Usage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_empty_details(self, handler: SerializerFunctionWrapHandler):  # no return type: keeps the schema
-        data = handler(self)
-        if data.get("completion_tokens_details") is None:
-            data.pop("completion_tokens_details", None)
-        return data
+        return _without_none(handler(self), "completion_tokens_details")
 
 
 class DecodingInfo(BaseModel):
@@ -450,10 +454,7 @@ class AssistantMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_empty_calls(self, handler: SerializerFunctionWrapHandler):  # no return type: keeps the schema
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
+        return _without_none(handler(self), "tool_calls")
 
 
 class ChatChoice(BaseModel):
