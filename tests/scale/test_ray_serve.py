@@ -2,8 +2,8 @@
 
 One Ray instance and one Serve application serve the whole module (replicas take seconds to start on a 2-core
 CPU), so the tests run in file order: the fixed two-replica deployment first (chat and SSE through the proxy,
-spread, a client disconnect, the metrics Ray aggregates, a killed replica), then the same application redeployed
-with autoscaling (1 -> 2 -> 1 under a burst of slow streams), then a clean shutdown. Replicas import this
+spread, a client disconnect, the metrics Ray aggregates, a killed replica), then the same application updated to
+autoscaling (down to one replica, then 1 -> 2 -> 1 under a burst of slow streams), then a clean shutdown. Replicas import this
 checkout's code (``PYTHONPATH`` in the job's runtime env).
 """
 
@@ -27,7 +27,8 @@ openai = pytest.importorskip("openai")
 
 from server.ray_app import REPLICA_HEADER, build_app  # noqa: E402
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+pytestmark = [pytest.mark.real_model, pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")]
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "lookahead"
@@ -46,8 +47,8 @@ def free_port() -> int:
 
 
 def app_args(**options) -> dict:
-    return {"overrides": OVERRIDES, "num_cpus": REPLICA_CPUS, "metrics_interval_s": METRICS_INTERVAL_S,
-            "health_check_period_s": 1.0, **options}
+    return {"overrides": OVERRIDES, "num_cpus": REPLICA_CPUS,
+            "metrics_interval_s": METRICS_INTERVAL_S, "health_check_period_s": 1.0, **options}
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
