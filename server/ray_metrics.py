@@ -7,7 +7,10 @@ its own ``server.metrics.Metrics`` registry into a Ray gauge of the same name (`
 Serve's ``deployment``, ``replica`` and ``application`` tags. Counters and histogram buckets are copied as
 their cumulative values, so ``rate``, ``increase`` and ``histogram_quantile`` over ``ray_lookahead_*`` series
 read exactly as over ``lookahead_*`` (a restarted replica is a counter reset, which ``rate`` handles).
-``_created`` samples are left out. This module imports no Ray: the gauge factory is handed in.
+``_created`` samples are left out. A gauge's tag keys are those of the first sample of its name; a later sample
+of that name with other label names is skipped (a Ray metric's tag keys are fixed; the replica starts mirroring
+only once it is ready, when ``lookahead_config_info`` has its labels). This module imports no Ray: the gauge
+factory is handed in.
 """
 
 from __future__ import annotations
@@ -60,16 +63,19 @@ class RayMirror:
 
     def __init__(self, gauge_factory: GaugeFactory) -> None:
         self._factory = gauge_factory
-        self._gauges: dict[str, GaugeLike] = {}
+        self._gauges: dict[str, tuple[tuple[str, ...], GaugeLike]] = {}
 
     def publish(self, found: Iterable[Sample]) -> int:
-        """Set each sample's gauge to its value; returns how many samples were set."""
+        """Set each sample's gauge to its value; returns how many samples were set (others were skipped)."""
         count = 0
         for sample in found:
-            gauge = self._gauges.get(sample.name)
-            if gauge is None:
-                keys = tuple(key for key, _ in sample.labels)
-                gauge = self._gauges[sample.name] = self._factory(sample.name, f"Mirror of {sample.name}.", keys)
+            keys = tuple(key for key, _ in sample.labels)
+            if sample.name not in self._gauges:
+                gauge = self._factory(sample.name, f"Mirror of {sample.name}.", keys)
+                self._gauges[sample.name] = (keys, gauge)
+            expected, gauge = self._gauges[sample.name]
+            if keys != expected:
+                continue
             gauge.set(sample.value, tags=dict(sample.labels) or None)
             count += 1
         return count

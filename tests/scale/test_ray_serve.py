@@ -3,8 +3,8 @@
 One Ray instance and one Serve application serve the whole module (replicas take seconds to start on a 2-core
 CPU), so the tests run in file order: the fixed two-replica deployment first (chat and SSE through the proxy,
 spread, a client disconnect, the metrics Ray aggregates, a killed replica), then the same application updated to
-autoscaling (down to one replica, then 1 -> 2 -> 1 under a burst of slow streams), then a clean shutdown. Replicas import this
-checkout's code (``PYTHONPATH`` in the job's runtime env).
+autoscaling (down to one replica, then 1 -> 2 -> 1 under a burst of slow streams), then a clean shutdown.
+Replicas import this checkout's code (``PYTHONPATH`` in the job's runtime env).
 """
 
 from __future__ import annotations
