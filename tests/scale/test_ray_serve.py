@@ -2,15 +2,18 @@
 
 One Ray instance and one Serve application serve the whole module (replicas take seconds to start on a 2-core
 CPU), so the tests run in file order: the fixed two-replica deployment first (chat and SSE through the proxy,
-spread, a client disconnect, the metrics Ray aggregates, a killed replica), then the same application updated to
-autoscaling (down to one replica, then 1 -> 2 -> 1 under a burst of slow streams), then a clean shutdown.
+spread, a client disconnect, the metrics Ray aggregates and the Grafana dashboard read through Prometheus, a
+killed replica), then the same application updated to autoscaling (down to one replica, then 1 -> 2 -> 1 under a
+burst of slow streams), then a clean shutdown.
 Replicas import this checkout's code (``PYTHONPATH`` in the job's runtime env).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -20,12 +23,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 from server.ray_app import REPLICA_HEADER, build_app  # noqa: E402
+from tests.deploy import promql  # noqa: E402
+from tests.deploy.conftest import DASHBOARD_FILE  # noqa: E402
+from tests.deploy.test_prometheus_integration import Process, query, start, stop, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")]
@@ -208,6 +215,41 @@ def test_ray_metrics_aggregate_every_replica(two_replicas):
     assert len({key.split("replica=")[1] for key in per_replica}) == 2
     exported = parse(httpx.get(two_replicas["metrics"]).text, "ray_lookahead_kv_cache_usage_ratio")
     assert len(exported) >= 2
+
+
+def prometheus_for_ray(metrics_url: str, directory: Path) -> tuple[Process, str]:
+    """The real ``prometheus`` binary scraping Ray's export every second with docker/ray/prometheus.yml's
+    relabelling (only the target replaced); returns the process and its base URL."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus binary not found (apt-get install -y prometheus)")
+    config = yaml.safe_load((ROOT / "docker" / "ray" / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    job.pop("file_sd_configs")
+    job["static_configs"] = [{"targets": [metrics_url.split("//")[1].split("/")[0]]}]
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    command = [binary, f"--config.file={directory / 'prometheus.yml'}", f"--storage.tsdb.path={directory / 'data'}",
+               f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    return start("prometheus", command, directory / "prometheus.log"), f"http://127.0.0.1:{port}"
+
+
+def test_the_dashboard_reads_a_ray_deployment(two_replicas, tmp_path):
+    """Every dashboard query, through Prometheus scraping Ray's export with the relabelling, returns data, and the
+    totals are sums over both replicas."""
+    process, base = prometheus_for_ray(two_replicas["metrics"], tmp_path)
+    try:
+        total = 'sum(lookahead_generation_tokens_total{job="lookahead-server"})'
+        wait_for("two scrapes of both replicas", lambda: len(query(base, "count by (replica) "
+                 "(count_over_time(lookahead_requests_running[1m]) >= 2)")) == 2, 60, process)
+        assert float(query(base, total)[0]["value"][1]) > 0
+        dashboard = json.loads(DASHBOARD_FILE.read_text())
+        empty = [f"{owner}: {expr}" for owner, expr in promql.dashboard_queries(dashboard)
+                 if not query(base, promql.substitute_grafana_variables(expr))]
+        assert empty == []
+    finally:
+        stop(process)
 
 
 def replica_pids() -> dict[str, int]:
