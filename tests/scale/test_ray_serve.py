@@ -70,13 +70,18 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
         time.sleep(interval)
 
 
-def running_replicas() -> int:
-    """Replicas of the app's deployment in state RUNNING (Serve's own status)."""
+def replica_states() -> dict[str, int]:
+    """Replicas of the app's deployment by state (Serve's own status): RUNNING, STARTING, STOPPING, ..."""
     application = serve.status().applications.get(APP)
-    if application is None:
-        return 0
-    deployment = next(iter(application.deployments.values()))
-    return deployment.replica_states.get("RUNNING", 0)
+    if application is None or not application.deployments:
+        return {}
+    states = next(iter(application.deployments.values())).replica_states
+    return {state: count for state, count in states.items() if count}
+
+
+def running_replicas() -> int:
+    """Replicas of the app's deployment in state RUNNING."""
+    return replica_states().get("RUNNING", 0)
 
 
 @pytest.fixture(scope="module")
@@ -330,17 +335,20 @@ def test_autoscaling_goes_from_one_replica_to_two_and_back(cluster):
     for thread in threads:
         thread.start()
     try:
-        wait_until(lambda: running_replicas() == 2, 180, "a second replica under the burst")
+        wait_until(lambda: replica_states().get("STARTING", 0) + running_replicas() >= 2, 60,
+                   "Serve deciding on a second replica", interval=0.1)
+        decided = time.monotonic() - started
+        wait_until(lambda: running_replicas() == 2, 180, "a second replica under the burst", interval=0.1)
         timeline.append((time.monotonic() - started, 2))
     finally:
         stop.set()
         for thread in threads:
             thread.join(60)
     idle = time.monotonic()
-    wait_until(lambda: running_replicas() == 1 and serve.status().applications[APP].deployments, 120,
-               "back to one replica when idle")
+    wait_until(lambda: replica_states() == {"RUNNING": 1}, 120, "back to one replica when idle", interval=0.1)
     timeline.append((time.monotonic() - started, 1))
-    print(f"\nautoscaling timeline (s, replicas): {timeline}; down {time.monotonic() - idle:.1f} s after idle")
+    print(f"\nautoscaling: second replica decided at {decided:.1f} s, running at {timeline[1][0]:.1f} s; "
+          f"burst stopped at {idle - started:.1f} s, one replica again at {timeline[2][0]:.1f} s")
     assert [replicas for _, replicas in timeline] == [1, 2, 1]
 
 
