@@ -11,6 +11,7 @@ Replicas import this checkout's code (``PYTHONPATH`` in the job's runtime env).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ OVERRIDES = {"max_running": 2, "max_queue": 4, "default_max_tokens": 16, "drain_
 REPLICA_CPUS = 0.5  # four replicas fit in num_cpus=2 while an update replaces two with one
 METRICS_INTERVAL_S = 0.5
 PLAIN = {"lookahead": {"enabled": False}}  # one token per step: more, evenly spaced chunks
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def free_port() -> int:
@@ -88,15 +90,30 @@ def running_replicas() -> int:
 def cluster() -> Iterator[dict]:
     """A local Ray instance (2 CPUs, loopback) with Serve's proxy on a free port; shut down cleanly at the end."""
     metrics_port, http_port = free_port(), free_port()
+    # Ray turns a node IP of 127.0.0.1 into the machine's reachable address unless clusters are off, which is what
+    # this variable (named for Windows and macOS, read on every platform) does: every Ray server on loopback. Ray
+    # reads it when imported, so the already imported driver gets the same through its constant; the processes
+    # Ray starts read the variable.
+    previous = os.environ.get(SINGLE_NODE_ENV)
+    os.environ[SINGLE_NODE_ENV] = "0"
+    ray_constants = pytest.importorskip("ray._private.ray_constants")
+    cluster_default, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
     ray.init(
         num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port,
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, _system_config={"metrics_report_interval_ms": 500},
         logging_level="warning", log_to_driver=False,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    yield {"url": f"http://127.0.0.1:{http_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        yield {"url": f"http://127.0.0.1:{http_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_default
+        if previous is None:
+            os.environ.pop(SINGLE_NODE_ENV, None)
+        else:
+            os.environ[SINGLE_NODE_ENV] = previous
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +132,31 @@ def client(base: str) -> openai.OpenAI:
 
 def chat(prompt: str, **fields) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 0, **fields}
+
+
+def test_ray_listens_on_loopback_only(two_replicas):
+    """Ray's servers (GCS, raylet, workers, agents, Serve's proxy and controller) listen on loopback only. The one
+    exception is Ray Serve's own: each replica's inter-deployment gRPC server binds ``[::]:0``, hard-coded in
+    Ray Serve 2.60 (``ray/serve/_private/replica.py``), so replica processes are left out of the check; nothing
+    in this module connects to it."""
+    assert [node["NodeManagerAddress"] for node in ray.nodes()] == ["127.0.0.1"]
+    psutil = pytest.importorskip("psutil")
+    try:
+        listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid]
+    except psutil.AccessDenied:
+        pytest.skip("listening sockets of other processes are not visible to this user")
+    names = {proc.pid: proc.info["name"] or "" for proc in psutil.process_iter(["name"])}
+    ray_pids = {pid for pid, name in names.items() if name.startswith(("ray::", "raylet", "gcs_server"))
+                and not name.startswith("ray::ServeRepli")}
+    exposed = [(c.pid, c.laddr) for c in listening if c.pid in ray_pids and not loopback(c.laddr.ip)]
+    assert ray_pids and exposed == []
+
+
+def loopback(address: str) -> bool:
+    """127.0.0.0/8 or ::1, an IPv4-mapped IPv6 address included (``::ffff:127.0.0.1``)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
 
 
 def test_chat_and_incremental_stream_through_the_proxy(two_replicas):
@@ -245,6 +287,8 @@ def test_the_dashboard_reads_a_ray_deployment(two_replicas, tmp_path):
     totals are sums over both replicas."""
     process, base = prometheus_for_ray(two_replicas["metrics"], tmp_path)
     try:
+        wait_for("Prometheus /-/ready", lambda: httpx.get(f"{base}/-/ready", timeout=5).status_code == 200, 30,
+                 process)
         total = 'sum(lookahead_generation_tokens_total{job="lookahead-server"})'
         wait_for("two scrapes of both replicas", lambda: len(query(base, "count by (replica) "
                  "(count_over_time(lookahead_requests_running[1m]) >= 2)")) == 2, 60, process)
