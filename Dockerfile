@@ -49,7 +49,9 @@ COPY bench ./bench
 COPY decoding ./decoding
 COPY server ./server
 COPY configs ./configs
-RUN pip install -e .
+# EXTRAS=ray adds Ray Serve (server/ray_app.py) for a Ray cluster or KubeRay's RayService.
+ARG EXTRAS=""
+RUN pip install -e ".${EXTRAS:+[$EXTRAS]}"
 
 # ---- runtime ---------------------------------------------------------------------------------------------
 # hadolint ignore=DL3006

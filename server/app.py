@@ -7,7 +7,8 @@ only parse, authorize and delegate to ``server.serving``; prompts are tokenized 
 thread), so a huge prompt never stalls other streams; every error goes through ``server.errors``.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's, keyed like ``/v1/*``),
-``GET /health``, ``GET /metrics``, and the playground page: ``GET /`` and
+``GET /health`` (readiness), ``GET /live`` (liveness: 503 only once the runtime has failed), ``GET /metrics``, and
+the playground page: ``GET /`` and
 ``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
 requires ``Authorization: Bearer <key>`` (``server.auth``), and so do ``/health`` and ``/metrics`` with
 ``protect_health`` / ``protect_metrics``; the page itself is public and asks for the key. ``/openapi.json``
@@ -168,6 +169,7 @@ class Runtime:
             ngram_size=lookahead.ngram_size,
             guess_set_size=lookahead.guess_set_size,
         )
+        self.metrics.set_kv_capacity(self.config.max_running * engine.decoder.context_length)
 
     async def _warm_up(self, engine: Engine) -> None:
         """One tiny decode with the default settings (untracked), so the first request pays no warm-up cost."""
@@ -188,6 +190,11 @@ class Runtime:
         if self.state in ("ready", "warming", "loading"):
             self.state = "draining"
         await self.scheduler.drain(grace_seconds)
+
+    @property
+    def alive(self) -> bool:
+        """False once the start failed or the worker thread died: only a restart helps then."""
+        return self.state != "failed" and self.worker.alive
 
     def vocab_size(self) -> int | None:
         """The loaded model's vocabulary size; ``None`` until the model is loaded."""
@@ -339,6 +346,13 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok" if state == "ready" else state}, status_code=200 if state == "ready" else 503)
 
 
+async def live(request: Request) -> JSONResponse:
+    """Liveness, apart from readiness: 200 ``{"status": "alive"}`` while loading, warming, ready or draining;
+    503 ``{"status": "failed"}`` once the start failed or the worker thread died. Always open."""
+    alive = runtime_of(request).alive
+    return JSONResponse({"status": "alive" if alive else "failed"}, status_code=200 if alive else 503)
+
+
 async def metrics(request: Request) -> Response:
     content, content_type = runtime_of(request).metrics.exposition()
     return Response(content, media_type=content_type)
@@ -380,6 +394,7 @@ def create_app(
     app.include_router(tools)
     guard = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"], dependencies=guard if config.protect_health else None)
+    app.add_api_route("/live", live, methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=guard if config.protect_metrics else None)
     install_openapi(app, config, runtime.keys.enabled, runtime.vocab_size)
     app.add_api_route("/", playground, methods=["GET"], include_in_schema=False)

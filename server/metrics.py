@@ -18,6 +18,11 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
   forward pass plus the steps of other requests interleaved with it) shared by the tokens the step kept;
 - ``batch_requests`` and ``batch_input_tokens`` observe each batched forward pass: how many requests it
   advanced and how many input tokens it ran (prefill chunks, windows and candidates included);
+- ``kv_cache_tokens`` is the tokens the running requests hold in their caches (prompt plus completion so far;
+  each request has its own cache, allocated as it grows), ``kv_cache_capacity_tokens`` what the running slots
+  can hold at most (``max_running`` x the model's context length), and ``kv_cache_usage_ratio`` the one over
+  the other (0..1; 0 until the capacity is known): the load signal a router or an autoscaler reads beside
+  ``requests_running`` and ``requests_waiting``;
 - ``time_to_first_token_seconds`` runs from arrival to the first step that kept a token, so it includes
   queueing; ``request_queue_time_seconds`` from arrival to the start of the prefill.
 """
@@ -100,6 +105,17 @@ class Metrics:
 
         self.running = Gauge(f"{PREFIX}_requests_running", "Requests decoding now.", registry=registry)
         self.waiting = Gauge(f"{PREFIX}_requests_waiting", "Requests admitted, waiting to run.", registry=registry)
+        self.kv_tokens = Gauge(
+            f"{PREFIX}_kv_cache_tokens", "Tokens held in the running requests' KV caches.", registry=registry
+        )
+        self.kv_capacity = Gauge(
+            f"{PREFIX}_kv_cache_capacity_tokens", "Tokens the running slots can hold: max_running x context length.",
+            registry=registry,
+        )
+        self.kv_usage = Gauge(
+            f"{PREFIX}_kv_cache_usage_ratio", "KV-cache tokens held / capacity (0..1).", registry=registry
+        )
+        self._kv = (0, 0)  # (tokens held, capacity), the last values set
         self.config = Info(f"{PREFIX}_config", "Model and lookahead configuration.", registry=registry)
 
         for reason in FINISH_REASONS:
@@ -171,6 +187,22 @@ class Metrics:
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
+
+    def set_kv_capacity(self, tokens: int) -> None:
+        """The tokens the running slots can hold at most (``max_running`` x context length), once known."""
+        self._kv = (self._kv[0], tokens)
+        self.kv_capacity.set(tokens)
+        self._publish_kv_usage()
+
+    def set_kv_tokens(self, tokens: int) -> None:
+        """The tokens the running requests hold in their caches now."""
+        self._kv = (tokens, self._kv[1])
+        self.kv_tokens.set(tokens)
+        self._publish_kv_usage()
+
+    def _publish_kv_usage(self) -> None:
+        tokens, capacity = self._kv
+        self.kv_usage.set(min(1.0, tokens / capacity) if capacity > 0 else 0.0)
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

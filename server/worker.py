@@ -183,6 +183,19 @@ class Worker:
         return sum(1 for job in self._running if not job.done)
 
     @property
+    def kv_tokens(self) -> int:
+        """Tokens the started, unfinished jobs hold in their caches: prompt plus completion so far."""
+        return sum(len(job.plan.prompt_ids) + job.totals.tokens for job in self._running
+                   if job.started is not None and not job.done)
+
+    @property
+    def alive(self) -> bool:
+        """False once the thread has died or been stopped after starting (a liveness probe restarts the process)."""
+        if self._stopping:
+            return False
+        return self._thread is None or self._thread.is_alive()
+
+    @property
     def busy(self) -> bool:
         """True while any job is waiting or running."""
         return bool(self._waiting) or self.running > 0
@@ -235,6 +248,7 @@ class Worker:
     def _publish_queue(self) -> None:
         if self.metrics is not None:
             self.metrics.set_queue(self.running, len(self._waiting))
+            self.metrics.set_kv_tokens(self.kv_tokens)
 
     def _run(self) -> None:
         if self._thread_setup is not None:

@@ -17,6 +17,8 @@ MODULES = [
     "server.chat_client",
     "server.config",
     "server.errors",
+    "server.ray_app",
+    "server.ray_metrics",
     "server.serving",
     "server.sse",
 ]

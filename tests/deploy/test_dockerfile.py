@@ -179,7 +179,7 @@ def test_editable_install_keeps_configs_next_to_the_packages(instructions: list[
     assert CONFIG_DIR == ROOT / "configs"
     builder = [i for i in instructions if i.stage == "builder"]
     workdir = [i.args for i in builder if i.keyword == "WORKDIR"][-1]
-    assert any(i.keyword == "RUN" and re.search(r"pip install (-e|--editable) \.", i.args) for i in builder)
+    assert any(i.keyword == "RUN" and re.search(r"pip install (-e|--editable) \"?\.", i.args) for i in builder)
     assert any(i.keyword == "COPY" and i.args == "configs ./configs" for i in builder)
     final = dockerfile.final_stage(instructions)
     assert any(

@@ -232,3 +232,12 @@ def test_every_dashboard_query_evaluates(prometheus: str, dashboard: dict) -> No
 def test_readme_queries_evaluate(prometheus: str) -> None:
     """The README's PromQL runs on the real Prometheus and returns data."""
     assert [expr for _, expr in readme_queries() if not query(prometheus, expr)] == []
+
+
+def test_the_autoscaling_query_selects_the_server(prometheus: str) -> None:
+    """KEDA's trigger (docker/k8s/scaledobject.yaml) selects the scraped server's series (``job`` included) and
+    evaluates to one number: the requests waiting, none while idle."""
+    manifest = yaml.safe_load((ROOT / "docker" / "k8s" / "scaledobject.yaml").read_text())
+    (trigger,) = manifest["spec"]["triggers"]
+    result = query(prometheus, trigger["metadata"]["query"])
+    assert len(result) == 1 and float(result[0]["value"][1]) == 0, result

@@ -15,3 +15,18 @@ def test_memory_accepted_tokens_count_what_steps_took_from_the_shared_memory():
     metrics.step(StepCounts(tokens=3, steps=1, offered=3, accepted=2, memory_accepted=2), 0.01, 0.01)
     assert value("lookahead_memory_accepted_tokens_total") == 4
     assert value("lookahead_accepted_tokens_total") == 6
+
+
+def test_kv_cache_usage_is_tokens_held_over_capacity():
+    metrics = Metrics()
+    value = metrics.registry.get_sample_value
+    metrics.set_kv_tokens(300)
+    assert value("lookahead_kv_cache_usage_ratio") == 0  # capacity not known yet
+    metrics.set_kv_capacity(2 * 8192)
+    assert value("lookahead_kv_cache_tokens") == 300
+    assert value("lookahead_kv_cache_capacity_tokens") == 16384
+    assert value("lookahead_kv_cache_usage_ratio") == 300 / 16384
+    metrics.set_kv_tokens(20000)  # never above 1
+    assert value("lookahead_kv_cache_usage_ratio") == 1.0
+    metrics.set_kv_tokens(0)
+    assert value("lookahead_kv_cache_usage_ratio") == 0
