@@ -235,3 +235,15 @@ def chat_body(content: str, **fields: Any) -> dict[str, Any]:
 
 def dumps(data: Any) -> str:
     return json.dumps(data)
+
+
+def gated_loader(decoder: Any) -> tuple[threading.Event, Callable[[Any], Any]]:
+    """A ``load_decoder`` that returns ``decoder`` once the returned event is set (at most 30 s): a model still
+    loading, for as long as a test needs."""
+    release = threading.Event()
+
+    def load(config: Any) -> Any:
+        release.wait(30)
+        return decoder
+
+    return release, load

@@ -7,17 +7,13 @@ import asyncio
 import threading
 
 from tests.server.conftest import make_config
-from tests.server.helpers import Script, running_app, scrape, token_steps, wait_for
+from tests.server.helpers import Script, gated_loader, running_app, scrape, token_steps, wait_for
 from tests.server.test_scheduler import WORDS, completion, decoder_with
 
 
 async def test_live_while_loading_and_ready_but_not_after_a_failed_start(tokenizer):
-    release = threading.Event()
     decoder = decoder_with(tokenizer, {})
-
-    def slow_load(config):
-        release.wait(30)
-        return decoder
+    release, slow_load = gated_loader(decoder)
 
     async with running_app(make_config(), load_decoder=slow_load, wait_ready=False) as (app, client):
         assert (await client.get("/health")).status_code == 503

@@ -27,6 +27,7 @@ from server.ray_app import (  # noqa: E402
     serve_when_warm,
 )
 from tests.server.conftest import make_config  # noqa: E402
+from tests.server.helpers import gated_loader  # noqa: E402
 from tests.server.test_scheduler import decoder_with  # noqa: E402
 
 SERVE_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "docker" / "ray").glob("serve*.yaml"))
@@ -90,12 +91,8 @@ async def test_the_replica_header_is_on_every_answer():
 
 
 async def test_startup_returns_only_once_warm(tokenizer):
-    release = threading.Event()
     decoder = decoder_with(tokenizer, {})
-
-    def slow_load(config):
-        release.wait(30)
-        return decoder
+    release, slow_load = gated_loader(decoder)
 
     app = create_app(make_config(), load_decoder=slow_load)
     serve_when_warm(app, interval_s=60)

@@ -23,6 +23,7 @@ from tests.server.helpers import (
     Script,
     ScriptedDecoder,
     asgi_post,
+    gated_loader,
     running_app,
     scrape,
     sse_events,
@@ -200,12 +201,8 @@ async def test_disconnect_during_prefill_of_a_non_streaming_request(tokenizer):
 
 
 async def test_health_before_ready_and_warmup_not_counted(tokenizer):
-    release = threading.Event()
     decoder = decoder_with(tokenizer, {})
-
-    def slow_load(config):
-        release.wait(30)
-        return decoder
+    release, slow_load = gated_loader(decoder)
 
     config = make_config(warmup=True)
     async with running_app(config, load_decoder=slow_load, wait_ready=False) as (app, client):
