@@ -93,6 +93,7 @@ ERROR_DESCRIPTIONS = {
 }
 
 
+OPENAI_NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}  # a schema's or a function's name
 RESPONSE_FORMAT = {
     "type": "object",
     "required": ["type"],
@@ -102,7 +103,7 @@ RESPONSE_FORMAT = {
             "type": "object",
             "required": ["name"],
             "properties": {
-                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "name": OPENAI_NAME,
                 "description": {"type": "string"},
                 "schema": {"type": "object", "description": "A JSON schema; absent: any JSON object."},
                 "strict": {"type": "boolean"},
@@ -210,7 +211,7 @@ TOOL = {
             "type": "object",
             "required": ["name"],
             "properties": {
-                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "name": OPENAI_NAME,
                 "description": {"type": "string"},
                 "parameters": {"type": "object", "description": "A JSON schema of the arguments object; absent: "
                                "any object. One the grammar cannot enforce is a 400 naming "
