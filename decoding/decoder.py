@@ -130,7 +130,7 @@ class Decoder:
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
-        """The grammar compiler over this model's vocabulary (built on first use, about half a second)."""
+        """The grammar compiler over this model's vocabulary (cheap: its vocabulary tables wait for a grammar)."""
         vocab_size = int(self.loaded.model.config.get_text_config(decoder=True).vocab_size)
         return GrammarCompiler(self.loaded.tokenizer, vocab_size)
 

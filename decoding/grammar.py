@@ -22,6 +22,7 @@ what multi-token verification needs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,10 +38,16 @@ class GrammarCompiler:
     """Turns ``Grammar`` values into constraints over one tokenizer's vocabulary (module contract)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._hf_tokenizer = tokenizer
+
+    @functools.cached_property
+    def _tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary, built on the first grammar (about half a second), so a server
+        that never gets one never pays for it."""
         import llguidance.hf
 
-        self.vocab_size = vocab_size
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        return llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
 
     def check(self, grammar: Grammar) -> None:
         """Raise ``GrammarError`` when ``grammar`` cannot be compiled."""
