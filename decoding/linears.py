@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from decoding import native
 from decoding.errors import InvalidParameterError
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -170,30 +171,44 @@ def require_float32_cpu(model: PreTrainedModel, parameter: str, what: str) -> No
 # --- float32, laid out for the CPU ------------------------------------------------------------------------
 
 
+PANEL_MAX_ROWS = 16  # the panel kernel's largest product: as fast as oneDNN at 16 rows, slower beyond (docs/design.md)
+
+
 class PackedFloat32:
     """``rows @ W^T + b`` in float32 from two copies of ``W`` laid out for the CPU's two cases.
 
-    - One row (every step of greedy decoding): ``row @ W^T`` with ``W^T`` stored contiguous, [K, N]. MKL's
+    - Up to ``PANEL_MAX_ROWS`` rows (decode steps) on one thread, where the native panel kernel runs
+      (``decoding.native``): ``W`` in column panels, streamed once per 8 rows. One to two rows cost the same
+      here, 4 rows 1.3x and 8 rows 2x one row (oneDNN: 1.5x, 2.4x and 2.7x MKL's one-row product), and a row's
+      result is the same bit for bit whatever other rows share the call, so a token's logits do not depend on
+      the size of the step that computed it.
+    - Without the panel kernel, one row: ``row @ W^T`` with ``W^T`` stored contiguous, [K, N]. MKL's
       matrix-vector product then streams the weight at about 20 GB/s on this CPU, against about 12 GB/s for
       the [N, K] layout ``nn.Linear`` keeps.
-    - Several rows (lookahead steps, prefill): oneDNN's matmul on a weight reordered once into its blocked
-      layout (``torch.ops.mkldnn._reorder_linear_weight``). For 2-8 rows it costs 0.6-0.8x MKL's GEMM on the
-      [N, K] weight here, and each output row is a function of its own input row alone, bit for bit.
+    - More rows (prefill, large batches) or no panel kernel: oneDNN's matmul on a weight reordered once into
+      its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``); each output row is a function of its
+      own input row alone, bit for bit.
 
-    The two paths agree to float32 rounding (about 1e-6 relative), as a one-row and a many-row ``nn.Linear``
-    do. Memory: two float32 copies of every weight.
+    The paths agree to float32 rounding (about 1e-6 relative), as a one-row and a many-row ``nn.Linear`` do.
+    Memory: two float32 copies of every weight.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.transposed = weight.t().contiguous()  # [K, N]
+        self.gemm = native.panel_gemm() if weight.shape[0] % native.PANEL == 0 else None
+        self.panels = self.gemm.pack(weight) if self.gemm is not None else None
+        self.transposed = weight.t().contiguous() if self.gemm is None else None  # [K, N]
         self.blocked = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = bias
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.shape[0] == 1:
+        count = rows.shape[0]
+        if self.gemm is not None and count <= PANEL_MAX_ROWS and torch.get_num_threads() == 1:
+            out = self.gemm(rows, self.panels)
+        elif count == 1 and self.transposed is not None:
             out = rows @ self.transposed
-            return out if self.bias is None else out.add_(self.bias)
-        return torch.ops.mkldnn._linear_pointwise(rows, self.blocked, self.bias, "none", [], "")
+        else:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.blocked, self.bias, "none", [], "")
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def packed_float32_available() -> bool:

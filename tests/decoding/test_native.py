@@ -1,0 +1,103 @@
+"""The native panel kernel: built on first use, equal to torch's product to rounding, each row independent bit for
+bit, and a clean fallback (None) wherever it cannot run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from decoding import native
+from decoding.linears import PANEL_MAX_ROWS, PackedFloat32
+
+needs_kernel = pytest.mark.skipif(
+    not (native.supported_cpu() and native.compiler()), reason="needs an AVX2 x86-64 CPU and a C++ compiler"
+)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """``native.panel_gemm`` with its per-process cache cleared and the library built under ``tmp_path``."""
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    native.panel_gemm.cache_clear()
+    yield native.panel_gemm
+    native.panel_gemm.cache_clear()
+
+
+@needs_kernel
+def test_the_kernel_builds_into_the_cache_and_loads(fresh, tmp_path):
+    gemm = fresh()
+    assert isinstance(gemm, native.PanelGemm)
+    assert native.library_path().is_relative_to(tmp_path) and native.library_path().exists()
+    assert fresh() is gemm  # one load per process
+
+
+@needs_kernel
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 19])
+@pytest.mark.parametrize("shape", [(40, 24), (576, 96), (96, 1536)])
+def test_the_kernel_equals_torch_to_rounding(count, shape):
+    torch.manual_seed(count)
+    weight, rows = torch.randn(*shape), torch.randn(count, shape[1])
+    gemm = native.panel_gemm()
+    got = gemm(rows, gemm.pack(weight))
+    torch.testing.assert_close(got, rows @ weight.t(), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_row_gives_the_same_bits_whatever_rows_share_the_call():
+    # Every tile shape (1..8 rows, and groups of 8 beyond) must run each element's FMA chain in the same order.
+    torch.manual_seed(0)
+    gemm = native.panel_gemm()
+    panels = gemm.pack(torch.randn(200, 576))
+    rows = torch.randn(19, 576)
+    alone = torch.cat([gemm(rows[i : i + 1], panels) for i in range(19)])
+    for count in range(2, 20):
+        assert torch.equal(gemm(rows[:count], panels), alone[:count]), count
+
+
+def test_packing_needs_whole_panels():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        native.PanelGemm.pack(torch.randn(12, 4))
+
+
+def test_disabled_by_the_environment(fresh, monkeypatch):
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    assert fresh() is None
+
+
+@needs_kernel
+def test_a_failed_build_falls_back_with_a_warning(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    with caplog.at_level(logging.WARNING, logger="decoding.native"):
+        assert fresh() is None
+    assert "oneDNN" in caplog.text
+
+
+def test_no_compiler_falls_back(fresh, monkeypatch):
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    monkeypatch.setattr(native, "supported_cpu", lambda: True)
+    assert fresh() is None
+
+
+@needs_kernel
+def test_packed_float32_runs_decode_steps_on_the_panel_kernel_with_one_thread(monkeypatch):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 576), torch.randn(96)
+    kernel = PackedFloat32(weight, bias)
+    assert kernel.gemm is not None
+    rows = torch.randn(PANEL_MAX_ROWS, 576)
+    assert torch.equal(kernel(rows), kernel.gemm(rows, kernel.panels) + bias)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # several threads: oneDNN's parallel GEMM instead
+    torch.testing.assert_close(kernel(rows), rows @ weight.t() + bias, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_float32_without_the_kernel_keeps_the_torch_paths(monkeypatch):
+    monkeypatch.setattr(native, "panel_gemm", lambda: None)
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64)
+    kernel = PackedFloat32(weight, None)
+    assert kernel.gemm is None and kernel.transposed is not None
+    for count in (1, 5):
+        rows = torch.randn(count, 64)
+        torch.testing.assert_close(kernel(rows), rows @ weight.t(), rtol=1e-5, atol=1e-5)
