@@ -66,6 +66,7 @@ from bench.settings import Resolved, describe, resolve
 from decoding.decoder import QUANTIZE, WEIGHT_LAYOUTS, Decoder, check_linear_options, configure_threads, prepare_linears
 from decoding.errors import DecodingError
 from decoding.loading import LoadedModel, load_model
+from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig
 
 SERVER_DEFAULT = "default: the server's"
@@ -206,20 +207,24 @@ def measure_prompts(
     methods: Sequence[str],
     source: str,
     output: str | None,
+    memory: NGramMemory | None = None,
 ) -> tuple[list[RunRecord], dict[str, object]]:
     """Print the header, run ``methods`` on ``prompts`` interleaved (``bench.measure.run_benchmark``) with
-    progress lines (saved to ``output`` as they come when given); return the runs and the JSON settings."""
+    progress lines (saved to ``output`` as they come when given); return the runs and the JSON settings. With
+    ``memory``, every lookahead decode (warm-up included) shares it."""
     args = resolved.args
     config = lookahead_config(args)
     env = environment(loaded, args.threads, linears)
     print(header(env, benchmark_lines(source, len(prompts), args.max_tokens, methods, config)), flush=True)
-    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy)
+    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy, memory)
     eos = Decoder(loaded).eos_token_ids()
     settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
     progress = print_progress(len(prompts) * len(methods))
     if output:
         progress = saving_progress(output, settings, progress)
-    return run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress), settings
+    forget = memory.clear if memory is not None else None  # the warm-up's outputs must not reach the prompts
+    runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress, forget)
+    return runs, settings
 
 
 def run_decode_benchmark(

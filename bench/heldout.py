@@ -12,7 +12,10 @@ the greedy loop, whether every method's output was the same) and the totals (per
 overall and median speed-up vs greedy, identical outputs; and on how many prompts lookahead took no more steps
 than prompt lookup), and with ``--output`` writes JSON ``{"config", "runs", "prompts", "summary"}``.
 
-``--preset cpu|cuda`` names whose lookahead settings and batch policy run (default: this device's); the model
+``--memory-tokens N`` gives lookahead's decodes one shared ``NGramMemory`` of N tokens, as a server's requests
+share theirs: each prompt can draw on the outputs of the prompts before it in the run (the warm-up's are
+forgotten); prompt lookup and greedy run without. ``--preset cpu|cuda`` names whose lookahead settings and batch
+policy run (default: this device's); the model
 loads as this device's preset says either way. ``--preset cuda --methods lookahead,prompt_lookup`` on a CPU
 counts the GPU setting's tokens per step, which is what it buys where a step's cost hardly grows with its size;
 its times on a CPU say nothing about a GPU. Every other flag overrides one setting, as in ``python -m bench``.
@@ -44,6 +47,7 @@ from bench.settings import Resolved, resolve
 from decoding.decoder import check_linear_options
 from decoding.errors import DecodingError
 from decoding.loading import LoadedModel
+from decoding.memory import NGramMemory
 
 HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup")
 CODE_MAX_TOKENS = 256
@@ -86,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", default=",".join(HELDOUT_METHODS),
                         help=f"comma list of {', '.join(HELDOUT_METHODS)} (lookahead required; default all)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
+    parser.add_argument("--memory-tokens", type=int, default=0,
+                        help="lookahead's decodes share a server-wide n-gram memory of this many tokens, as the "
+                             "server's do (its default: 200000), starting empty (0: none, each decode alone)")
     add_lookahead_flags(parser)
     add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
@@ -107,8 +114,8 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
     args = parser.parse_args(argv)
     if args.max_tokens is None:
         args.max_tokens = CODE_MAX_TOKENS if args.dataset == "humaneval" else CHAT_MAX_TOKENS
-    if args.max_tokens < 1 or args.warmup < 0 or args.limit < 0 or args.prompt_lookup_tokens < 1:
-        parser.error("--max-tokens and --prompt-lookup-tokens must be >= 1, --warmup and --limit >= 0")
+    if args.max_tokens < 1 or min(args.warmup, args.limit, args.memory_tokens) < 0 or args.prompt_lookup_tokens < 1:
+        parser.error("--max-tokens and --prompt-lookup-tokens must be >= 1, --warmup, --limit and --memory-tokens >= 0")
     try:
         parse_heldout_methods(args.methods)
         resolved = resolve(args, args.preset)
@@ -230,9 +237,13 @@ def run_heldout(
     specs = load_split(args.dataset, args.split, args.limit or None)
     prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec)) for spec in specs]
     source = f"{args.dataset} {args.split} split, preset {resolved.preset}"
+    memory = NGramMemory(args.memory_tokens) if args.memory_tokens else None
+    if memory is not None:
+        source += f", shared memory of {args.memory_tokens} tokens (filled by the earlier prompts)"
     runs, settings = measure_prompts(
-        resolved, loaded, linears, transformers_model, prompts, methods, source, args.output
+        resolved, loaded, linears, transformers_model, prompts, methods, source, args.output, memory
     )
+    settings["memory_tokens"] = args.memory_tokens
     rows = compare(runs)
     totals, summary = total_lines(runs, rows)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(rows)))

@@ -28,9 +28,10 @@ import torch
 from transformers import PreTrainedModel
 
 from decoding.batch import BatchPolicy, step_batch
-from decoding.engine import DecodeStream, Step, context_length, generate_autoregressive, generate_lookahead
+from decoding.engine import DecodeStream, Step, context_length, generate_autoregressive
 from decoding.errors import InvalidParameterError
 from decoding.kv_cache import SlotCache, new_cache
+from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 
 METHODS = ("greedy", "lookahead", "generate", "prompt_lookup")
@@ -112,10 +113,12 @@ def decode_lookahead(
     stop: StopCriteria,
     config: LookaheadConfig,
     policy: BatchPolicy | None = None,
+    memory: NGramMemory | None = None,
 ) -> Decoded:
     """Greedy lookahead decoding with ``config``: through ``step_batch`` under ``policy`` when one is given (as
-    the server runs it), else by iterating the generator."""
-    stream = generate_lookahead(model, prompt_ids, stop, SamplingParams(), config)
+    the server runs it), else by iterating the generator. With ``memory`` (the server-wide n-gram memory) the
+    decode draws candidates from it and, once finished, adds its output to it, as a server request does."""
+    stream = DecodeStream(model, prompt_ids, stop, SamplingParams(), config, memory=memory)
     return _collect(stream if policy is None else batched_steps(stream, policy))
 
 
@@ -172,10 +175,12 @@ def make_runners(
     prompt_lookup_tokens: int,
     transformers_model: PreTrainedModel | None = None,
     policy: BatchPolicy | None = None,
+    memory: NGramMemory | None = None,
 ) -> dict[str, Runner]:
     """Map each method name (see ``METHODS``) to its runner, in the given order. ``transformers_model``, when
     given, is the model ``generate`` and ``prompt_lookup`` run on (the others run on the benchmark's model);
-    ``policy``, when given, is the ``BatchPolicy`` lookahead steps under (see ``decode_lookahead``)."""
+    ``policy`` and ``memory``, when given, are the ``BatchPolicy`` lookahead steps under and the n-gram memory
+    all its decodes share (see ``decode_lookahead``)."""
     transformers_methods: dict[str, Runner] = {
         "generate": decode_generate,
         "prompt_lookup": partial(decode_generate, prompt_lookup_tokens=prompt_lookup_tokens),
@@ -184,7 +189,7 @@ def make_runners(
         transformers_methods = {name: _on_model(transformers_model, run) for name, run in transformers_methods.items()}
     table: dict[str, Runner] = {
         "greedy": decode_greedy,
-        "lookahead": partial(decode_lookahead, config=lookahead, policy=policy),
+        "lookahead": partial(decode_lookahead, config=lookahead, policy=policy, memory=memory),
         **transformers_methods,
     }
     return {name: table[name] for name in methods}
@@ -237,10 +242,12 @@ def run_benchmark(
     stop_token_ids: frozenset[int] = frozenset(),
     warmup: int = 1,
     progress: Callable[[RunRecord], None] | None = None,
+    after_warmup: Callable[[], None] | None = None,
 ) -> list[RunRecord]:
     """Run every method on every ``(id, token ids)`` prompt, interleaved; return the records in run order.
 
-    Before timing, each method decodes ``warmup`` times ``WARMUP_TOKENS`` tokens of the first prompt.
+    Before timing, each method decodes ``warmup`` times ``WARMUP_TOKENS`` tokens of the first prompt; then
+    ``after_warmup`` is called (e.g. to forget what a shared memory learnt from them).
     """
     stop = StopCriteria(max_tokens, frozenset(stop_token_ids))
     if prompts and warmup > 0:
@@ -248,6 +255,8 @@ def run_benchmark(
         for _ in range(warmup):
             for runner in runners.values():
                 runner(model, prompts[0][1], short)
+    if after_warmup is not None:
+        after_warmup()
     records = []
     for index, (prompt_id, prompt_ids) in enumerate(prompts):
         for method in rotation(list(runners), index):

@@ -69,6 +69,10 @@ class NGramMemory:
         self._first = 0  # absolute position of the oldest stored token
         self._next = 0  # absolute position the next token gets
 
+    def clear(self) -> None:
+        """Forget every document (the memory is then as new)."""
+        self.__init__(self.max_tokens, self.max_occurrences)
+
     def __len__(self) -> int:
         """Tokens stored."""
         return self._next - self._first

@@ -23,7 +23,7 @@ LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
     "ngram_size": (2, 16),
     "guess_set_size": (0, 64),
     "copy_length": (0, 64),
-    "copy_min_match": (1, 8),
+    "copy_min_match": (0, 8),
     "copy_candidates": (1, 8),
 }
 MAX_STEP_TOKENS = 1024
@@ -177,8 +177,9 @@ class LookaheadConfig:
       steps.
     - ``copy_candidates`` (1..8): continuations of different earlier occurrences a copy step verifies at once
       (best matches first; the shared memory adds up to as many of its own).
-    - ``copy_min_match`` (1..8): tokens before ``last`` that must match an earlier context for a copy step
-      (1 is prompt lookup's 2-gram match). Among matching occurrences a stronger match (up to 5) wins first.
+    - ``copy_min_match`` (0..8): tokens before ``last`` that must match an earlier context for a copy step
+      (1 is prompt lookup's 2-gram match, 0 its 1-gram fallback: any earlier occurrence of ``last``). Among
+      matching occurrences a stronger match (up to 5) wins first.
     - ``shared_memory``: draw candidates from, and add this decode's output to, the engine's server-wide n-gram
       memory (``decoding.memory.NGramMemory``) when the engine has one; False opts this decode out of both.
     """

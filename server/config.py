@@ -77,7 +77,8 @@ class LookaheadSettings(BaseModel):
         "copy_length", "copy steps: verify up to this many tokens copied from a matching context (0: off)"
     )
     copy_min_match: int = _lookahead_field(
-        "copy_min_match", "copy steps: tokens before the last one that must match the earlier context (1: a 2-gram)"
+        "copy_min_match",
+        "copy steps: tokens before the last one that must match the earlier context (1: a 2-gram, 0: any)",
     )
     copy_candidates: int = _lookahead_field(
         "copy_candidates", "copy steps: continuations of different earlier occurrences verified at once (a token tree)"

@@ -77,6 +77,18 @@ def test_heldout_runs_the_held_out_prompts_side_by_side(tmp_path: Path, capsys: 
     assert payload["config"]["lookahead"]["window_size"] == 2
 
 
+def test_heldout_with_a_shared_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_tiny_model(tmp_path / "model")
+    out = tmp_path / "heldout.json"
+    flags = ["--dataset", "chat", "--limit", "2", "--max-tokens", "12", "--memory-tokens", "4096"]
+    flags += ["--methods", "greedy,lookahead", "--output", str(out), "--warmup", "1"]
+    assert cli.main(tiny_argv(tmp_path / "model", *flags)) == 0
+    assert "shared memory of 4096 tokens" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert payload["config"]["memory_tokens"] == 4096
+    assert all(row["identical"] for row in payload["prompts"])
+
+
 def test_the_cuda_preset_counts_steps_on_a_cpu_without_greedy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ from bench import measure, report
 from decoding.batch import BatchPolicy
 from decoding.errors import InvalidParameterError
 from decoding.linears import pack_float32
+from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, StopCriteria
 from tests.conftest import tiny_llama
 
@@ -55,6 +56,29 @@ def test_run_benchmark_interleaves_methods_and_matches_greedy(model) -> None:
     assert all(run.seconds > 0 for run in runs)
     repetitive = grouped["lookahead"]["a"]  # the pool guesses right on this model: fewer forwards than tokens
     assert repetitive.steps < repetitive.new_tokens and repetitive.offered > 0 and repetitive.accepted > 0
+
+
+def test_lookahead_shares_a_memory_that_forgets_the_warm_up(model) -> None:
+    # As a server's requests do: each decode adds its output, later ones may draw on it; the warm-up's decodes of
+    # the first prompt must not reach its measured run.
+    memory = NGramMemory(10_000)
+    runners = measure.make_runners(["greedy", "lookahead"], LookaheadConfig(2, 3, 2, copy_length=8), 3,
+                                   memory=memory)
+    calls = []
+
+    def forget() -> None:
+        calls.append((memory.documents, len(memory)))
+        memory.clear()
+
+    prompts = [("a", [5, 9, 11, 5, 9, 11, 5, 9]), ("b", [5, 9, 11, 5, 9, 11, 5, 9])]
+    runs = measure.run_benchmark(model, prompts, runners, max_tokens=16, stop_token_ids=frozenset({EOS}), warmup=2,
+                                 after_warmup=forget)
+    assert calls == [(2, calls[0][1])] and calls[0][1] > 0  # called once, after both warm-up decodes
+    assert memory.documents == 2  # one document per measured lookahead decode
+    grouped = report.by_method(runs)
+    for prompt_id in ("a", "b"):
+        assert grouped["lookahead"][prompt_id].output_ids == grouped["greedy"][prompt_id].output_ids
+    assert grouped["lookahead"]["b"].steps <= grouped["lookahead"]["a"].steps  # b may copy a's output
 
 
 def test_transformers_methods_run_on_their_own_model_when_given_one(model) -> None:

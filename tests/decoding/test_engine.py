@@ -60,9 +60,11 @@ def test_lookahead_equals_greedy_over_grid(tiny_model, window_size, ngram_size, 
                         copy_candidates=4),
         LookaheadConfig(5, 4, 5, copy_length=32, copy_min_match=1, copy_candidates=3),
         LookaheadConfig(15, 5, 15, copy_length=48, copy_min_match=1, copy_candidates=4),
+        LookaheadConfig(5, 4, 5, copy_length=32, copy_min_match=0, copy_candidates=8),
     ],
     ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned", "gated-lazy", "gated",
-         "copy", "copy-long", "copy-2gram", "copy-3gram", "copies-lazy", "tree-window-copies", "tree-wide"],
+         "copy", "copy-long", "copy-2gram", "copy-3gram", "copies-lazy", "tree-window-copies", "tree-wide",
+         "copies-1gram"],
 )
 def test_lookahead_equals_greedy_for_variants(tiny_model, config):
     stop = StopCriteria(max_tokens=60)

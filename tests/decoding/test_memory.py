@@ -61,6 +61,15 @@ def test_rejects_an_empty_memory():
         NGramMemory(0)
 
 
+def test_clear_forgets_every_document():
+    memory = memory_of([1, 2, 3, 4], [9, 2, 3, 5])
+    memory.clear()
+    assert (len(memory), memory.documents) == (0, 0)
+    assert memory.candidates([7, 2, 3], length=2, limit=2, min_match=0) == []
+    memory.add([1, 2, 3, 6])  # usable again, with the same bounds
+    assert memory.candidates([7, 2, 3], length=2, limit=2, min_match=0) == [(6,)]
+
+
 def test_empty_document_stores_nothing():
     memory = memory_of([], [1, 2])
     assert (len(memory), memory.documents) == (2, 1)
