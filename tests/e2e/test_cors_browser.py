@@ -5,14 +5,11 @@ missing (``make test`` installs them)."""
 
 from __future__ import annotations
 
-import http.server
-import threading
 from collections.abc import Iterator
 
 import pytest
 
-from server.spawn import free_port
-from tests.e2e.conftest import API_KEY, PAGE_PORT
+from tests.e2e.conftest import API_KEY, page_server
 from tests.e2e.test_playground_browser import browser  # noqa: F401  (the shared Chromium fixture)
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -30,29 +27,11 @@ fetch(base + "/v1/chat/completions", {
 """
 
 
-class _Page(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
-        body = b"<!doctype html><title>another origin</title>"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def pages() -> Iterator[dict[str, str]]:
+def pages(allowed_origin: str) -> Iterator[dict[str, str]]:
     """Blank pages on two loopback origins: the one the session's server allows, and another."""
-    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", port), _Page) for port in (PAGE_PORT, free_port())]
-    for server in servers:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield {name: f"http://127.0.0.1:{server.server_address[1]}/"
-           for name, server in zip(("allowed", "other"), servers, strict=True)}
-    for server in servers:
-        server.shutdown()
+    with page_server() as other:
+        yield {"allowed": f"{allowed_origin}/", "other": f"{other}/"}
 
 
 def fetch_from(browser, page: str, base_url: str, stream: bool) -> dict:  # noqa: F811
