@@ -8,6 +8,7 @@ import importlib
 import pytest
 
 MODULES = [
+    "bench.oracle",
     "bench.tune",
     "decoding.fetch",
     "decoding.memory",
