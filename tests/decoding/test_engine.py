@@ -298,7 +298,7 @@ def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
         (LookaheadConfig(copy_candidates=0), "copy_candidates"),
         (LookaheadConfig(copy_candidates=9), "copy_candidates"),
         (LookaheadConfig(copy_length=-1), "copy_length"),
-        (LookaheadConfig(copy_min_match=0), "copy_min_match"),
+        (LookaheadConfig(copy_min_match=-1), "copy_min_match"),
         (LookaheadConfig(copy_min_match=9), "copy_min_match"),
         (LookaheadConfig(ngram_size=1), "ngram_size"),
         (LookaheadConfig(guess_set_size=-1), "guess_set_size"),
