@@ -171,15 +171,15 @@ def require_float32_cpu(model: PreTrainedModel, parameter: str, what: str) -> No
 # --- float32, laid out for the CPU ------------------------------------------------------------------------
 
 
-PANEL_MAX_ROWS = 16  # the panel kernel's largest product: as fast as oneDNN at 16 rows, slower beyond (docs/design.md)
+PANEL_MAX_ROWS = 24  # the panel kernel's largest product: as fast as oneDNN at 24 rows, slower beyond (docs/design.md)
 
 
 class PackedFloat32:
     """``rows @ W^T + b`` in float32 from two copies of ``W`` laid out for the CPU's two cases.
 
     - Up to ``PANEL_MAX_ROWS`` rows (decode steps) on one thread, where the native panel kernel runs
-      (``decoding.native``): ``W`` in column panels, streamed once per 8 rows. One to two rows cost the same
-      here, 4 rows 1.3x and 8 rows 2x one row (oneDNN: 1.5x, 2.4x and 2.7x MKL's one-row product), and a row's
+      (``decoding.native``): ``W`` in column panels, streamed once whatever the number of rows. A whole forward of
+      2 tokens costs 1.1x one token's here, 4 tokens 1.2x, 8 tokens 1.3x and 16 tokens 1.6x, and a row's
       result is the same bit for bit whatever other rows share the call, so a token's logits do not depend on
       the size of the step that computed it.
     - Without the panel kernel, one row: ``row @ W^T`` with ``W^T`` stored contiguous, [K, N]. MKL's

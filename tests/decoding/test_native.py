@@ -34,7 +34,7 @@ def test_the_kernel_builds_into_the_cache_and_loads(fresh, tmp_path):
 
 
 @needs_kernel
-@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 19])
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 19, 24, 26])
 @pytest.mark.parametrize("shape", [(40, 24), (576, 96), (96, 1536)])
 def test_the_kernel_equals_torch_to_rounding(count, shape):
     torch.manual_seed(count)
@@ -45,14 +45,17 @@ def test_the_kernel_equals_torch_to_rounding(count, shape):
 
 
 @needs_kernel
-def test_a_row_gives_the_same_bits_whatever_rows_share_the_call():
-    # Every tile shape (1..8 rows, and groups of 8 beyond) must run each element's FMA chain in the same order.
+@pytest.mark.parametrize("shape", [(200, 576), (96, 1536), (40, 24), (64, 33)])
+def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(shape):
+    # Every path (1-3 rows across all panels; 4+ rows in bands of 3 panels and 1 left over, blocks of K, groups of
+    # four rows and a remainder) must run each element's FMA chain in the same order. The shapes leave 1 or 2
+    # panels over after the bands of 3 and cut K into whole and partial blocks.
     torch.manual_seed(0)
     gemm = native.panel_gemm()
-    panels = gemm.pack(torch.randn(200, 576))
-    rows = torch.randn(19, 576)
-    alone = torch.cat([gemm(rows[i : i + 1], panels) for i in range(19)])
-    for count in range(2, 20):
+    panels = gemm.pack(torch.randn(*shape))
+    rows = torch.randn(PANEL_MAX_ROWS + 2, shape[1])
+    alone = torch.cat([gemm(rows[i : i + 1], panels) for i in range(len(rows))])
+    for count in range(2, len(rows) + 1):
         assert torch.equal(gemm(rows[:count], panels), alone[:count]), count
 
 
