@@ -171,23 +171,21 @@ def require_float32_cpu(model: PreTrainedModel, parameter: str, what: str) -> No
 # --- float32, laid out for the CPU ------------------------------------------------------------------------
 
 
-PANEL_MAX_ROWS = 24  # the panel kernel's largest product: as fast as oneDNN at 24 rows, slower beyond (docs/design.md)
-
-
 class PackedFloat32:
     """``rows @ W^T + b`` in float32 from two copies of ``W`` laid out for the CPU's two cases.
 
-    - Up to ``PANEL_MAX_ROWS`` rows (decode steps) on one thread, where the native panel kernel runs
-      (``decoding.native``): ``W`` in column panels, streamed once whatever the number of rows. A whole forward of
-      2 tokens costs 1.1x one token's here, 4 tokens 1.2x, 8 tokens 1.3x and 16 tokens 1.6x, and a row's
-      result is the same bit for bit whatever other rows share the call, so a token's logits do not depend on
-      the size of the step that computed it.
+    - On one thread, any number of rows (decode steps and prefill chunks), where the native panel kernel runs
+      (``decoding.native``): ``W`` in column panels, streamed once whatever the number of rows. A whole forward
+      of 2 tokens cost 1.1x one token's on the machine it was measured on, 4 tokens 1.2x, 8 tokens 1.3x and 16
+      tokens 1.6x; 128 tokens 0.56x what oneDNN took inside the same forward (docs/design.md). A row's result
+      is the same bit for bit whatever other rows share the call, so a token's logits do not depend on the
+      size of the step (or prefill chunk) that computed it.
     - Without the panel kernel, one row: ``row @ W^T`` with ``W^T`` stored contiguous, [K, N]. MKL's
       matrix-vector product then streams the weight at about 20 GB/s on this CPU, against about 12 GB/s for
       the [N, K] layout ``nn.Linear`` keeps.
-    - More rows (prefill, large batches) or no panel kernel: oneDNN's matmul on a weight reordered once into
-      its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``); each output row is a function of its
-      own input row alone, bit for bit.
+    - Several rows without the panel kernel, or several threads: oneDNN's matmul on a weight reordered once
+      into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``); each output row is a function of
+      its own input row alone, bit for bit.
 
     The paths agree to float32 rounding (about 1e-6 relative), as a one-row and a many-row ``nn.Linear`` do.
     Memory: two float32 copies of every weight.
@@ -202,7 +200,7 @@ class PackedFloat32:
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         count = rows.shape[0]
-        if self.gemm is not None and count <= PANEL_MAX_ROWS and torch.get_num_threads() == 1:
+        if self.gemm is not None and torch.get_num_threads() == 1:
             out = self.gemm(rows, self.panels)
         elif count == 1 and self.transposed is not None:
             out = rows @ self.transposed
