@@ -13,8 +13,10 @@ the generators. Everything crossing this boundary is plain Python data.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -25,11 +27,12 @@ from decoding.errors import InvalidParameterError
 from decoding.grammar import Constraint, Grammar, GrammarCompiler
 from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
 from decoding.loading import LoadedModel, load_model
-from decoding.memory import NGramMemory
+from decoding.memory import MemoryFileError, NGramMemory, load_memory, save_memory, vocabulary_id
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
 
 QUANTIZE = ("none", "int8")
+log = logging.getLogger(__name__)
 WEIGHT_LAYOUTS = ("auto", "packed", "torch")
 
 
@@ -142,12 +145,34 @@ class Decoder:
         """A fresh constraint for ``sampling.grammar`` (None without one)."""
         return None if sampling.grammar is None else self.grammars.constraint(sampling.grammar)
 
-    def batch_engine(self, policy: BatchPolicy | None = None, memory_tokens: int = 0) -> BatchEngine:
+    @functools.cached_property
+    def vocabulary_id(self) -> str:
+        """The id of this tokenizer's vocabulary that memory files are saved under (``decoding.memory``)."""
+        return vocabulary_id(self.loaded.tokenizer.get_vocab())
+
+    def batch_engine(
+        self, policy: BatchPolicy | None = None, memory_tokens: int = 0, memory_file: str | None = None
+    ) -> BatchEngine:
         """A new, empty continuous batch over this model that spends each forward's tokens as ``policy`` says
         (``BatchPolicy()`` when None), with a server-wide ``NGramMemory(memory_tokens)`` shared by its decodes
-        (none when ``memory_tokens`` is 0; each decode's ``LookaheadConfig.shared_memory`` opts it out)."""
+        (none when ``memory_tokens`` is 0; each decode's ``LookaheadConfig.shared_memory`` opts it out). With a
+        ``memory_file`` that exists, the memory starts with the documents saved there (``save_memory``); one
+        that cannot be used (another vocabulary, unreadable) is logged as a warning and the memory starts empty."""
         memory = NGramMemory(memory_tokens) if memory_tokens > 0 else None
+        if memory is not None and memory_file is not None and Path(memory_file).exists():
+            try:
+                count = load_memory(memory, memory_file, self.vocabulary_id)
+                log.info("n-gram memory: %d documents (%d tokens) from %s", count, len(memory), memory_file)
+            except MemoryFileError as error:
+                log.warning("n-gram memory starts empty: %s", error)
         return BatchEngine(self.loaded.model, policy or BatchPolicy(), memory=memory, grammars=self.grammars)
+
+    def save_memory(self, engine: BatchEngine, memory_file: str) -> int | None:
+        """Write ``engine``'s n-gram memory to ``memory_file`` (None, nothing written, when it has none); return
+        the documents written. Call it when no thread steps ``engine`` (at shutdown). Raises ``OSError``."""
+        if engine.memory is None:
+            return None
+        return save_memory(engine.memory, memory_file, self.vocabulary_id)
 
     def decode(
         self,

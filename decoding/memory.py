@@ -18,13 +18,25 @@ its pair) plus one dictionary entry per distinct token and pair stored: about 11
 Not thread-safe: one thread (the engine's, which owns the device) adds and looks up. Candidates are guesses
 only: whoever verifies them decides what is kept, so the memory can change how fast a decode runs, never its
 greedy output.
+
+Persistence: ``snapshot()`` lists the stored documents, oldest first; ``save_memory(memory, path, vocabulary)``
+writes them to a gzipped JSON file (atomically: written beside it, then renamed) under the id of the tokenizer's
+vocabulary that gives the ids their meaning (``vocabulary_id``), and ``load_memory(memory, path, vocabulary)``
+adds a saved file's documents to a memory, oldest first, so a restarted server starts with what it had learned
+(or with a memory built from other text). A file of another vocabulary, or one that cannot be read, raises
+``MemoryFileError`` and adds nothing.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import json
+import os
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from decoding.pool import ContextIndex
 
@@ -105,6 +117,11 @@ class NGramMemory:
             previous = token
         self._documents.append((start, end))
         self._next = end
+
+    def snapshot(self) -> list[list[int]]:
+        """The stored documents, oldest first (``add``-ing them in order to an empty memory of the same size
+        rebuilds this one)."""
+        return [list(self._read(start, end - start)) for start, end in self._documents]
 
     def _evict_oldest(self) -> None:
         """Drop the oldest document, and every index key whose latest position it held."""
@@ -233,3 +250,62 @@ class _Chains:
 def _int64s(size: int) -> array:
     """A zeroed int64 array of ``size`` entries."""
     return array("q", bytes(8 * size))
+
+
+FILE_FORMAT = "lookahead-server n-gram memory"
+FILE_VERSION = 1
+
+
+class MemoryFileError(ValueError):
+    """A memory file that cannot be read, is not one, or was saved for another vocabulary."""
+
+
+def vocabulary_id(vocabulary: Mapping[str, int]) -> str:
+    """A short id of a tokenizer's vocabulary (token text -> id): memory files are only valid for the same one.
+
+    >>> vocabulary_id({"a": 0, "b": 1}) == vocabulary_id({"b": 1, "a": 0}) != vocabulary_id({"a": 1, "b": 0})
+    True
+    """
+    digest = hashlib.sha256()
+    for text, token in sorted(vocabulary.items(), key=lambda item: item[1]):
+        digest.update(f"{token}\t{text}\n".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()[:16]
+
+
+def save_memory(memory: NGramMemory, path: str | Path, vocabulary: str) -> int:
+    """Write ``memory``'s documents to ``path`` under the vocabulary id ``vocabulary``; return how many."""
+    path = Path(path)
+    documents = memory.snapshot()
+    header = {"format": FILE_FORMAT, "version": FILE_VERSION, "vocabulary": vocabulary, "tokens": len(memory)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    with gzip.open(partial, "wt", encoding="utf-8") as sink:
+        json.dump({**header, "documents": documents}, sink, separators=(",", ":"))
+    partial.replace(path)
+    return len(documents)
+
+
+def load_memory(memory: NGramMemory, path: str | Path, vocabulary: str) -> int:
+    """Add the documents saved in ``path`` to ``memory`` (oldest first, evicting as ``add`` does); return how
+    many were read. Raises ``MemoryFileError`` (nothing added) when the file cannot be read or parsed, is not a
+    memory file of this version, was saved under another vocabulary id, or holds anything but lists of token
+    ids."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as source:
+            saved = json.load(source)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise MemoryFileError(f"cannot read the memory file {path}: {error}") from error
+    if not isinstance(saved, dict) or saved.get("format") != FILE_FORMAT or saved.get("version") != FILE_VERSION:
+        raise MemoryFileError(f"{path} is not a version-{FILE_VERSION} memory file")
+    if saved.get("vocabulary") != vocabulary:
+        raise MemoryFileError(f"{path} was saved for another vocabulary ({saved.get('vocabulary')}, not {vocabulary})")
+    documents = saved.get("documents")
+    valid = isinstance(documents, list) and all(
+        isinstance(document, list) and all(type(token) is int and 0 <= token < TOKEN_LIMIT for token in document)
+        for document in documents
+    )
+    if not valid:
+        raise MemoryFileError(f"{path}: documents must be lists of token ids")
+    for document in documents:
+        memory.add(document)
+    return len(documents)

@@ -121,6 +121,7 @@ class Runtime:
         self.decoder = decoder
         self.load_decoder = load_decoder or load_default_decoder
         self.engine: Engine | None = None
+        self.batch: serving.EngineLike | None = None  # the worker's continuous batch, once attached
         self.state = "loading"
         self.created = int(time.time())
         self.fingerprint = serving.system_fingerprint(config)
@@ -138,13 +139,17 @@ class Runtime:
                 self._boot_task.cancel()
             await self.drain(0.0)
             await asyncio.to_thread(self.worker.stop)
+            await asyncio.to_thread(self._save_memory)
 
     async def _boot(self) -> None:
         try:
             if self.decoder is None:
                 self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
-            memory_tokens = self.config.lookahead.memory_tokens
-            self.worker.attach(self.decoder.batch_engine(batch_policy(self.config), memory_tokens=memory_tokens))
+            settings = self.config.lookahead
+            self.batch = await asyncio.to_thread(
+                self.decoder.batch_engine, batch_policy(self.config), settings.memory_tokens, settings.memory_file
+            )
+            self.worker.attach(self.batch)
             codec = TextCodec(self.decoder.tokenizer, self.chat_template)
             engine = Engine(self.config, self.decoder, codec, self.scheduler)
             self._publish_config(engine)
@@ -158,6 +163,20 @@ class Runtime:
         except Exception:
             self.state = "failed"
             logger.exception("startup failed: the server will answer 503")
+
+    def _save_memory(self) -> None:
+        """At shutdown, once the worker has stopped: write the n-gram memory to ``lookahead.memory_file`` (when
+        one is configured); a failure is logged, never raised."""
+        path = self.config.lookahead.memory_file
+        if path is None or self.batch is None or self.decoder is None:
+            return
+        try:
+            documents = self.decoder.save_memory(self.batch, path)
+        except OSError as error:
+            logger.warning("could not save the n-gram memory to %s: %s", path, error)
+            return
+        if documents is not None:
+            logger.info("n-gram memory: %d documents saved to %s", documents, path)
 
     def _publish_config(self, engine: Engine) -> None:
         lookahead = self.config.lookahead

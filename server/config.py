@@ -88,6 +88,11 @@ class LookaheadSettings(BaseModel):
         description="server-wide n-gram memory: tokens of recent completions (all requests) offered as candidates "
         "to every request (0: off; ~110 bytes each; a request opts out with lookahead.shared_memory false)",
     )
+    memory_file: str | None = Field(
+        None,
+        description="keep the n-gram memory across restarts: loaded from this file at start when it exists (a file "
+        "of another tokenizer is skipped with a warning), written there at shutdown (gzipped JSON of token ids)",
+    )
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> LookaheadSettings:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from decoding.memory import NGramMemory
+from decoding.memory import MemoryFileError, NGramMemory, load_memory, save_memory, vocabulary_id
 
 
 def reference(documents: list[list[int]], tokens: list[int], length: int, limit: int, min_match: int) -> list[tuple]:
@@ -216,3 +216,82 @@ def test_lookup_time_in_a_full_memory():
     print(f"\nNGramMemory: {len(memory)} tokens in {memory.documents} documents filled in {filled * 1e3:.0f} ms; "
           f"{per_lookup * 1e6:.1f} us per lookup ({sum(map(bool, results))}/{len(results)} found candidates)")
     assert len(memory) <= 100_000
+
+
+def test_documents_list_what_is_stored_oldest_first_after_evictions():
+    memory = NGramMemory(max_tokens=10)
+    for document in ([1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12]):
+        memory.add(document)
+    assert memory.snapshot() == [[4, 5, 6, 7], [8, 9, 10, 11, 12]]  # the first no longer fits
+    wrapped = NGramMemory(max_tokens=10)
+    for document in memory.snapshot():
+        wrapped.add(document)
+    assert wrapped.snapshot() == memory.snapshot()
+
+
+def test_a_saved_memory_loads_back_into_a_new_one_with_the_same_candidates(tmp_path):
+    rng = random.Random(3)
+    memory = NGramMemory(max_tokens=500)
+    for _ in range(40):  # more than fits: the ring has wrapped and evicted before saving
+        memory.add([rng.randrange(30) for _ in range(rng.randrange(1, 40))])
+    path = tmp_path / "memory.json.gz"
+    assert save_memory(memory, path, "vocab-a") == memory.documents
+    restored = NGramMemory(max_tokens=500)
+    assert load_memory(restored, path, "vocab-a") == memory.documents
+    assert restored.snapshot() == memory.snapshot() and len(restored) == len(memory)
+    for _ in range(50):
+        tokens = [rng.randrange(30) for _ in range(6)]
+        for min_match in (0, 1, 2):
+            assert restored.candidates(tokens, 8, 4, min_match) == memory.candidates(tokens, 8, 4, min_match)
+
+
+def test_loading_into_a_smaller_memory_keeps_the_newest_documents(tmp_path):
+    memory = NGramMemory(max_tokens=100)
+    for start in range(0, 60, 10):
+        memory.add(list(range(start, start + 10)))
+    save_memory(memory, tmp_path / "m.gz", "v")
+    small = NGramMemory(max_tokens=25)
+    assert load_memory(small, tmp_path / "m.gz", "v") == 6  # read all six, kept what fits
+    assert small.snapshot() == [list(range(40, 50)), list(range(50, 60))]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read"),  # not gzip at all
+        ({"format": "something else", "version": 1}, "not a version-1 memory file"),
+        ({"format": "lookahead-server n-gram memory", "version": 1, "vocabulary": "other", "documents": []},
+         "another vocabulary"),
+        ({"format": "lookahead-server n-gram memory", "version": 1, "vocabulary": "v", "documents": [[1, -2]]},
+         "lists of token ids"),
+        ({"format": "lookahead-server n-gram memory", "version": 1, "vocabulary": "v", "documents": [["a"]]},
+         "lists of token ids"),
+    ],
+)
+def test_a_bad_memory_file_is_refused_and_adds_nothing(tmp_path, content, message):
+    import gzip
+    import json
+
+    path = tmp_path / "bad.gz"
+    if content is None:
+        path.write_text("plain text")
+    else:
+        with gzip.open(path, "wt") as sink:
+            json.dump(content, sink)
+    memory = NGramMemory(max_tokens=50)
+    memory.add([1, 2, 3])
+    with pytest.raises(MemoryFileError, match=message):
+        load_memory(memory, path, "v")
+    assert memory.snapshot() == [[1, 2, 3]]
+
+
+def test_a_missing_memory_file_is_a_memory_file_error(tmp_path):
+    with pytest.raises(MemoryFileError, match="cannot read"):
+        load_memory(NGramMemory(10), tmp_path / "absent.gz", "v")
+
+
+def test_vocabulary_id_depends_on_every_token_and_id():
+    vocabulary = {"a": 0, "b": 1, "c": 2}
+    assert vocabulary_id(vocabulary) == vocabulary_id(dict(reversed(list(vocabulary.items()))))
+    assert vocabulary_id(vocabulary) != vocabulary_id({"a": 0, "b": 1, "d": 2})
+    assert vocabulary_id(vocabulary) != vocabulary_id({"a": 0, "b": 2, "c": 1})

@@ -54,3 +54,35 @@ def test_lookahead_equals_greedy_on_the_real_model(real_model, greedy_outputs, c
     decoder = Decoder(real_model)
     for text, (ids, expected) in greedy_outputs.items():
         assert decode(decoder, ids, config, 40) == expected, text
+
+
+def engine_decode(engine, ids: list[int], config: LookaheadConfig, max_tokens: int) -> tuple[list[int], int]:
+    """One request through ``engine`` (a ``BatchEngine``): its tokens and its steps (forward passes)."""
+    stop = StopCriteria(max_tokens, frozenset())
+    engine.add("request", ids, stop, lookahead=config)
+    tokens, steps = [], 0
+    while engine.has_work:
+        for _, step in engine.step():
+            tokens.extend(step.token_ids)
+            steps += 1
+    return tokens, steps
+
+
+def test_a_saved_memory_serves_a_restarted_engine(real_model, greedy_outputs, tmp_path, caplog):
+    """A memory saved by one engine and loaded by the next (a server restart) offers the first engine's
+    completions: the same request takes fewer steps and returns the same tokens."""
+    decoder = Decoder(real_model)
+    ids, expected = greedy_outputs[MESSAGES[1]]
+    config = LookaheadConfig(2, 4, 4)
+    first = decoder.batch_engine(memory_tokens=10_000)
+    assert engine_decode(first, ids, config, 40)[0] == expected[:40]
+    path = str(tmp_path / "memory.json.gz")
+    assert decoder.save_memory(first, path) == 1
+    cold_tokens, cold_steps = engine_decode(decoder.batch_engine(memory_tokens=10_000), ids, config, 40)
+    warm_tokens, warm_steps = engine_decode(decoder.batch_engine(memory_tokens=10_000, memory_file=path), ids, config, 40)
+    assert cold_tokens == warm_tokens == expected[:40]
+    assert warm_steps < cold_steps // 2, (warm_steps, cold_steps)
+    assert decoder.save_memory(decoder.batch_engine(memory_tokens=0), path) is None  # no memory: nothing written
+    (tmp_path / "other.json.gz").write_bytes(b"not a memory file")
+    engine = decoder.batch_engine(memory_tokens=10_000, memory_file=str(tmp_path / "other.json.gz"))
+    assert len(engine.memory) == 0 and "starts empty" in caplog.text

@@ -94,6 +94,8 @@ class ScriptedDecoder:
     closed: list[str] = field(default_factory=list)
     raise_on_validate: Exception | None = None
     memory_tokens: int | None = None  # what the server asked batch_engine for
+    memory_file: str | None = None  # likewise
+    saved_memory: list[str] = field(default_factory=list)  # the files save_memory was called with, in order
     lookaheads: list[Any] = field(default_factory=list)  # the LookaheadConfig of each request added, in order
     validated: list[tuple[Any, Any]] = field(default_factory=list)  # (StopCriteria, SamplingParams) validated
 
@@ -107,9 +109,13 @@ class ScriptedDecoder:
         stop.validate()  # the real decoder's parameter checks (InvalidParameterError naming the field)
         sampling.validate()
 
-    def batch_engine(self, policy: Any = None, memory_tokens: int = 0) -> ScriptedEngine:
-        self.memory_tokens = memory_tokens
+    def batch_engine(self, policy: Any = None, memory_tokens: int = 0, memory_file: str | None = None) -> ScriptedEngine:
+        self.memory_tokens, self.memory_file = memory_tokens, memory_file
         return ScriptedEngine(self)
+
+    def save_memory(self, engine: ScriptedEngine, memory_file: str) -> int:
+        self.saved_memory.append(memory_file)
+        return 0
 
     def steps_for(self, prompt_ids: Sequence[int], max_tokens: int) -> Iterator[Step]:
         """The scripted steps of one request: the script its prompt's text selects."""

@@ -71,6 +71,22 @@ async def test_shared_memory_size_and_opt_out_reach_the_engine(tokenizer):
     assert [config.shared_memory for config in decoder.lookaheads] == [True, False, True]
 
 
+async def test_the_memory_file_is_loaded_at_start_and_saved_once_at_shutdown(tokenizer, tmp_path):
+    decoder = ScriptedDecoder(tokenizer, lambda text: Script(token_steps(tokenizer, [" one"])))
+    path = str(tmp_path / "memory.json.gz")
+    async with running_app(make_config(lookahead={"memory_file": path}), decoder) as (_, client):
+        assert (await client.post("/v1/chat/completions", json=chat_body("Hi.", **GREEDY))).status_code == 200
+        assert decoder.memory_file == path and decoder.saved_memory == []  # nothing saved while serving
+    assert decoder.saved_memory == [path]
+
+
+async def test_without_a_memory_file_nothing_is_saved(tokenizer):
+    decoder = ScriptedDecoder(tokenizer, lambda text: Script(token_steps(tokenizer, [" one"])))
+    async with running_app(make_config(), decoder) as (_, client):
+        assert (await client.post("/v1/chat/completions", json=chat_body("Hi.", **GREEDY))).status_code == 200
+    assert decoder.memory_file is None and decoder.saved_memory == []
+
+
 async def test_chat_stream_chunk_sequence_with_usage(client):
     body = chat_body("Say hello.", **GREEDY, stream=True, stream_options={"include_usage": True})
     response = await client.post("/v1/chat/completions", json=body)
