@@ -208,10 +208,12 @@ def measure_prompts(
     source: str,
     output: str | None,
     memory: NGramMemory | None = None,
+    reset_memory: Callable[[], None] | None = None,
 ) -> tuple[list[RunRecord], dict[str, object]]:
     """Print the header, run ``methods`` on ``prompts`` interleaved (``bench.measure.run_benchmark``) with
     progress lines (saved to ``output`` as they come when given); return the runs and the JSON settings. With
-    ``memory``, every lookahead decode (warm-up included) shares it."""
+    ``memory``, every lookahead decode (warm-up included) shares it; after the warm-up ``reset_memory`` (default:
+    ``memory.clear``) puts it back as it was before."""
     args = resolved.args
     config = lookahead_config(args)
     env = environment(loaded, args.threads, linears)
@@ -222,7 +224,7 @@ def measure_prompts(
     progress = print_progress(len(prompts) * len(methods))
     if output:
         progress = saving_progress(output, settings, progress)
-    forget = memory.clear if memory is not None else None  # the warm-up's outputs must not reach the prompts
+    forget = reset_memory or (memory.clear if memory is not None else None)  # the warm-up's outputs must not stay
     runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress, forget)
     return runs, settings
 
@@ -297,13 +299,17 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout`` as the first
-    argument runs ``bench.heldout`` with the rest."""
+    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout`` or ``memory``
+    as the first argument runs ``bench.heldout`` or ``bench.memory`` with the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
 
         return heldout.main(argv[1:])
+    if argv[:1] == ["memory"]:
+        from bench import memory
+
+        return memory.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:

@@ -14,7 +14,9 @@ than prompt lookup), and with ``--output`` writes JSON ``{"config", "runs", "pro
 
 ``--memory-tokens N`` gives lookahead's decodes one shared ``NGramMemory`` of N tokens, as a server's requests
 share theirs: each prompt can draw on the outputs of the prompts before it in the run (the warm-up's are
-forgotten); prompt lookup and greedy run without. ``--preset cpu|cuda`` names whose lookahead settings and batch
+forgotten); prompt lookup and greedy run without. ``--memory-file PATH`` (a file ``python -m bench memory`` wrote
+from tune-split prompts, or a server's ``--memory-file``) starts that memory from the file instead of empty (the
+memory then defaults to the server's 200,000 tokens): a server that has answered those requests before. ``--preset cpu|cuda`` names whose lookahead settings and batch
 policy run (default: this device's); the model
 loads as this device's preset says either way. ``--preset cuda --methods lookahead,prompt_lookup`` on a CPU
 counts the GPU setting's tokens per step, which is what it buys where a step's cost hardly grows with its size;
@@ -44,15 +46,16 @@ from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, l
 from bench.measure import WARMUP_TOKENS, RunRecord, parse_methods
 from bench.report import by_method, first_difference, format_table, summarize
 from bench.settings import Resolved, resolve
-from decoding.decoder import check_linear_options
+from decoding.decoder import Decoder, check_linear_options
 from decoding.errors import DecodingError
 from decoding.loading import LoadedModel
-from decoding.memory import NGramMemory
+from decoding.memory import MemoryFileError, NGramMemory, load_memory
 
 HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup")
 CODE_MAX_TOKENS = 256
 CHAT_MAX_TOKENS = 192
 PRESETS = ("cpu", "cuda")
+SERVER_MEMORY_TOKENS = 200_000
 PROMPT_HEADERS = (
     "prompt", "tokens", "lookahead steps", "tok/step", "prompt lookup steps", "tok/step", "lookahead vs greedy",
     "prompt lookup vs greedy", "identical",
@@ -93,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-tokens", type=int, default=0,
                         help="lookahead's decodes share a server-wide n-gram memory of this many tokens, as the "
                              "server's do (its default: 200000), starting empty (0: none, each decode alone)")
+    parser.add_argument("--memory-file", metavar="PATH",
+                        help="start the shared memory from this memory file (python -m bench memory); implies "
+                             "--memory-tokens 200000 unless given")
     add_lookahead_flags(parser)
     add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
@@ -114,6 +120,8 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
     args = parser.parse_args(argv)
     if args.max_tokens is None:
         args.max_tokens = CODE_MAX_TOKENS if args.dataset == "humaneval" else CHAT_MAX_TOKENS
+    if args.memory_file and not args.memory_tokens:
+        args.memory_tokens = SERVER_MEMORY_TOKENS
     if args.max_tokens < 1 or min(args.warmup, args.limit, args.memory_tokens) < 0 or args.prompt_lookup_tokens < 1:
         parser.error("--max-tokens and --prompt-lookup-tokens must be >= 1, --warmup, --limit and --memory-tokens >= 0")
     try:
@@ -238,12 +246,24 @@ def run_heldout(
     prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec)) for spec in specs]
     source = f"{args.dataset} {args.split} split, preset {resolved.preset}"
     memory = NGramMemory(args.memory_tokens) if args.memory_tokens else None
-    if memory is not None:
+    reset = None
+    if memory is not None and args.memory_file:
+        vocabulary = Decoder(loaded).vocabulary_id
+
+        def reset() -> None:
+            memory.clear()
+            load_memory(memory, args.memory_file, vocabulary)
+
+        reset()
+        source += (f", shared memory of {args.memory_tokens} tokens starting with {memory.documents} documents of "
+                   f"{args.memory_file} (then the earlier prompts')")
+    elif memory is not None:
         source += f", shared memory of {args.memory_tokens} tokens (filled by the earlier prompts)"
     runs, settings = measure_prompts(
-        resolved, loaded, linears, transformers_model, prompts, methods, source, args.output, memory
+        resolved, loaded, linears, transformers_model, prompts, methods, source, args.output, memory, reset
     )
     settings["memory_tokens"] = args.memory_tokens
+    settings["memory_file"] = args.memory_file
     rows = compare(runs)
     totals, summary = total_lines(runs, rows)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(rows)))
@@ -264,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_split(args.dataset, args.split, 1)  # fetch the prompt set before the model
         loaded, linears = start(resolved)
         payload = run_heldout(resolved, loaded, linears, transformers_twin(args, linears))
-    except (DecodingError, DatasetError) as error:
+    except (DecodingError, DatasetError, MemoryFileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.output:

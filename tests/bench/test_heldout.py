@@ -9,6 +9,8 @@ import pytest
 
 from bench import cli, heldout
 from bench.measure import RunRecord
+from decoding.decoder import Decoder
+from decoding.memory import NGramMemory, load_memory
 from server.config import load_config
 from tests.bench.helpers import fake_prompt_sets, save_tiny_model
 
@@ -52,7 +54,8 @@ def test_arguments_default_by_dataset_and_reject_other_methods(capsys: pytest.Ca
             heldout.parse(parser, ["--methods", methods])
     assert "lookahead" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        heldout.parse(parser, ["--dataset", "mtbench"])
+        heldout.parse(parser, ["--dataset", "mt-bench"])
+    assert heldout.parse(parser, ["--device", "cpu", "--memory-file", "m.gz"]).args.memory_tokens == 200_000
 
 
 def tiny_argv(model: Path, *flags: str) -> list[str]:
@@ -87,6 +90,36 @@ def test_heldout_with_a_shared_memory(tmp_path: Path, capsys: pytest.CaptureFixt
     payload = json.loads(out.read_text())
     assert payload["config"]["memory_tokens"] == 4096
     assert all(row["identical"] for row in payload["prompts"])
+
+
+def test_heldout_starts_the_memory_from_a_file_that_bench_memory_wrote_from_the_tune_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save_tiny_model(tmp_path / "model")
+    path = tmp_path / "memory.json.gz"
+    build = ["memory", "--dataset", "chat", "--limit", "3", "--max-tokens", "12", "--model", str(tmp_path / "model")]
+    assert cli.main([*build, "--output", str(path)]) == 0
+    assert "chat: 3 prompts" in capsys.readouterr().out
+    restored = NGramMemory(10_000)
+    assert load_memory(restored, path, Decoder.load(str(tmp_path / "model"), "cpu", "float32").vocabulary_id) == 3
+    out = tmp_path / "heldout.json"
+    flags = ["--dataset", "chat", "--limit", "2", "--max-tokens", "12", "--memory-file", str(path)]
+    flags += ["--methods", "greedy,lookahead", "--output", str(out), "--warmup", "1"]
+    assert cli.main(tiny_argv(tmp_path / "model", *flags)) == 0
+    assert f"starting with 3 documents of {path}" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert (payload["config"]["memory_tokens"], payload["config"]["memory_file"]) == (200_000, str(path))
+    assert all(row["identical"] for row in payload["prompts"])
+    (tmp_path / "foreign.gz").write_bytes(b"no")
+    assert cli.main(tiny_argv(tmp_path / "model", *flags[:6], "--memory-file", str(tmp_path / "foreign.gz"))) == 2
+    assert "cannot read the memory file" in capsys.readouterr().err
+
+
+def test_bench_memory_takes_tune_splits_only(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--dataset", "mtbench"], ["--dataset", "chat"], ["--dataset", "chat", "--limit", "-1", "--output", "x"]):
+        with pytest.raises(SystemExit):
+            cli.main(["memory", *argv])
+    assert "--split" not in capsys.readouterr().err
 
 
 def test_the_cuda_preset_counts_steps_on_a_cpu_without_greedy(
