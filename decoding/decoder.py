@@ -1,8 +1,9 @@
 """The facade the server uses: one loaded model, its continuous batch, and single decodes.
 
-Contract: ``Decoder.batch_engine(policy, memory_tokens)`` gives the server its ``BatchEngine`` (``decoding.batch``):
-requests added by id, all of them stepped in one forward per ``step``, cancelled by id, sharing one n-gram memory
-of recent completions (``decoding.memory``) when ``memory_tokens`` > 0. ``Decoder.validate`` is the
+Contract: ``Decoder.batch_engine(policy, memory_tokens, memory_file)`` gives the server its ``BatchEngine``
+(``decoding.batch``): requests added by id, all of them stepped in one forward per ``step``, cancelled by id, sharing
+one n-gram memory of recent completions (``decoding.memory``) when ``memory_tokens`` > 0, started from
+``memory_file`` when it holds one; ``Decoder.save_memory`` writes it back. ``Decoder.validate`` is the
 one check of a request's decoding parameters (``InvalidParameterError`` naming the parameter, no forward
 pass); the engine runs the same check. ``Decoder.decode`` validates and returns one decode's generator of
 ``Step`` (see ``decoding.engine``), for callers that decode alone (benchmarks, tests); ``lookahead=None``

@@ -38,7 +38,7 @@ def expected_defaults(flag: str) -> dict[str, object]:
         value = load_config(device_preset=name)
         for part in key.split("."):
             value = getattr(value, part)
-        found[name] = value
+        found[name] = "none" if value is None else value  # README writes an unset value as "none"
     return found
 
 

@@ -63,7 +63,8 @@ class FaultyDecoder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def batch_engine(self, policy: Any = None, memory_tokens: int = 0) -> BatchEngine:  # no memory: faults only
+    def batch_engine(self, policy: Any = None, memory_tokens: int = 0, memory_file: Any = None) -> BatchEngine:
+        """A memory-less engine whose streams fail on ``MARKER`` (memory settings are ignored: faults only)."""
         return BatchEngine(self.inner.loaded.model, policy or BatchPolicy(), open_stream=self._open)
 
     def _open(self, model: Any, prompt_ids: Sequence[int], *args: Any) -> DecodeStream:
