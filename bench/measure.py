@@ -32,6 +32,7 @@ from decoding.engine import DecodeStream, Step, context_length, generate_autoreg
 from decoding.errors import InvalidParameterError
 from decoding.kv_cache import SlotCache, new_cache
 from decoding.memory import NGramMemory
+from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 
 METHODS = ("greedy", "lookahead", "generate", "prompt_lookup")
@@ -271,19 +272,26 @@ def run_benchmark(
 
 
 def _median_forward_ms(
-    model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor, context: int, keep: int, repeats: int
+    model: PreTrainedModel, cache: SlotCache, tokens: list[int], context: int, every: bool, repeats: int
 ) -> float:
-    """Median ms of ``repeats`` forward passes of ``input_ids`` after one warm-up, rolling the cache back to
-    ``context`` slots after each. ``keep`` is ``logits_to_keep`` (0 = every position)."""
-    position_ids = torch.arange(context, context + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    """Median ms of ``repeats`` engine forwards (``forward_packed``, as a decode step runs) of ``tokens`` after one
+    warm-up, rolling the cache back to ``context`` slots after each; the logits of every row when ``every``, else
+    of the last row only."""
+    device = model.device
+    k = len(tokens)
+    slice_ = Slice(
+        tokens,
+        torch.arange(context, context + k, device=device),
+        None,
+        torch.arange(k) if every else torch.tensor([k - 1]),
+        cache,
+    )
     times = []
     for attempt in range(repeats + 1):
-        _synchronize(input_ids.device)
+        _synchronize(device)
         started = time.perf_counter()
-        model(
-            input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep
-        )
-        _synchronize(input_ids.device)
+        forward_packed(model, [slice_])
+        _synchronize(device)
         elapsed = time.perf_counter() - started
         cache.commit(context, [])
         if attempt:
@@ -295,7 +303,8 @@ def _median_forward_ms(
 def measure_step_cost(
     model: PreTrainedModel, context: int = 300, ks: Sequence[int] = STEP_COST_KS, repeats: int = 7, seed: int = 0
 ) -> list[StepCost]:
-    """Time one forward of k random tokens over a ``SlotCache`` holding ``context`` random tokens, per k.
+    """Time one engine forward (``forward_packed``, what a decode step runs) of k random tokens over a
+    ``SlotCache`` holding ``context`` random tokens, per k: the last row's logits, and every row's.
 
     Raises ``InvalidParameterError`` when ``context + max(ks)`` does not fit the model's context length.
     """
@@ -305,12 +314,12 @@ def measure_step_cost(
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(seed)
     cache = new_cache(model, context + max(ks))
-    prefix = torch.randint(vocab, (1, context), generator=generator).to(model.device)
-    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    prefix = torch.randint(vocab, (context,), generator=generator).tolist()
+    forward_packed(model, [Slice(prefix, torch.arange(context, device=model.device), None, torch.tensor([context - 1]), cache)])
     results = []
     for k in ks:
-        input_ids = torch.randint(vocab, (1, k), generator=generator).to(model.device)
-        last = _median_forward_ms(model, cache, input_ids, context, 1, repeats)
-        every = _median_forward_ms(model, cache, input_ids, context, 0, repeats)
+        tokens = torch.randint(vocab, (k,), generator=generator).tolist()
+        last = _median_forward_ms(model, cache, tokens, context, False, repeats)
+        every = _median_forward_ms(model, cache, tokens, context, True, repeats)
         results.append(StepCost(k, last, every))
     return results

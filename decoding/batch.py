@@ -40,10 +40,10 @@ from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 if TYPE_CHECKING:
     from decoding.memory import NGramMemory
 
-# Relative cost of one forward by input tokens, over a ~300-token cache: SmolLM2-135M, float32 with packed
-# linears, 1 thread on the 2-core AVX2 CPU this project is measured on (docs/benchmarks.md, "Step-cost curve"; median of
-# three noisy runs). The tuner measures the real curve.
-CPU_STEP_COST = ((1, 1.0), (2, 1.41), (4, 1.59), (8, 1.73), (16, 2.24), (32, 3.58), (64, 6.18), (128, 11.1))
+# Relative cost of one engine forward by input tokens, over a 300-token cache: SmolLM2-135M, float32 with packed
+# linears and the panel kernel, 1 thread (configs/cpu.yaml's curve, `python -m bench --step-cost`, 2026-11-24).
+# The tuner measures the real curve.
+CPU_STEP_COST = ((1, 1.0), (2, 1.07), (4, 1.15), (8, 1.33), (16, 1.68), (32, 2.63), (64, 4.62), (128, 9.07))
 
 
 @dataclass(frozen=True)
