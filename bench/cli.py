@@ -264,7 +264,8 @@ def run_step_cost(resolved: Resolved, loaded: LoadedModel, linears: str) -> dict
     """The step-cost curve: prints its table, returns the JSON payload."""
     args = resolved.args
     env = environment(loaded, args.threads, linears)
-    line = f"step cost: one engine forward of k new tokens over a KV cache of {args.context} tokens, median of {args.repeats}"
+    line = (f"step cost: one engine forward of k new tokens over a KV cache of {args.context} tokens, median of "
+            f"{args.repeats}")
     print(header(env, [line + " after 1 warm-up"]), flush=True)
     results = measure_step_cost(loaded.model, args.context, STEP_COST_KS, args.repeats)
     print("\n" + format_table(STEP_COST_HEADERS, step_cost_rows(results), left=0), flush=True)

@@ -88,7 +88,8 @@ class PromptSpec:
 def load_dataset(name: str, limit: int | None = None) -> list[PromptSpec]:
     """The first ``limit`` prompts (all when None) of the named set (one of ``DATASETS``)."""
     loaders = {
-        "humaneval": humaneval_prompts, "chat": chat_prompts, "alpacaeval": alpacaeval_prompts, "mtbench": mtbench_prompts,
+        "humaneval": humaneval_prompts, "chat": chat_prompts, "alpacaeval": alpacaeval_prompts,
+        "mtbench": mtbench_prompts,
     }
     if name not in loaders:
         raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

@@ -16,8 +16,8 @@ than prompt lookup), and with ``--output`` writes JSON ``{"config", "runs", "pro
 share theirs: each prompt can draw on the outputs of the prompts before it in the run (the warm-up's are
 forgotten); prompt lookup and greedy run without. ``--memory-file PATH`` (a file ``python -m bench memory`` wrote
 from tune-split prompts, or a server's ``--memory-file``) starts that memory from the file instead of empty (the
-memory then defaults to the server's 200,000 tokens): a server that has answered those requests before. ``--preset cpu|cuda`` names whose lookahead settings and batch
-policy run (default: this device's); the model
+memory then defaults to the server's size): a server that has answered those requests before. ``--preset cpu|cuda``
+names whose lookahead settings and batch policy run (default: this device's); the model
 loads as this device's preset says either way. ``--preset cuda --methods lookahead,prompt_lookup`` on a CPU
 counts the GPU setting's tokens per step, which is what it buys where a step's cost hardly grows with its size;
 its times on a CPU say nothing about a GPU. Every other flag overrides one setting, as in ``python -m bench``.
@@ -45,7 +45,7 @@ from bench.cli import (
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
 from bench.measure import WARMUP_TOKENS, RunRecord, parse_methods
 from bench.report import by_method, first_difference, format_table, summarize
-from bench.settings import Resolved, resolve
+from bench.settings import SERVER_MEMORY_TOKENS, Resolved, resolve
 from decoding.decoder import Decoder, check_linear_options
 from decoding.errors import DecodingError
 from decoding.loading import LoadedModel
@@ -55,7 +55,6 @@ HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup")
 CODE_MAX_TOKENS = 256
 CHAT_MAX_TOKENS = 192
 PRESETS = ("cpu", "cuda")
-SERVER_MEMORY_TOKENS = 200_000
 PROMPT_HEADERS = (
     "prompt", "tokens", "lookahead steps", "tok/step", "prompt lookup steps", "tok/step", "lookahead vs greedy",
     "prompt lookup vs greedy", "identical",
@@ -95,10 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
     parser.add_argument("--memory-tokens", type=int, default=0,
                         help="lookahead's decodes share a server-wide n-gram memory of this many tokens, as the "
-                             "server's do (its default: 200000), starting empty (0: none, each decode alone)")
+                             f"server's do (its default: {SERVER_MEMORY_TOKENS}), starting empty (0: none, each "
+                             "decode alone)")
     parser.add_argument("--memory-file", metavar="PATH",
                         help="start the shared memory from this memory file (python -m bench memory); implies "
-                             "--memory-tokens 200000 unless given")
+                             f"--memory-tokens {SERVER_MEMORY_TOKENS} unless given")
     add_lookahead_flags(parser)
     add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")

@@ -271,6 +271,14 @@ def run_benchmark(
 # --- step cost --------------------------------------------------------------------------------------------
 
 
+def _step_slice(model: PreTrainedModel, cache: SlotCache, tokens: list[int], start: int, every: bool) -> Slice:
+    """``tokens`` as one causal slice at positions ``start``.. over ``cache``, reading every row's logits when
+    ``every``, else the last row's."""
+    count = len(tokens)
+    rows = torch.arange(count) if every else torch.tensor([count - 1])
+    return Slice(tokens, torch.arange(start, start + count, device=model.device), None, rows, cache)
+
+
 def _median_forward_ms(
     model: PreTrainedModel, cache: SlotCache, tokens: list[int], context: int, every: bool, repeats: int
 ) -> float:
@@ -278,14 +286,7 @@ def _median_forward_ms(
     warm-up, rolling the cache back to ``context`` slots after each; the logits of every row when ``every``, else
     of the last row only."""
     device = model.device
-    k = len(tokens)
-    slice_ = Slice(
-        tokens,
-        torch.arange(context, context + k, device=device),
-        None,
-        torch.arange(k) if every else torch.tensor([k - 1]),
-        cache,
-    )
+    slice_ = _step_slice(model, cache, tokens, context, every)
     times = []
     for attempt in range(repeats + 1):
         _synchronize(device)
@@ -315,7 +316,7 @@ def measure_step_cost(
     generator = torch.Generator().manual_seed(seed)
     cache = new_cache(model, context + max(ks))
     prefix = torch.randint(vocab, (context,), generator=generator).tolist()
-    forward_packed(model, [Slice(prefix, torch.arange(context, device=model.device), None, torch.tensor([context - 1]), cache)])
+    forward_packed(model, [_step_slice(model, cache, prefix, 0, every=False)])
     results = []
     for k in ks:
         tokens = torch.randint(vocab, (k,), generator=generator).tolist()

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from bench.datasets import DatasetError, PromptFileError, encode_prompt, load_prompt_file, load_split
 from bench.heldout import CHAT_MAX_TOKENS, CODE_MAX_TOKENS
 from bench.measure import decode_greedy
+from bench.settings import SERVER_MEMORY_TOKENS
 from decoding.decoder import Decoder, configure_threads
 from decoding.engine import MEMORY_PROMPT_TAIL
 from decoding.errors import DecodingError
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, default=0, help="first N prompts of each split (0 = all)")
     parser.add_argument("--max-tokens", type=int,
                         help=f"new tokens per decode ({CODE_MAX_TOKENS} for humaneval, {CHAT_MAX_TOKENS} otherwise)")
-    parser.add_argument("--memory-tokens", type=int, default=200_000, help="the memory's size (the server's: 200000)")
+    parser.add_argument("--memory-tokens", type=int, default=SERVER_MEMORY_TOKENS,
+                        help=f"the memory's size (the server's: {SERVER_MEMORY_TOKENS})")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="model (the embedded default)")
     parser.add_argument("--output", required=True, metavar="PATH", help="the memory file to write")
     return parser

@@ -28,6 +28,7 @@ LOOKAHEAD_FIELDS = (
     "copy_candidates"
 )
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
+SERVER_MEMORY_TOKENS = ServerConfig().lookahead.memory_tokens  # the server's shared n-gram memory, by default
 FLAG = "flag"
 
 

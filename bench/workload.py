@@ -23,7 +23,7 @@ import transformers
 from transformers import PreTrainedModel
 
 from bench.datasets import PromptSpec, encode_prompt, load_dataset
-from bench.settings import LOOKAHEAD_FIELDS, batch_policy
+from bench.settings import LOOKAHEAD_FIELDS, SERVER_MEMORY_TOKENS, batch_policy
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.decoder import Decoder, configure_threads
 from decoding.engine import StepCounts
@@ -139,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = preset_parser("python -m bench.workload", __doc__, "requests", 128)
     parser.add_argument("--dataset", choices=sorted(HELD_OUT), default="chat", help="held-out prompts to template")
     parser.add_argument("--rounds", type=int, default=1, help="times the whole set is sent (2: retries, loops) (1)")
-    parser.add_argument("--memory-tokens", type=int, default=200_000, help="the memory's size (200000)")
+    parser.add_argument("--memory-tokens", type=int, default=SERVER_MEMORY_TOKENS,
+                        help=f"the memory's size ({SERVER_MEMORY_TOKENS})")
     args = parser.parse_args(argv)
     config, lookahead, decoder = load_preset(args.device)
     low, high = HELD_OUT[args.dataset]

@@ -116,7 +116,8 @@ def test_heldout_starts_the_memory_from_a_file_that_bench_memory_wrote_from_the_
 
 
 def test_bench_memory_takes_tune_splits_only(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--dataset", "mtbench"], ["--dataset", "chat"], ["--dataset", "chat", "--limit", "-1", "--output", "x"]):
+    bad = (["--dataset", "mtbench"], ["--dataset", "chat"], ["--dataset", "chat", "--limit", "-1", "--output", "x"])
+    for argv in bad:
         with pytest.raises(SystemExit):
             cli.main(["memory", *argv])
     assert "--split" not in capsys.readouterr().err

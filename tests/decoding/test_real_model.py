@@ -79,7 +79,8 @@ def test_a_saved_memory_serves_a_restarted_engine(real_model, greedy_outputs, tm
     path = str(tmp_path / "memory.json.gz")
     assert decoder.save_memory(first, path) == 1
     cold_tokens, cold_steps = engine_decode(decoder.batch_engine(memory_tokens=10_000), ids, config, 40)
-    warm_tokens, warm_steps = engine_decode(decoder.batch_engine(memory_tokens=10_000, memory_file=path), ids, config, 40)
+    warm = decoder.batch_engine(memory_tokens=10_000, memory_file=path)
+    warm_tokens, warm_steps = engine_decode(warm, ids, config, 40)
     assert cold_tokens == warm_tokens == expected[:40]
     assert warm_steps < cold_steps // 2, (warm_steps, cold_steps)
     assert decoder.save_memory(decoder.batch_engine(memory_tokens=0), path) is None  # no memory: nothing written

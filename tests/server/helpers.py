@@ -109,7 +109,9 @@ class ScriptedDecoder:
         stop.validate()  # the real decoder's parameter checks (InvalidParameterError naming the field)
         sampling.validate()
 
-    def batch_engine(self, policy: Any = None, memory_tokens: int = 0, memory_file: str | None = None) -> ScriptedEngine:
+    def batch_engine(
+        self, policy: Any = None, memory_tokens: int = 0, memory_file: str | None = None
+    ) -> ScriptedEngine:
         self.memory_tokens, self.memory_file = memory_tokens, memory_file
         return ScriptedEngine(self)
 
