@@ -39,7 +39,7 @@ from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.pool import ContextIndex, NGramPool, covered
 from decoding.tree import TokenTree
 from decoding.verify import Verdict, sample, verify_constrained, verify_greedy, verify_sampling, warp
-from decoding.window import Window, context_filler, step_layout
+from decoding.window import Window, context_filler, step_layout, window_chains, window_logit_row
 
 
 @dataclass(frozen=True)
@@ -511,6 +511,14 @@ class _Gate:
 
 
 @dataclass(frozen=True)
+class _Chains:
+    """The window's causal chains a step verifies beside its tree: each as window indices and as tokens."""
+
+    indices: tuple[tuple[int, ...], ...] = ()
+    tokens: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
 class _Shape:
     """The shape a lookahead step takes: the window (or not) and the candidates it verifies, best first, with
     each one's source (``COPY``, ``MEMORY``, ``PREDICTION`` or ``POOL``); ``copy`` marks a copy step (gated by
@@ -617,10 +625,11 @@ class _Lookahead:
         else:
             width, levels, tokens = 1, 1, [last]
         tree = shape.tree
-        layout = step_layout(width, levels, tree.parents)
+        chains = self._chains(tokens, width, levels) if shape.window else _Chains()
+        layout = step_layout(width, levels, tree.parents, bool(chains.indices))
         tokens += tree.tokens
         slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache)
-        return slice_, lambda logits: self._finish(logits, shape, tree, width, levels, position)
+        return slice_, lambda logits: self._finish(logits, shape, tree, width, levels, position, chains)
 
     def _fit(self, shape: _Shape, budget: int) -> _Shape:
         """Drop candidates (last first), then the window, until the step holds at most ``budget`` tokens; when
@@ -645,20 +654,33 @@ class _Lookahead:
         return step
 
     def _finish(
-        self, logits: torch.Tensor, shape: _Shape, tree: TokenTree, width: int, levels: int, position: int
+        self, logits: torch.Tensor, shape: _Shape, tree: TokenTree, width: int, levels: int, position: int,
+        chains: _Chains,
     ) -> Step:
-        """Verify the candidates, commit, fix up the KV cache, and feed the window's new n-grams to the pool."""
+        """Verify the candidates (the tree's, then the window's chains), commit, fix up the KV cache, and feed
+        the window's new n-grams to the pool."""
         sequence, config, candidates = self.sequence, self.config, shape.candidates
         last = sequence.tokens[-1]
+        in_tree = len(candidates)
+        window_tokens = levels * width
+
+        def candidate_slots(candidate: int) -> Sequence[int]:
+            """The step slots (offsets from ``last``'s) of the candidate's tokens."""
+            if candidate < in_tree:
+                return [window_tokens + node for node in tree.paths[candidate]]
+            return chains.indices[candidate - in_tree]
 
         def candidate_row(candidate: int, k: int) -> int:
-            return 1 + width + tree.paths[candidate][k]
+            if candidate < in_tree:
+                return 1 + width + tree.paths[candidate][k]
+            return window_logit_row(chains.indices[candidate - in_tree][k], width, levels, len(tree))
 
         scores = self._adjust(logits, tree, width)
         predicted = scores.argmax(dim=-1).tolist()
-        verdict = self._verify(scores, predicted, list(candidates), candidate_row)
+        verdict = self._verify(scores, predicted, [*candidates, *chains.tokens], candidate_row)
         committed = sequence.accept(verdict.tokens)
-        self._commit_cache(position, levels * width, tree, verdict, len(committed))
+        slots = candidate_slots(verdict.candidate) if verdict.candidate is not None else ()
+        self._commit_cache(position, slots, len(committed))
         if shape.window:
             new_row = self._clean_row(predicted[1 : 1 + width])
             for key, ngram in self.window.ngrams(last, new_row):
@@ -668,7 +690,10 @@ class _Lookahead:
             self.window.skip(len(committed), config.align_window)
         self._scan_output()
         accepted = min(verdict.num_accepted, len(committed))
-        reach = _reach_by_source(shape, verdict.tokens[: verdict.num_accepted])
+        reach = _reach_by_source(
+            [*candidates, *chains.tokens], [*shape.sources, *[POOL] * len(chains.tokens)],
+            verdict.tokens[: verdict.num_accepted],
+        )
         if COPY in reach or MEMORY in reach:
             self.copying.update(max(reach.get(COPY, 0), reach.get(MEMORY, 0)))
         if PREDICTION in reach:
@@ -676,7 +701,7 @@ class _Lookahead:
         if POOL in reach:
             self.verifying.update(reach[POOL])
         others = max(reach.get(COPY, 0), reach.get(POOL, 0))
-        depth = tree.depth
+        depth = max(tree.depth, max(map(len, chains.tokens), default=0))
         stats = StepStats(
             input_tokens=levels * width + len(tree),
             committed=len(committed),
@@ -690,6 +715,18 @@ class _Lookahead:
         if verdict.candidate is not None:
             rows += [candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
         return Step(committed, stats, sequence.finish_reason, _logprobs(logits, rows, committed, self.sampling))
+
+    def _chains(self, tokens: Sequence[int], width: int, levels: int) -> _Chains:
+        """The window's causal chains (``decoding.window.window_chains``) over this step's window ``tokens``, when
+        ``window_chains`` is on and the step verifies greedily with unadjusted logits (no grammar, no logit
+        processors: the chains' rows are read as they are, and sampling verification needs candidates that agree
+        on a prefix to read the same rows)."""
+        sequence = self.sequence
+        if not self.config.window_chains or not self.sampling.greedy or sequence.constraint is not None \
+                or needs_adjusting(self.sampling, sequence.stop, sequence.generated):
+            return _Chains()
+        indices = window_chains(width, levels)
+        return _Chains(indices, tuple(tuple(tokens[index] for index in chain) for chain in indices))
 
     def _adjust(self, logits: torch.Tensor, tree: TokenTree, width: int) -> torch.Tensor:
         """``logits`` with ``last``'s row (0) and every tree node's row (``1 + width + node``) adjusted after the
@@ -801,20 +838,17 @@ class _Lookahead:
         probs = warp(logits, self.sampling).cpu()
         return verify_sampling(probs, candidates, candidate_row, self.sequence.generator)
 
-    def _commit_cache(
-        self, position: int, window_tokens: int, tree: TokenTree, verdict: Verdict, committed: int
-    ) -> None:
-        """KV fix-up: keep the old prefix, ``last`` and the accepted tree nodes that stay committed.
+    def _commit_cache(self, position: int, slots: Sequence[int], committed: int) -> None:
+        """KV fix-up: keep the old prefix, ``last`` and the winning candidate's tokens that stay committed.
 
         The cache must hold every committed token except the new ``last``: that is the old ``last`` (slot
-        ``position``) when at least one token was committed, plus the winning path's nodes 1..committed-1.
+        ``position``) when at least one token was committed, plus the winning candidate's first committed-1
+        tokens, whose step slots (offsets from ``position``: tree nodes or window tokens) are ``slots``.
         """
         sources: list[int] = []
         if committed >= 1:
             sources.append(position)
-        if verdict.candidate is not None and committed >= 2:
-            path = tree.paths[verdict.candidate]
-            sources.extend(position + window_tokens + node for node in path[: committed - 1])
+        sources.extend(position + slot for slot in slots[: max(0, committed - 1)])
         self.sequence.cache.commit(position, sources)
 
     def _clean_row(self, row: list[int]) -> list[int]:
@@ -838,11 +872,13 @@ def _fitting(tree: TokenTree, room: int) -> int:
     return bisect.bisect_right(tree.prefix_sizes(), room)
 
 
-def _reach_by_source(shape: _Shape, accepted: Sequence[int]) -> dict[str, int]:
-    """For each source with a candidate in ``shape``, how many of the ``accepted`` tokens its best candidate
-    proposed (its longest common prefix with them)."""
+def _reach_by_source(
+    candidates: Sequence[Sequence[int]], sources: Sequence[str], accepted: Sequence[int]
+) -> dict[str, int]:
+    """For each source with a candidate in ``candidates`` (labelled by ``sources``), how many of the ``accepted``
+    tokens its best candidate proposed (its longest common prefix with them)."""
     reach: dict[str, int] = {}
-    for candidate, source in zip(shape.candidates, shape.sources, strict=True):
+    for candidate, source in zip(candidates, sources, strict=True):
         common = 0
         while common < min(len(candidate), len(accepted)) and candidate[common] == accepted[common]:
             common += 1

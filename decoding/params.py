@@ -180,6 +180,10 @@ class LookaheadConfig:
     - ``copy_min_match`` (0..8): tokens before ``last`` that must match an earlier context for a copy step
       (1 is prompt lookup's 2-gram match, 0 its 1-gram fallback: any earlier occurrence of ``last``). Among
       matching occurrences a stronger match (up to 5) wins first.
+    - ``window_chains``: also verify the Jacobi window's own causal chains (column j: row 0's guesses 1..j, then
+      column j's lower rows), read off logit rows the window computes anyway: more accepted tokens for no extra
+      input token, at the cost of ``(N-2)·W`` more logit rows (the LM head's share of a step, which a GPU does
+      not notice and a CPU does). Greedy steps with unadjusted logits only.
     - ``shared_memory``: draw candidates from, and add this decode's output to, the engine's server-wide n-gram
       memory (``decoding.memory.NGramMemory``) when the engine has one; False opts this decode out of both.
     """
@@ -196,6 +200,7 @@ class LookaheadConfig:
     copy_length: int = 0
     copy_min_match: int = 5
     copy_candidates: int = 1
+    window_chains: bool = False
     shared_memory: bool = True
 
     @property

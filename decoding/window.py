@@ -24,8 +24,9 @@ class StepLayout:
 
     - ``offsets`` ``[q]``: position of each input token minus ``p``.
     - ``visible`` ``[q, q]`` bool: ``visible[i, k]`` is True when token ``i`` attends to token ``k``.
-    - ``logit_rows`` ``[1 + W + T]``: the input rows whose logits are read, in this order: ``last``, the
-      bottom window row (W tokens), then every tree node (T of them, in node order).
+    - ``logit_rows`` ``[1 + W + T (+ (L-1)·W - 1)]``: the input rows whose logits are read, in this order:
+      ``last``, the bottom window row (W tokens), every tree node (T of them, in node order), then, for a
+      layout with chains, the window's other tokens (indices 1 .. (L-1)·W - 1, see ``window_chains``).
     """
 
     offsets: torch.Tensor
@@ -39,7 +40,7 @@ class StepLayout:
 
 
 @functools.lru_cache(maxsize=512)
-def step_layout(width: int, levels: int, parents: tuple[int, ...] = ()) -> StepLayout:
+def step_layout(width: int, levels: int, parents: tuple[int, ...] = (), chains: bool = False) -> StepLayout:
     """Layout of a step with an ``levels`` x ``width`` window and a token tree of candidates (on the CPU).
 
     ``parents`` is the tree's parent of each node (``decoding.tree.TokenTree.parents``: -1 for a child of
@@ -76,9 +77,43 @@ def step_layout(width: int, levels: int, parents: tuple[int, ...] = ()) -> StepL
             offsets[index] = offsets[window_tokens + parent] + 1
             visible[index] = visible[window_tokens + parent]
         visible[index, index] = True
-    bottom_row = range((levels - 1) * width, levels * width)
-    logit_rows = torch.tensor([0, *bottom_row, *range(window_tokens, total)], dtype=torch.long)
+    bottom_start = (levels - 1) * width
+    upper = range(1, bottom_start) if chains else ()
+    logit_rows = torch.tensor([0, *range(bottom_start, window_tokens), *range(window_tokens, total), *upper],
+                              dtype=torch.long)
     return StepLayout(offsets, visible, logit_rows)
+
+
+@functools.lru_cache(maxsize=512)
+def window_chains(width: int, levels: int) -> tuple[tuple[int, ...], ...]:
+    """The window's causal chains, as window indices: for column j, row 0's tokens 1..j, then column j's
+    tokens in rows 1..levels-1 (chains of no token left out).
+
+    In ``step_layout``'s mask each token of a chain sees ``last`` and exactly the chain's earlier tokens, at
+    offsets 1, 2, ...: its logits are those of the chain's text, so a chain is verified like a candidate, for
+    no extra input token (only extra logit rows). Example, W=2, L=3 (window indices 0..5, row-major)::
+
+        >>> window_chains(2, 3)
+        ((2, 4), (1, 3, 5))
+    """
+    chains = []
+    for column in range(width):
+        chain = (*range(1, column + 1), *(row * width + column for row in range(1, levels)))
+        if chain:
+            chains.append(chain)
+    return tuple(chains)
+
+
+def window_logit_row(index: int, width: int, levels: int, tree_nodes: int) -> int:
+    """The logit row of window token ``index`` (not 0) in a layout with chains and ``tree_nodes`` tree nodes.
+
+    >>> [window_logit_row(index, 2, 3, tree_nodes=1) for index in range(1, 6)]
+    [4, 5, 6, 1, 2]
+    """
+    bottom_start = (levels - 1) * width
+    if index >= bottom_start:
+        return 1 + index - bottom_start
+    return width + tree_nodes + index
 
 
 class Window:

@@ -83,6 +83,11 @@ class LookaheadSettings(BaseModel):
     copy_candidates: int = _lookahead_field(
         "copy_candidates", "copy steps: continuations of different earlier occurrences verified at once (a token tree)"
     )
+    window_chains: bool = Field(
+        _LIBRARY.window_chains,
+        description="also verify the Jacobi window's own columns as candidates (more logit rows, no more input "
+        "tokens; greedy requests without logit processors)",
+    )
     memory_tokens: int = Field(
         200_000, ge=0, le=10_000_000,
         description="server-wide n-gram memory: tokens of recent completions (all requests) offered as candidates "

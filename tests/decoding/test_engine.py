@@ -41,6 +41,17 @@ def test_lookahead_equals_greedy_over_grid(tiny_model, window_size, ngram_size, 
         )
 
 
+@pytest.mark.parametrize("window_size, ngram_size, guess_set_size", GRID)
+def test_lookahead_with_window_chains_equals_greedy_over_grid(tiny_model, window_size, ngram_size, guess_set_size):
+    config = LookaheadConfig(window_size, ngram_size, guess_set_size, window_chains=True, copy_length=16,
+                             copy_min_match=0, copy_candidates=3)
+    stop = StopCriteria(max_tokens=40)
+    for prompt in PROMPTS:
+        assert tokens_of(generate_lookahead(tiny_model, prompt, stop, lookahead=config)) == greedy(
+            tiny_model, prompt, stop
+        )
+
+
 @pytest.mark.parametrize(
     "config",
     [

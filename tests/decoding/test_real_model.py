@@ -49,11 +49,33 @@ def test_greedy_loop_equals_transformers_generate(real_model, greedy_outputs):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("config", [LookaheadConfig(2, 4, 4), LookaheadConfig(7, 5, 7)], ids=["2-4-4", "7-5-7"])
+@pytest.mark.parametrize(
+    "config",
+    [LookaheadConfig(2, 4, 4), LookaheadConfig(7, 5, 7),
+     LookaheadConfig(16, 5, 16, copy_length=32, copy_min_match=0, copy_candidates=8, window_chains=True)],
+    ids=["2-4-4", "7-5-7", "cuda-preset-chains"],
+)
 def test_lookahead_equals_greedy_on_the_real_model(real_model, greedy_outputs, config):
     decoder = Decoder(real_model)
     for text, (ids, expected) in greedy_outputs.items():
         assert decode(decoder, ids, config, 40) == expected, text
+
+
+def test_window_chains_accept_where_the_window_converged(real_model):
+    """No pool, no copies: without chains nothing can be accepted; with them the window's own columns are, on a
+    counting prompt where Jacobi iteration converges, and one step commits more than N tokens."""
+    decoder = Decoder(real_model)
+    ids = real_model.tokenizer("Count from 1 to 60, separated by commas: 1, 2, 3,")["input_ids"]
+    stop = StopCriteria(40, decoder.eos_token_ids())
+    runs = {}
+    for chains in (False, True):
+        config = LookaheadConfig(5, 4, 0, prompt_pool=False, output_pool=False, window_chains=chains)
+        runs[chains] = list(decoder.decode(ids, stop, lookahead=config))
+    expected = decode(decoder, ids, None, 40)
+    assert [[t for step in steps for t in step.token_ids] for steps in runs.values()] == [expected, expected]
+    assert sum(step.stats.accepted for step in runs[False]) == 0
+    assert sum(step.stats.accepted for step in runs[True]) >= 5
+    assert max(step.stats.committed for step in runs[True]) > config.ngram_size
 
 
 def engine_decode(engine, ids: list[int], config: LookaheadConfig, max_tokens: int) -> tuple[list[int], int]:

@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from decoding.tree import TokenTree
-from decoding.window import Window, context_filler, step_layout
+from decoding.window import Window, context_filler, step_layout, window_chains, window_logit_row
 
 
 def _grid(rows: list[str]) -> torch.Tensor:
@@ -57,6 +57,30 @@ def test_layout_positions_are_one_contiguous_sequence_per_token():
         for index in range(layout.num_tokens):
             seen = layout.offsets[layout.visible[index]].sort().values.tolist()
             assert seen == list(range(int(layout.offsets[index]) + 1)), (width, levels, parents, index)
+
+
+def test_window_chains_see_exactly_their_own_prefix():
+    """Each chain token sits at the chain's next offset and sees ``last`` and the chain's earlier tokens only, so
+    its logits verify the chain like a candidate's; every window token but ``last`` lies on some chain."""
+    for width, levels in itertools.product([1, 2, 3, 5], [1, 2, 4]):
+        layout = step_layout(width, levels, _chains(2, 3), chains=True)
+        chains = window_chains(width, levels)
+        for chain in chains:
+            for k, index in enumerate(chain):
+                assert int(layout.offsets[index]) == k + 1, (width, levels, chain)
+                assert layout.visible[index].nonzero().flatten().tolist() == sorted([0, *chain[: k + 1]])
+        assert {index for chain in chains for index in chain} == set(range(1, width * levels))
+
+
+def test_window_logit_rows_follow_the_chained_layout():
+    """With chains the layout reads every window token's logits: ``window_logit_row`` finds each one."""
+    for width, levels, count in itertools.product([1, 3], [1, 2, 4], [0, 2]):
+        parents = _chains(count, 3)
+        layout = step_layout(width, levels, parents, chains=True)
+        plain = step_layout(width, levels, parents)
+        assert layout.logit_rows[: len(plain.logit_rows)].tolist() == plain.logit_rows.tolist()
+        for index in range(1, width * levels):
+            assert int(layout.logit_rows[window_logit_row(index, width, levels, len(parents))]) == index
 
 
 def test_tree_layout_shares_prefixes():
