@@ -53,7 +53,7 @@ def test_greedy_loop_equals_transformers_generate(real_model, greedy_outputs):
     "config",
     [LookaheadConfig(2, 4, 4), LookaheadConfig(7, 5, 7),
      LookaheadConfig(16, 5, 16, copy_length=32, copy_min_match=0, copy_candidates=8, window_chains=True)],
-    ids=["2-4-4", "7-5-7", "cuda-preset-chains"],
+    ids=["2-4-4", "7-5-7", "16-5-16-copies-chains"],
 )
 def test_lookahead_equals_greedy_on_the_real_model(real_model, greedy_outputs, config):
     decoder = Decoder(real_model)
