@@ -248,13 +248,14 @@ def run_heldout(
     memory = NGramMemory(args.memory_tokens) if args.memory_tokens else None
     reset = None
     if memory is not None and args.memory_file:
-        vocabulary = Decoder(loaded).vocabulary_id
+        load_memory(memory, args.memory_file, Decoder(loaded).vocabulary_id)
+        saved = memory.snapshot()  # what the file gave, to put back after the warm-up without reading it again
 
         def reset() -> None:
             memory.clear()
-            load_memory(memory, args.memory_file, vocabulary)
+            for document in saved:
+                memory.add(document)
 
-        reset()
         source += (f", shared memory of {args.memory_tokens} tokens starting with {memory.documents} documents of "
                    f"{args.memory_file} (then the earlier prompts')")
     elif memory is not None:

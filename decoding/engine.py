@@ -675,9 +675,10 @@ class _Lookahead:
                 return 1 + width + tree.paths[candidate][k]
             return window_logit_row(chains.indices[candidate - in_tree][k], width, levels, len(tree))
 
+        verified = [*candidates, *chains.tokens]
         scores = self._adjust(logits, tree, width)
         predicted = scores.argmax(dim=-1).tolist()
-        verdict = self._verify(scores, predicted, [*candidates, *chains.tokens], candidate_row)
+        verdict = self._verify(scores, predicted, verified, candidate_row)
         committed = sequence.accept(verdict.tokens)
         slots = candidate_slots(verdict.candidate) if verdict.candidate is not None else ()
         self._commit_cache(position, slots, len(committed))
@@ -690,10 +691,8 @@ class _Lookahead:
             self.window.skip(len(committed), config.align_window)
         self._scan_output()
         accepted = min(verdict.num_accepted, len(committed))
-        reach = _reach_by_source(
-            [*candidates, *chains.tokens], [*shape.sources, *[POOL] * len(chains.tokens)],
-            verdict.tokens[: verdict.num_accepted],
-        )
+        sources = [*shape.sources, *[POOL] * len(chains.tokens)]
+        reach = _reach_by_source(verified, sources, verdict.tokens[: verdict.num_accepted])
         if COPY in reach or MEMORY in reach:
             self.copying.update(max(reach.get(COPY, 0), reach.get(MEMORY, 0)))
         if PREDICTION in reach:
@@ -701,9 +700,9 @@ class _Lookahead:
         if POOL in reach:
             self.verifying.update(reach[POOL])
         others = max(reach.get(COPY, 0), reach.get(POOL, 0))
-        depth = max(tree.depth, max(map(len, chains.tokens), default=0))
+        depth = max(map(len, verified), default=0)
         stats = StepStats(
-            input_tokens=levels * width + len(tree),
+            input_tokens=window_tokens + len(tree),
             committed=len(committed),
             offered=depth,
             accepted=accepted,
