@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-cost", action="store_true", help="measure the step-cost curve instead")
     parser.add_argument("--context", type=int, default=300, help="KV-cache tokens for --step-cost (300)")
     parser.add_argument("--repeats", type=int, default=7, help="timed forwards per k for --step-cost (7)")
+    parser.add_argument("--ks", type=parse_ks, default=STEP_COST_KS,
+                        help="comma list of step sizes k for --step-cost (1,2,4,...,128)")
     return parser
 
 
@@ -263,6 +265,14 @@ def transformers_twin(args: argparse.Namespace, linears: str) -> PreTrainedModel
     return load_model(args.model, args.device, args.dtype).model
 
 
+def parse_ks(text: str) -> tuple[int, ...]:
+    """``--ks``: a comma list of positive step sizes, e.g. ``1,64,640`` (argparse turns ValueError into exit 2)."""
+    ks = tuple(int(part) for part in text.split(","))
+    if not ks or min(ks) < 1:
+        raise ValueError(f"step sizes must be >= 1: {text!r}")
+    return ks
+
+
 def run_step_cost(resolved: Resolved, loaded: LoadedModel, linears: str) -> dict[str, object]:
     """The step-cost curve: prints its table, returns the JSON payload."""
     args = resolved.args
@@ -270,7 +280,7 @@ def run_step_cost(resolved: Resolved, loaded: LoadedModel, linears: str) -> dict
     line = (f"step cost: one engine forward of k new tokens over a KV cache of {args.context} tokens, median of "
             f"{args.repeats}")
     print(header(env, [line + " after 1 warm-up"]), flush=True)
-    results = measure_step_cost(loaded.model, args.context, STEP_COST_KS, args.repeats)
+    results = measure_step_cost(loaded.model, args.context, args.ks, args.repeats)
     print("\n" + format_table(STEP_COST_HEADERS, step_cost_rows(results), left=0), flush=True)
     return {"config": json_settings(resolved, env), "step_cost": [asdict(result) for result in results]}
 

@@ -8,6 +8,8 @@ a one-token step round differently, so a near-tie between two tokens can break t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -15,7 +17,9 @@ from transformers import DynamicCache
 from decoding.batch import BatchPolicy
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
+from server.config import load_config
 from tests.conftest import tiny_llama, tiny_qwen2
+from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, make_stream, run_batch, tokens_of
 from tests.decoding.test_lean import assert_lean_step_equals_the_public_forward
 
@@ -29,6 +33,16 @@ CONFIGS = [
     LookaheadConfig(15, 5, 15),
     LookaheadConfig(1, 5, 3, lazy_window=True, break_even=0.5),
 ]
+
+
+def _cuda_preset() -> LookaheadConfig:
+    """What the server runs on a GPU: the window, the pool's token tree and the copy steps in one tree mask."""
+    settings = load_config(device_preset="cuda").lookahead
+    names = [field.name for field in dataclasses.fields(LookaheadConfig) if hasattr(settings, field.name)]
+    return LookaheadConfig(**{name: getattr(settings, name) for name in names})
+
+
+CUDA_PRESET = _cuda_preset()
 REAL_MESSAGES = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "List three tips for writing clear emails.",
@@ -58,9 +72,8 @@ def test_lookahead_equals_greedy_on_cuda(cuda_tiny, config):
 
 
 def test_batched_streams_equal_each_stream_alone_on_cuda(cuda_tiny):
-    configs = [CONFIGS[1], None, CONFIGS[4], CONFIGS[3], CONFIGS[0]]
-    alone = [tokens_of(make_stream(cuda_tiny, p, c)) for p, c in zip(PROMPTS, configs, strict=True)]
-    streams = [make_stream(cuda_tiny, p, c) for p, c in zip(PROMPTS, configs, strict=True)]
+    alone = [tokens_of(make_stream(cuda_tiny, p, c)) for p, c in zip(PROMPTS, BATCH_CONFIGS, strict=True)]
+    streams = [make_stream(cuda_tiny, p, c) for p, c in zip(PROMPTS, BATCH_CONFIGS, strict=True)]
     assert run_batch(streams, BatchPolicy(max_step_tokens=64, prefill_chunk=4), join_at={1: 3, 3: 5}) == alone
 
 
@@ -87,7 +100,9 @@ def test_kv_fixup_on_cuda_matches_a_fresh_forward(cuda_tiny):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("config", [CONFIGS[2], CONFIGS[3]], ids=["7-5-7", "15-5-15"])
+@pytest.mark.parametrize(
+    "config", [CONFIGS[2], CONFIGS[3], CUDA_PRESET], ids=["7-5-7", "15-5-15", "cuda-preset"]
+)
 def test_real_model_lookahead_equals_greedy_on_cuda(cuda_real, config):
     from decoding.decoder import Decoder
 
