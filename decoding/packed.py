@@ -160,9 +160,9 @@ def _mask(slice_: Slice, past: int, dtype: torch.dtype, device: torch.device, gr
     visible = slice_.visible
     if visible is None:
         visible = torch.ones((count, count), dtype=torch.bool).tril_()
-    mask = torch.zeros((1, 1, count, past + count), dtype=dtype)
-    mask[0, 0, :, past:].masked_fill_(~visible, torch.finfo(dtype).min)
-    mask = mask.to(device)  # copy the [t, past + t] rows once; repeat them where they are used
+    # Built where it is used: only the [t, t] booleans cross to the device, not the [t, past + t] floats.
+    mask = torch.zeros((1, 1, count, past + count), dtype=dtype, device=device)
+    mask[0, 0, :, past:].masked_fill_(~visible.to(device), torch.finfo(dtype).min)
     return mask.repeat(1, 1, group, 1) if group > 1 else mask
 
 

@@ -59,29 +59,46 @@ def step_layout(width: int, levels: int, parents: tuple[int, ...] = (), chains: 
     """
     window_tokens = levels * width
     total = window_tokens + len(parents)
-    offsets = torch.empty(total, dtype=torch.long)
-    visible = torch.zeros(total, total, dtype=torch.bool)
-    for row in range(levels):
-        for column in range(width):
-            index = row * width + column
-            offsets[index] = row + column
-            visible[index, : column + 1] = True
-            for upper in range(1, row + 1):
-                visible[index, upper * width + column] = True
+    window_offsets, window_visible = _window_layout(width, levels)
+    depths: list[int] = []
+    seen: list[list[int]] = []  # per node: the step indices it sees, ``last`` included
+    rows: list[int] = []
     for node, parent in enumerate(parents):
         index = window_tokens + node
         if parent < 0:
-            offsets[index] = 1
-            visible[index, 0] = True
+            depths.append(1)
+            seen.append([0, index])
         else:
-            offsets[index] = offsets[window_tokens + parent] + 1
-            visible[index] = visible[window_tokens + parent]
-        visible[index, index] = True
+            depths.append(depths[parent] + 1)
+            seen.append([*seen[parent], index])
+        rows.extend([index] * len(seen[node]))
+    offsets = torch.tensor([*window_offsets, *depths], dtype=torch.long)
+    visible = torch.zeros(total, total, dtype=torch.bool)
+    visible[:window_tokens, :window_tokens] = window_visible
+    if parents:
+        columns = [column for node_seen in seen for column in node_seen]
+        visible[rows, columns] = True
     bottom_start = (levels - 1) * width
     upper = range(1, bottom_start) if chains else ()
     logit_rows = torch.tensor([0, *range(bottom_start, window_tokens), *range(window_tokens, total), *upper],
                               dtype=torch.long)
     return StepLayout(offsets, visible, logit_rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_layout(width: int, levels: int) -> tuple[tuple[int, ...], torch.Tensor]:
+    """The window's part of ``step_layout``: each window token's offset and the ``[L·W, L·W]`` mask among them
+    (read only: ``step_layout`` copies it into each step's mask)."""
+    window_tokens = levels * width
+    offsets = tuple(row + column for row in range(levels) for column in range(width))
+    visible = torch.zeros(window_tokens, window_tokens, dtype=torch.bool)
+    for row in range(levels):
+        for column in range(width):
+            index = row * width + column
+            visible[index, : column + 1] = True
+            for upper in range(1, row + 1):
+                visible[index, upper * width + column] = True
+    return offsets, visible
 
 
 @functools.lru_cache(maxsize=512)
