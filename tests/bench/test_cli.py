@@ -88,3 +88,14 @@ def test_main_reports_a_bad_prompt_file(tmp_path: Path, capsys: pytest.CaptureFi
     argv = ["--model", str(tmp_path / "model"), "--prompts", str(prompts), "--device", "cpu", "--threads", "0"]
     assert cli.main(argv) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_step_cost_runs_the_sizes_given_by_ks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_tiny_model(tmp_path / "model")
+    out = tmp_path / "cost.json"
+    argv = ["--model", str(tmp_path / "model"), "--device", "cpu", "--dtype", "float32", "--step-cost"]
+    assert cli.main([*argv, "--ks", "1,3,40", "--context", "8", "--repeats", "1", "--json", str(out)]) == 0
+    assert [row["k"] for row in json.loads(out.read_text())["step_cost"]] == [1, 3, 40]
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--ks", "1,0"])
+    assert "--ks" in capsys.readouterr().err
