@@ -48,7 +48,8 @@ class Source:
 SOURCES = (
     Source("1 copy of 16, 3-gram match (CPU preset)", 1, 2, length=16),
     Source("4 copies, 2-gram match", 4, 1),
-    Source("8 copies, 1-gram match (CUDA preset)", 8, 0),
+    Source("4 copies of 16, 1-gram match (CUDA preset)", 4, 0, length=16),
+    Source("8 copies, 1-gram match", 8, 0),
     Source("every earlier occurrence", EVERY, 0),
     Source("8 copies + 8 from earlier outputs, 1-gram match", 8, 0, remembered=8),
 )
