@@ -3,12 +3,15 @@
 Contract: ``SlotCache`` is a transformers ``Cache`` whose layers hold ``[batch, heads, capacity, head_dim]``
 buffers allocated once. A forward pass appends its keys/values at ``length`` (no concatenation, no copy of
 the past); ``commit(keep, sources)`` keeps the first ``keep`` slots followed by the slots listed in
-``sources`` and drops everything else. That is the whole KV fix-up of a lookahead step.
+``sources`` and drops everything else. That is the whole KV fix-up of a lookahead step. When every layer's
+keys and values have one shape (LLaMA, Qwen2...), all buffers are views of one tensor and a commit that moves
+slots is one gather and one copy for all layers, not two of each per layer (on a GPU, 2 launches instead of 120
+for a 30-layer model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -18,21 +21,31 @@ class CacheOverflowError(RuntimeError):
     """A forward pass would write past the cache's capacity."""
 
 
+_Buffers = tuple[torch.Tensor, torch.Tensor]
+
+
 class _SlotLayer(DynamicLayer):
     """One layer's preallocated keys and values; ``keys``/``values`` are views of the filled prefix."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, allocate: Callable[[torch.Tensor, torch.Tensor], _Buffers] | None = None) -> None:
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self._allocate = allocate or self._own_buffers
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _own_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor) -> _Buffers:
+        """Key and value buffers of this layer alone."""
         batch, heads, _, key_dim = key_states.shape
+        return (
+            key_states.new_empty((batch, heads, self.capacity, key_dim)),
+            value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1])),
+        )
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._key_buffer = key_states.new_empty((batch, heads, self.capacity, key_dim))
-        self._value_buffer = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]))
+        self._key_buffer, self._value_buffer = self._allocate(key_states, value_states)
         self.is_initialized = True
 
     def update(
@@ -79,8 +92,30 @@ class SlotCache(Cache):
     """A preallocated cache for one sequence of at most ``capacity`` tokens across ``num_layers`` layers."""
 
     def __init__(self, num_layers: int, capacity: int) -> None:
-        super().__init__(layers=[_SlotLayer(capacity) for _ in range(num_layers)])
+        self._storage: torch.Tensor | None = None  # [2, layers, batch, heads, capacity, dim]: keys, values
+        self._in_storage = 0  # layers whose buffers are views of _storage
+        super().__init__(layers=[_SlotLayer(capacity, self._shared_buffers(index)) for index in range(num_layers)])
         self.capacity = capacity
+
+    def _shared_buffers(self, index: int) -> Callable[[torch.Tensor, torch.Tensor], _Buffers]:
+        """Layer ``index``'s allocator: views of the shared storage (made by the first layer to need buffers) when
+        its keys and values fit it, else buffers of its own."""
+
+        def allocate(key_states: torch.Tensor, value_states: torch.Tensor) -> _Buffers:
+            batch, heads, _, dim = key_states.shape
+            shape = (2, len(self.layers), batch, heads, self.capacity, dim)
+            if self._storage is None and value_states.shape == key_states.shape:
+                self._storage = key_states.new_empty(shape)
+            storage = self._storage
+            fits = value_states.shape == key_states.shape and value_states.dtype == key_states.dtype
+            if storage is None or not fits or storage.shape != shape or storage.dtype != key_states.dtype:
+                return self.layers[index]._own_buffers(key_states, value_states)
+            if storage.device != key_states.device:
+                return self.layers[index]._own_buffers(key_states, value_states)
+            self._in_storage += 1
+            return storage[0, index], storage[1, index]
+
+        return allocate
 
     @property
     def length(self) -> int:
@@ -93,13 +128,19 @@ class SlotCache(Cache):
         Example: after a step over slots 10..17 that accepted the candidate tokens in slots 14 and 15,
         ``commit(11, [14, 15])`` leaves slots 0..10 in place and moves 14, 15 to 11, 12: length 13.
         """
-        in_place = list(sources) == list(range(keep, keep + len(sources)))
-        index = None if in_place else torch.tensor(list(sources), device=self.layers[0].device)
+        count = len(sources)
+        if list(sources) == list(range(keep, keep + count)):
+            for layer in self.layers:
+                layer._set_length(keep + count)
+            return
+        index = torch.tensor(list(sources), device=self.layers[0].device)
+        if self._storage is not None and self._in_storage == len(self.layers):
+            self._storage[:, :, :, :, keep : keep + count] = self._storage[:, :, :, :, index]
+            for layer in self.layers:
+                layer._set_length(keep + count)
+            return
         for layer in self.layers:
-            if index is None:
-                layer._set_length(keep + len(sources))
-            else:
-                layer.commit(keep, index)
+            layer.commit(keep, index)
 
 
 def new_cache(model: torch.nn.Module, capacity: int) -> SlotCache:
