@@ -11,6 +11,7 @@ for a 30-layer model).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,7 +32,7 @@ class _SlotLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         self.length = 0
-        self._allocate = allocate or self._own_buffers
+        self._allocate = allocate  # used once; it must not hold the layer or its cache (no reference cycle)
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
@@ -45,7 +46,9 @@ class _SlotLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._key_buffer, self._value_buffer = self._allocate(key_states, value_states)
+        allocate = self._allocate or self._own_buffers
+        self._key_buffer, self._value_buffer = allocate(key_states, value_states)
+        self._allocate = None
         self.is_initialized = True
 
     def update(
@@ -99,20 +102,24 @@ class SlotCache(Cache):
 
     def _shared_buffers(self, index: int) -> Callable[[torch.Tensor, torch.Tensor], _Buffers]:
         """Layer ``index``'s allocator: views of the shared storage (made by the first layer to need buffers) when
-        its keys and values fit it, else buffers of its own."""
+        its keys and values fit it, else buffers of its own. It holds the cache weakly, so that a cache dropped
+        before every layer ran frees its memory at once rather than at the next garbage collection."""
+        cache_ref = weakref.ref(self)
 
         def allocate(key_states: torch.Tensor, value_states: torch.Tensor) -> _Buffers:
+            cache = cache_ref()
+            layer = cache.layers[index]
             batch, heads, _, dim = key_states.shape
-            shape = (2, len(self.layers), batch, heads, self.capacity, dim)
-            if self._storage is None and value_states.shape == key_states.shape:
-                self._storage = key_states.new_empty(shape)
-            storage = self._storage
+            shape = (2, len(cache.layers), batch, heads, cache.capacity, dim)
             fits = value_states.shape == key_states.shape and value_states.dtype == key_states.dtype
+            if cache._storage is None and fits:
+                cache._storage = key_states.new_empty(shape)
+            storage = cache._storage
             if storage is None or not fits or storage.shape != shape or storage.dtype != key_states.dtype:
-                return self.layers[index]._own_buffers(key_states, value_states)
+                return layer._own_buffers(key_states, value_states)
             if storage.device != key_states.device:
-                return self.layers[index]._own_buffers(key_states, value_states)
-            self._in_storage += 1
+                return layer._own_buffers(key_states, value_states)
+            cache._in_storage += 1
             return storage[0, index], storage[1, index]
 
         return allocate

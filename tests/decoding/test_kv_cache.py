@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 from decoding.kv_cache import SlotCache
 
 
-def _fill(cache: SlotCache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    for layer, key, value in zip(cache.layers, keys, values, strict=True):
+def _fill(cache: SlotCache, keys: list[torch.Tensor], values: list[torch.Tensor], partly: bool = False) -> None:
+    """Append one step's keys and values to every layer (to the first ``len(keys)`` layers when ``partly``)."""
+    for layer, key, value in zip(cache.layers, keys, values, strict=not partly):
         layer.update(key, value)
 
 
@@ -53,3 +57,18 @@ def test_an_in_place_commit_only_shortens_and_appends_continue_after_it():
     assert cache.length == 7
     expected = torch.cat([keys[0][:, :, :5], more_keys[0]], dim=2)
     assert torch.equal(cache.layers[0].keys, expected)
+
+
+def test_a_dropped_cache_is_freed_at_once_without_the_garbage_collector():
+    """No reference cycle: the server frees an aborted request's KV memory when it drops the cache."""
+    gc.disable()
+    try:
+        for layers_run in (0, 1, 3):  # never used, partly initialized, fully initialized
+            cache = SlotCache(3, 16)
+            keys, values = _random_step(3, 2)
+            _fill(cache, keys[:layers_run], values[:layers_run], partly=True)
+            dead = weakref.ref(cache)
+            del cache
+            assert dead() is None, f"a cache with {layers_run} layers run outlived its last reference"
+    finally:
+        gc.enable()
