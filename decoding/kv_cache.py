@@ -115,9 +115,10 @@ class SlotCache(Cache):
             if cache._storage is None and fits:
                 cache._storage = key_states.new_empty(shape)
             storage = cache._storage
-            if storage is None or not fits or storage.shape != shape or storage.dtype != key_states.dtype:
-                return layer._own_buffers(key_states, value_states)
-            if storage.device != key_states.device:
+            same = storage is not None and (storage.shape, storage.dtype, storage.device) == (
+                shape, key_states.dtype, key_states.device
+            )
+            if not (fits and same):
                 return layer._own_buffers(key_states, value_states)
             cache._in_storage += 1
             return storage[0, index], storage[1, index]
