@@ -137,18 +137,15 @@ class SlotCache(Cache):
         ``commit(11, [14, 15])`` leaves slots 0..10 in place and moves 14, 15 to 11, 12: length 13.
         """
         count = len(sources)
-        if list(sources) == list(range(keep, keep + count)):
-            for layer in self.layers:
-                layer._set_length(keep + count)
-            return
-        index = torch.tensor(list(sources), device=self.layers[0].device)
-        if self._storage is not None and self._in_storage == len(self.layers):
+        if list(sources) != list(range(keep, keep + count)):  # else the kept slots are already in place
+            index = torch.tensor(list(sources), device=self.layers[0].device)
+            if self._storage is None or self._in_storage < len(self.layers):
+                for layer in self.layers:
+                    layer.commit(keep, index)
+                return
             self._storage[:, :, :, :, keep : keep + count] = self._storage[:, :, :, :, index]
-            for layer in self.layers:
-                layer._set_length(keep + count)
-            return
         for layer in self.layers:
-            layer.commit(keep, index)
+            layer._set_length(keep + count)
 
 
 def new_cache(model: torch.nn.Module, capacity: int) -> SlotCache:

@@ -8,8 +8,6 @@ a one-token step round differently, so a near-tie between two tokens can break t
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -18,6 +16,7 @@ from decoding.batch import BatchPolicy
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
 from server.config import load_config
+from server.serving import resolve_lookahead
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, make_stream, run_batch, tokens_of
@@ -33,16 +32,9 @@ CONFIGS = [
     LookaheadConfig(15, 5, 15),
     LookaheadConfig(1, 5, 3, lazy_window=True, break_even=0.5),
 ]
-
-
-def _cuda_preset() -> LookaheadConfig:
-    """What the server runs on a GPU: the window, the pool's token tree and the copy steps in one tree mask."""
-    settings = load_config(device_preset="cuda").lookahead
-    names = [field.name for field in dataclasses.fields(LookaheadConfig) if hasattr(settings, field.name)]
-    return LookaheadConfig(**{name: getattr(settings, name) for name in names})
-
-
-CUDA_PRESET = _cuda_preset()
+# What the server runs on a GPU (as server.app resolves it): the window, the pool's token tree and the copy steps
+# in one tree mask.
+CUDA_PRESET = resolve_lookahead(None, load_config(device_preset="cuda").lookahead)
 REAL_MESSAGES = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "List three tips for writing clear emails.",
