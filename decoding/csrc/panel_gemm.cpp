@@ -1,27 +1,54 @@
-// Small-batch float32 matrix product over a weight stored as column panels, for AVX2 + FMA CPUs.
+// Small-batch float32 matrix product over a weight stored as column panels, for AVX2 + FMA or AVX-512 CPUs.
 //
-// y[m, n] = sum_k x[m, k] * W[n, k], with W packed as panels of 8 output columns: panel p holds
-// W[8p .. 8p+7, k] for k = 0 .. K-1, contiguous ([N / 8][K][8]). Every output element is one FMA chain over
-// k = 0 .. K-1 in order, whatever the number of rows and whichever tile computes it: a row's result is the
-// same bit for bit whether it is computed alone or with other rows. The weight streams from memory once
-// whatever the number of rows.
+// y[m, n] = sum_k x[m, k] * W[n, k], with W packed as panels of L output columns (L = one vector register of
+// float32: 8 for AVX2, 16 for AVX-512): panel p holds W[L p .. L p + L - 1, k] for k = 0 .. K-1, contiguous
+// ([N / L][K][L]). Every output element is one FMA chain over k = 0 .. K-1 in order, whatever the number of
+// rows, whichever tile computes it and whatever the vector width: a row's result is the same bit for bit
+// whether it is computed alone or with other rows, and the same from either kernel. The weight streams from
+// memory once whatever the number of rows.
 //
-// A tile is R rows x P panels of accumulators (R * P <= 12 of AVX2's 16 registers). The accumulators are
-// named variables, not an array: GCC keeps an array of vectors on the stack and stores it every iteration.
+// The file is compiled twice into one library: as is (AVX2, ``panel_gemm``) and with -DPANEL_WIDE -mavx512f
+// (AVX-512, ``panel_gemm_wide``). A tile is R rows x P panels of accumulators, held in named variables (GCC keeps
+// an array of vectors on the stack and stores it every iteration): R * P <= 12 of AVX2's 16 registers, <= 24 of
+// AVX-512's 32.
 #include <immintrin.h>
 #include <cstdint>
 
 namespace {
 
+#ifdef PANEL_WIDE
+using Vec = __m512;
+constexpr int64_t LANES = 16;
+constexpr int BAND_ROWS = 8;  // rows per tile in a band: 8 x 3 accumulators + 3 weights + 1 broadcast
+constexpr int64_t K_BLOCK = 64;  // 3 panels x 64 x 64 bytes = 12 KiB of L1 (16 rows: 0.97x the time at 32)
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VBROADCAST(p) _mm512_set1_ps(*(p))
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define ENTRY panel_gemm_wide
+#else
+using Vec = __m256;
+constexpr int64_t LANES = 8;
+constexpr int BAND_ROWS = 4;  // rows per tile in a band: 4 x 3 accumulators + 3 weights + 1 broadcast
+constexpr int64_t K_BLOCK = 32;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VBROADCAST(p) _mm256_broadcast_ss(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define ENTRY panel_gemm
+#endif
+
 #define PANELS(r, OP) OP(r, 0) OP(r, 1) OP(r, 2) OP(r, 3)
-#define ROWS(OP) OP(0) OP(1) OP(2) OP(3)
-#define DECLARE(r, p) __m256 a##r##p = _mm256_setzero_ps();
+#define ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
+#define DECLARE(r, p) Vec a##r##p = VZERO();
 #define DECLARE_ROW(r) PANELS(r, DECLARE) const float* x##r = x + (row0 + (r < R ? r : 0)) * K;
-#define LOAD(r, p) if constexpr (P > p) a##r##p = _mm256_loadu_ps(y + (row0 + r) * N + (panel0 + p) * 8);
+#define LOAD(r, p) if constexpr (P > p) a##r##p = VLOAD(y + (row0 + r) * N + (panel0 + p) * LANES);
 #define LOAD_ROW(r) if constexpr (R > r) { PANELS(r, LOAD) }
-#define FMA(r, p) if constexpr (P > p) a##r##p = _mm256_fmadd_ps(xk, w##p, a##r##p);
-#define FMA_ROW(r) if constexpr (R > r) { const __m256 xk = _mm256_broadcast_ss(x##r + k); PANELS(r, FMA) }
-#define STORE(r, p) if constexpr (P > p) _mm256_storeu_ps(y + (row0 + r) * N + (panel0 + p) * 8, a##r##p);
+#define FMA(r, p) if constexpr (P > p) a##r##p = VFMA(xk, w##p, a##r##p);
+#define FMA_ROW(r) if constexpr (R > r) { const Vec xk = VBROADCAST(x##r + k); PANELS(r, FMA) }
+#define STORE(r, p) if constexpr (P > p) VSTORE(y + (row0 + r) * N + (panel0 + p) * LANES, a##r##p);
 #define STORE_ROW(r) if constexpr (R > r) { PANELS(r, STORE) }
 
 // Rows [row0, row0 + R) x panels [panel0, panel0 + P) over k in [k0, k1). The accumulators start from zero at
@@ -30,15 +57,16 @@ namespace {
 template <int R, int P>
 void tile(const float* x, int64_t K, const float* panels, int64_t N, int64_t row0, int64_t panel0, int64_t k0,
           int64_t k1, float* y) {
+    static_assert(R >= 1 && R <= 8 && P >= 1 && P <= 4, "tile shape");
     ROWS(DECLARE_ROW)
     if (k0 > 0) { ROWS(LOAD_ROW) }
-    const float* base = panels + panel0 * K * 8;
+    const float* base = panels + panel0 * K * LANES;
     for (int64_t k = k0; k < k1; ++k) {
-        const float* wk = base + k * 8;
-        const __m256 w0 = _mm256_loadu_ps(wk);
-        const __m256 w1 = P > 1 ? _mm256_loadu_ps(wk + K * 8) : w0;
-        const __m256 w2 = P > 2 ? _mm256_loadu_ps(wk + 2 * K * 8) : w0;
-        const __m256 w3 = P > 3 ? _mm256_loadu_ps(wk + 3 * K * 8) : w0;
+        const float* wk = base + k * LANES;
+        const Vec w0 = VLOAD(wk);
+        const Vec w1 = P > 1 ? VLOAD(wk + K * LANES) : w0;
+        const Vec w2 = P > 2 ? VLOAD(wk + 2 * K * LANES) : w0;
+        const Vec w3 = P > 3 ? VLOAD(wk + 3 * K * LANES) : w0;
         ROWS(FMA_ROW)
     }
     ROWS(STORE_ROW)
@@ -48,31 +76,40 @@ void tile(const float* x, int64_t K, const float* panels, int64_t N, int64_t row
 // streaming the weight, which each tile reads once.
 template <int R, int P>
 void few_rows(const float* x, int64_t K, const float* panels, int64_t N, float* y) {
-    const int64_t count = N / 8;
+    const int64_t count = N / LANES;
     int64_t p = 0;
     for (; p + P <= count; p += P) tile<R, P>(x, K, panels, N, 0, p, 0, K, y);
     for (; p < count; ++p) tile<R, 1>(x, K, panels, N, 0, p, 0, K, y);
 }
 
-constexpr int64_t K_BLOCK = 32;
+// Rows [row0, row0 + rows) (rows < BAND_ROWS) against panels [panel0, panel0 + P) over k in [k0, k1).
+template <int P>
+void band_rest(const float* x, int64_t rows, int64_t K, const float* panels, int64_t N, int64_t row0,
+               int64_t panel0, int64_t k0, int64_t k1, float* y) {
+    switch (rows) {
+        case 1: tile<1, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
+        case 2: tile<2, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
+        case 3: tile<3, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
+        case 4: tile<4, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
+        case 5: tile<5, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
+        case 6: tile<6, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
+        case 7: tile<7, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
+        default: break;
+    }
+}
 
 // Every row against panels [panel0, panel0 + P), in blocks of K_BLOCK input features: a block of the P panels
-// (at most 3 x K_BLOCK x 32 bytes) comes from memory once and stays in L1 while every group of four rows uses
-// it. The weight thus streams once whatever the number of rows, and the FMAs of all the rows run while it
-// streams (without the blocks, rows 5 and up would re-read each band from L2 after the first four had waited
-// on memory: 16 rows cost 2.5x one row, against 1.6x blocked).
+// (3 x K_BLOCK x 4 x LANES bytes) comes from memory once and stays in L1 while every group of BAND_ROWS rows
+// uses it. The weight thus streams once whatever the number of rows, and the FMAs of all the rows run while it
+// streams (without the blocks, later rows would re-read each band from L2 after the first group had waited on
+// memory: on AVX2, 16 rows cost 2.5x one row, against 1.6x blocked).
 template <int P>
 void band(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, int64_t panel0, float* y) {
     for (int64_t k0 = 0; k0 < K; k0 += K_BLOCK) {
         const int64_t k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
         int64_t row0 = 0;
-        for (; row0 + 4 <= M; row0 += 4) tile<4, P>(x, K, panels, N, row0, panel0, k0, k1, y);
-        switch (M - row0) {
-            case 1: tile<1, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
-            case 2: tile<2, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
-            case 3: tile<3, P>(x, K, panels, N, row0, panel0, k0, k1, y); break;
-            default: break;
-        }
+        for (; row0 + BAND_ROWS <= M; row0 += BAND_ROWS) tile<BAND_ROWS, P>(x, K, panels, N, row0, panel0, k0, k1, y);
+        band_rest<P>(x, M - row0, K, panels, N, row0, panel0, k0, k1, y);
     }
 }
 
@@ -80,15 +117,15 @@ void band(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, 
 
 extern "C" {
 
-// x: [M, K] row-major; panels: [N / 8][K][8]; y: [M, N] row-major. N must be a multiple of 8.
-void panel_gemm(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, float* y) {
+// x: [M, K] row-major; panels: [N / LANES][K][LANES]; y: [M, N] row-major. N must be a multiple of LANES.
+void ENTRY(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, float* y) {
     switch (M) {
         case 1: few_rows<1, 4>(x, K, panels, N, y); return;
         case 2: few_rows<2, 4>(x, K, panels, N, y); return;
         case 3: few_rows<3, 4>(x, K, panels, N, y); return;
         default: break;
     }
-    const int64_t count = N / 8;
+    const int64_t count = N / LANES;
     int64_t p = 0;
     for (; p + 3 <= count; p += 3) band<3>(x, M, K, panels, N, p, y);
     for (; p < count; ++p) band<1>(x, M, K, panels, N, p, y);

@@ -1,8 +1,9 @@
 """The native panel kernel: built on first use, equal to torch's product to rounding, each row independent bit for
-bit, and a clean fallback (None) wherever it cannot run."""
+bit, its AVX2 and AVX-512 entries equal bit for bit, and a clean fallback (None) wherever it cannot run."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -25,6 +26,20 @@ def fresh(monkeypatch, tmp_path):
     native.panel_gemm.cache_clear()
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def gemm(request, monkeypatch):
+    """The loaded kernel with each entry in turn: panels of 8 (AVX2, forced by the environment), of 16 (AVX-512,
+    skipped where the CPU lacks it)."""
+    if request.param == "avx512" and not native.wide_cpu():
+        pytest.skip("this CPU has no AVX-512")
+    monkeypatch.setenv(native.DISABLE_VARIABLE, request.param)
+    native.panel_gemm.cache_clear()
+    loaded = native.panel_gemm()
+    assert loaded is not None and loaded.lanes == (8 if request.param == "avx2" else 16)
+    yield loaded
+    native.panel_gemm.cache_clear()
+
+
 @needs_kernel
 def test_the_kernel_builds_into_the_cache_and_loads(fresh, tmp_path):
     gemm = fresh()
@@ -36,22 +51,20 @@ def test_the_kernel_builds_into_the_cache_and_loads(fresh, tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 19, 24, 26])
 @pytest.mark.parametrize("shape", [(40, 24), (576, 96), (96, 1536)])
-def test_the_kernel_equals_torch_to_rounding(count, shape):
+def test_the_kernel_equals_torch_to_rounding(gemm, count, shape):
     torch.manual_seed(count)
     weight, rows = torch.randn(*shape), torch.randn(count, shape[1])
-    gemm = native.panel_gemm()
     got = gemm(rows, gemm.pack(weight))
     torch.testing.assert_close(got, rows @ weight.t(), rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(200, 576), (96, 1536), (40, 24), (64, 33)])
-def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(shape):
+@pytest.mark.parametrize("shape", [(200, 576), (96, 1536), (40, 24), (64, 33), (400, 130)])
+def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(gemm, shape):
     # Every path (1-3 rows across all panels; 4+ rows in bands of 3 panels and 1 left over, blocks of K, groups of
-    # four rows and a remainder) must run each element's FMA chain in the same order. The shapes leave 1 or 2
-    # panels over after the bands of 3 and cut K into whole and partial blocks.
+    # four or eight rows and a remainder) must run each element's FMA chain in the same order. The shapes leave 1
+    # or 2 panels over after the bands of 3 and cut K into whole and partial blocks.
     torch.manual_seed(0)
-    gemm = native.panel_gemm()
     panels = gemm.pack(torch.randn(*shape))
     rows = torch.randn(26, shape[1])
     alone = torch.cat([gemm(rows[i : i + 1], panels) for i in range(len(rows))])
@@ -59,9 +72,25 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(shape):
         assert torch.equal(gemm(rows[:count], panels), alone[:count]), count
 
 
-def test_packing_needs_whole_panels():
+@needs_kernel
+@pytest.mark.parametrize("shape", [(576, 576), (96, 1536), (40, 24), (400, 130)])
+def test_both_entries_give_the_same_bits(shape):
+    if not native.wide_cpu():
+        pytest.skip("this CPU has no AVX-512")
+    torch.manual_seed(1)
+    wide = native.panel_gemm()
+    narrow = native.PanelGemm(ctypes.CDLL(str(native.library_path())), wide=False)
+    weight, rows = torch.randn(*shape), torch.randn(26, shape[1])
+    for count in (1, 2, 3, 4, 7, 8, 13, 26):
+        assert torch.equal(wide(rows[:count], wide.pack(weight)), narrow(rows[:count], narrow.pack(weight))), count
+
+
+@needs_kernel
+def test_packing_needs_whole_panels_and_takes_the_widest_that_divides(gemm):
     with pytest.raises(ValueError, match="multiple of 8"):
-        native.PanelGemm.pack(torch.randn(12, 4))
+        gemm.pack(torch.randn(12, 4))
+    assert gemm.pack(torch.randn(40, 4)).shape == (5, 4, 8)  # 40 columns: panels of 8 on either entry
+    assert gemm.pack(torch.randn(32, 4)).shape == (32 // gemm.lanes, 4, gemm.lanes)
 
 
 def test_disabled_by_the_environment(fresh, monkeypatch):
