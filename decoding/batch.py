@@ -41,9 +41,10 @@ if TYPE_CHECKING:
     from decoding.memory import NGramMemory
 
 # Relative cost of one engine forward by input tokens, over a 300-token cache: SmolLM2-135M, float32 with packed
-# linears and the panel kernel, 1 thread (configs/cpu.yaml's curve, `python -m bench --step-cost`, 2026-11-24).
+# linears and the panel kernel's AVX-512 entry, 1 thread (configs/cpu.yaml's curve, `python -m bench --step-cost`,
+# 2026-11-25).
 # The tuner measures the real curve.
-CPU_STEP_COST = ((1, 1.0), (2, 1.07), (4, 1.15), (8, 1.33), (16, 1.68), (32, 2.63), (64, 4.62), (128, 9.07))
+CPU_STEP_COST = ((1, 1.0), (2, 1.07), (4, 1.16), (8, 1.27), (16, 1.41), (32, 1.99), (64, 3.28), (128, 5.85))
 
 
 @dataclass(frozen=True)
