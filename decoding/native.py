@@ -4,9 +4,10 @@ Contract: ``panel_gemm()`` returns a ``PanelGemm`` (the loaded kernel) or None w
 x86-64 CPU with AVX2 and FMA, no C++ compiler (``$CXX`` or ``g++``), a failed build, or
 ``LOOKAHEAD_NATIVE=0`` in the environment. Callers fall back to torch's kernels on None; nothing else changes.
 The shared library is built once per source version into ``<cache>/native/`` (``decoding.loading.cache_root``):
-the source compiled twice with ``-O3 -mavx2 -mfma``, once more with ``-mavx512f -DPANEL_WIDE``, and linked
-into one library (about 4 s), reused by every later process; a concurrent build by another process is harmless
-(each writes its own file and renames it into place). The result is cached per process.
+the source compiled twice, with ``-O3 -mavx2 -mfma`` and again with ``-mavx512f -DPANEL_WIDE`` added, and linked
+into one library (about 4 s; a compiler that cannot build the AVX-512 object gives a library of the AVX2 entry
+alone), reused by every later process; a concurrent build by another process is harmless (each writes its own
+file and renames it into place). The result is cached per process.
 
 On a CPU with AVX-512 (``avx512f``) the kernel packs weights in panels of 16 columns and runs the 512-bit
 entry; elsewhere, or with ``LOOKAHEAD_NATIVE=avx2``, panels of 8 and the AVX2 entry. Both run every output
@@ -55,7 +56,7 @@ class PanelGemm:
 
     def __init__(self, library: ctypes.CDLL, wide: bool) -> None:
         self._entries = {PANEL: library.panel_gemm}
-        if wide:
+        if wide and hasattr(library, "panel_gemm_wide"):
             self._entries[WIDE_PANEL] = library.panel_gemm_wide
         for entry in self._entries.values():
             entry.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -122,14 +123,20 @@ def library_path() -> Path:
 
 
 def build(target: Path, cxx: str) -> None:
-    """Compile ``SOURCE`` twice (AVX2; AVX-512) and link both into ``target`` (atomically: built beside it, then
-    renamed); raises on failure."""
+    """Compile ``SOURCE`` twice (AVX2; AVX-512) and link the objects into ``target`` (atomically: built beside it,
+    then renamed); raises when the AVX2 object or the link fails, and leaves the AVX-512 entry out (with a warning)
+    when only its object fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         narrow, wide, built = Path(scratch) / "narrow.o", Path(scratch) / "wide.o", Path(scratch) / target.name
-        for flags, output in ((FLAGS, narrow), (FLAGS + WIDE_FLAGS, wide)):
-            _run([cxx, *flags, "-c", "-o", str(output), str(SOURCE)])
-        _run([cxx, "-shared", "-o", str(built), str(narrow), str(wide)])
+        _run([cxx, *FLAGS, "-c", "-o", str(narrow), str(SOURCE)])
+        objects = [str(narrow)]
+        try:
+            _run([cxx, *FLAGS, *WIDE_FLAGS, "-c", "-o", str(wide), str(SOURCE)])
+            objects.append(str(wide))
+        except subprocess.SubprocessError as error:
+            log.warning("the panel kernel's AVX-512 entry did not build (%s): the AVX2 entry runs alone", error)
+        _run([cxx, "-shared", "-o", str(built), *objects])
         os.replace(built, target)
 
 

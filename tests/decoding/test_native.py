@@ -106,6 +106,20 @@ def test_a_failed_build_falls_back_with_a_warning(fresh, monkeypatch, caplog):
     assert "oneDNN" in caplog.text
 
 
+@needs_kernel
+def test_a_compiler_without_avx512_builds_the_avx2_entry_alone(fresh, monkeypatch, tmp_path, caplog):
+    wrapper = tmp_path / "cxx-no-avx512"
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *-mavx512f*) exit 1;; esac\nexec {native.compiler()} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    with caplog.at_level(logging.WARNING, logger="decoding.native"):
+        gemm = fresh()
+    assert gemm is not None and gemm.lanes == 8
+    assert "AVX-512 entry did not build" in caplog.text
+    weight, rows = torch.randn(32, 24), torch.randn(5, 24)
+    torch.testing.assert_close(gemm(rows, gemm.pack(weight)), rows @ weight.t(), rtol=1e-4, atol=1e-4)
+
+
 def test_no_compiler_falls_back(fresh, monkeypatch):
     monkeypatch.setattr(native, "compiler", lambda: None)
     monkeypatch.setattr(native, "supported_cpu", lambda: True)
