@@ -11,8 +11,9 @@ Contract: ``tune(model, prompts, stop_token_ids)`` returns a ``TuneResult``:
 3. for each (W, N, G) of a grid suited to that curve it runs greedy lookahead over the prompts and records
    every step's input size and committed tokens (a greedy trajectory does not depend on the hardware), and
    predicts the decode time from the curve; then it tries the best of them with lower break-evens
-   (``BREAK_EVEN_SCALES``): the derived one prices every guessing step as an 8-token forward that accepts
-   at the running mean's pace, while acceptance comes in bursts that a gate closed too early misses;
+   (``BREAK_EVEN_SCALES``, down to 0: no gate at all): the derived one prices every guessing step as an
+   8-token forward that accepts at the running mean's pace, while acceptance comes in bursts that a gate closed
+   too early misses;
 4. it confirms the best prediction with a timed, interleaved run against the greedy loop on the same
    prompts: that measured speedup is what the result reports, with how many outputs were identical (all of
    them in float32; in bfloat16 a multi-token step rounds differently from a one-token step, and a near-tie
@@ -40,7 +41,7 @@ from decoding.params import LookaheadConfig, StopCriteria
 CPU_GRID = ((1, 3, 2), (1, 4, 2), (1, 5, 3), (1, 6, 2), (2, 4, 2), (2, 5, 3), (3, 4, 3), (4, 5, 4))
 GPU_GRID = ((5, 4, 5), (7, 5, 7), (10, 5, 10), (15, 5, 15), (15, 6, 15), (20, 6, 20))
 COSTLY_RATIO = 1.2
-BREAK_EVEN_SCALES = (0.5, 0.25)
+BREAK_EVEN_SCALES = (0.5, 0.25, 0.0)  # 0: verify whenever a candidate is found (the CPU preset's choice)
 COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
 TUNE_SETS = ("humaneval", "chat")
 

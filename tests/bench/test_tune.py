@@ -94,7 +94,7 @@ def test_tune_tries_the_leading_setting_at_lower_break_evens(tiny_model, monkeyp
     grid, extra = result.candidates[:2], result.candidates[2:]
     assert [candidate.config.break_even for candidate in grid] == [0.8, 0.8]
     leader = max(grid, key=lambda candidate: candidate.predicted_speedup).config
-    assert [candidate.config for candidate in extra] == [replace(leader, break_even=b) for b in (0.4, 0.2)]
+    assert [candidate.config for candidate in extra] == [replace(leader, break_even=b) for b in (0.4, 0.2, 0.0)]
     assert result.best == max(result.candidates, key=lambda candidate: candidate.predicted_speedup).config
 
 
