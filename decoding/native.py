@@ -85,10 +85,11 @@ class PanelGemm:
         return out
 
 
-def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from ``/proc/cpuinfo``; None where it cannot be read."""
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (read once per process); None where it cannot be read."""
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return None
 

@@ -32,7 +32,10 @@ def gemm(request, monkeypatch):
     skipped where the CPU lacks it)."""
     if request.param == "avx512" and not native.wide_cpu():
         pytest.skip("this CPU has no AVX-512")
-    monkeypatch.setenv(native.DISABLE_VARIABLE, request.param)
+    if request.param == "avx2":
+        monkeypatch.setenv(native.DISABLE_VARIABLE, "avx2")
+    else:
+        monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
     native.panel_gemm.cache_clear()
     loaded = native.panel_gemm()
     assert loaded is not None and loaded.lanes == (8 if request.param == "avx2" else 16)
