@@ -684,8 +684,7 @@ class _Lookahead:
         self._commit_cache(position, slots, len(committed))
         if shape.window:
             new_row = self._clean_row(predicted[1 : 1 + width])
-            for key, ngram in self.window.ngrams(last, new_row):
-                self.pool.add(key, ngram)
+            self.pool.add_chains(self.window.ngrams(last, new_row))
             self.window.advance(new_row, len(committed), config.align_window)
         else:
             self.window.skip(len(committed), config.align_window)

@@ -1,15 +1,17 @@
 """The n-gram pool: for each token, the most recent n-grams that followed it.
 
-Contract: ``NGramPool(ngram_length, capacity)`` maps a key token to at most ``capacity`` tuples of exactly
+Contract: ``NGramPool(ngram_length, capacity)`` maps a key token to at most ``capacity`` tuples of 1 to
 ``ngram_length`` tokens. Inserting a tuple already present refreshes it (moves it to most recent) instead
-of duplicating it; a full key evicts its least recently inserted tuple. ``candidates`` lists the most
-recent first.
+of duplicating it; a tuple shorter than ``ngram_length`` that is a prefix of one already stored under its key
+is not inserted (verifying it would add nothing); a full key evicts its least recently inserted tuple.
+``add_chains`` also stores every proper suffix of an n-gram under the token before it. ``candidates`` lists
+the most recent first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class NGramPool:
@@ -31,19 +33,41 @@ class NGramPool:
         return sum(len(entries) for entries in self._table.values())
 
     def add(self, key: int, ngram: Sequence[int]) -> None:
-        """Insert ``ngram`` (exactly ``ngram_length`` tokens) under ``key``, refreshing it if present."""
+        """Insert ``ngram`` (1 to ``ngram_length`` tokens) under ``key``, refreshing it if present; a shorter one
+        that is a prefix of an n-gram already under ``key`` is left out."""
         if self.capacity == 0:
             return
         ngram = tuple(ngram)
-        if len(ngram) != self.ngram_length:
-            raise ValueError(f"expected {self.ngram_length} tokens, got {len(ngram)}")
+        if not 1 <= len(ngram) <= self.ngram_length:
+            raise ValueError(f"expected 1 to {self.ngram_length} tokens, got {len(ngram)}")
         entries = self._table.setdefault(key, OrderedDict())
         if ngram in entries:
             entries.move_to_end(ngram)
             return
+        if len(ngram) < self.ngram_length and covered(ngram, entries):
+            return
         entries[ngram] = None
         if len(entries) > self.capacity:
             entries.popitem(last=False)
+
+    def add_chains(self, ngrams: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Insert each ``(key, ngram)`` of ``ngrams``, then each n-gram's proper suffixes ``ngram[i:]`` under the
+        token before them, ``ngram[i - 1]``.
+
+        A Jacobi window column is a chain of guesses for consecutive positions, each read off the model after the
+        ones before it: every token of it, not only the first, can key the guesses that follow it. The shorter
+        n-grams key more of the tokens a decode reaches, so more steps find a candidate.
+
+        >>> pool = NGramPool(ngram_length=3, capacity=4)
+        >>> pool.add_chains([(1, (2, 3, 4)), (5, (2, 3, 6))])
+        >>> pool.candidates(1), pool.candidates(2), pool.candidates(3)
+        ([(2, 3, 4)], [(3, 6), (3, 4)], [(6,), (4,)])
+        """
+        for key, ngram in ngrams:
+            self.add(key, ngram)
+        for _, ngram in ngrams:
+            for start in range(1, len(ngram)):
+                self.add(ngram[start - 1], ngram[start:])
 
     def add_sequence(self, tokens: Sequence[int], start: int = 0) -> int:
         """Insert every n-gram of ``tokens`` that begins at index >= ``start``; return the next unscanned start.
@@ -66,7 +90,7 @@ class NGramPool:
         return found if limit is None else found[:limit]
 
 
-def covered(candidate: Sequence[int], chosen: Sequence[Sequence[int]]) -> bool:
+def covered(candidate: Sequence[int], chosen: Iterable[Sequence[int]]) -> bool:
     """True when ``candidate`` equals, or is a prefix of, one of ``chosen``: verifying it would add nothing.
 
     >>> covered((3, 4), [(3, 4, 5)]), covered((3, 5), [(3, 4, 5)])

@@ -34,9 +34,32 @@ def test_candidates_limit_and_zero_capacity():
     assert len(empty) == 0
 
 
-def test_add_rejects_wrong_length():
+@pytest.mark.parametrize("ngram", [(), (2, 3, 4, 5)])
+def test_add_rejects_empty_or_too_long(ngram):
     with pytest.raises(ValueError):
-        NGramPool(ngram_length=3, capacity=1).add(1, (2, 3))
+        NGramPool(ngram_length=3, capacity=1).add(1, ngram)
+
+
+def test_shorter_ngram_covered_by_a_stored_one_is_left_out():
+    pool = NGramPool(ngram_length=3, capacity=4)
+    pool.add(1, (2, 3, 4))
+    pool.add(1, (2, 3))  # a prefix of (2, 3, 4): verifies nothing new
+    pool.add(1, (2, 5))
+    pool.add(1, (9,))
+    assert pool.candidates(1) == [(9,), (2, 5), (2, 3, 4)]
+    pool.add(1, (2, 5, 6))  # a full n-gram is stored even when a shorter one is its prefix
+    assert pool.candidates(1)[0] == (2, 5, 6)
+
+
+def test_add_chains_keys_every_suffix_by_the_token_before_it():
+    pool = NGramPool(ngram_length=3, capacity=2)
+    pool.add_chains([(1, (2, 3, 4)), (7, (8, 3, 4)), (5, (2, 3, 6))])
+    assert pool.candidates(1) == [(2, 3, 4)]
+    assert pool.candidates(5) == [(2, 3, 6)]
+    assert pool.candidates(2) == [(3, 6), (3, 4)]
+    assert pool.candidates(8) == [(3, 4)]
+    assert pool.candidates(3) == [(6,), (4,)]  # (4,) twice: refreshed, not duplicated
+    assert len(pool) == 8
 
 
 def test_add_sequence_inserts_each_ngram_once_across_appends():

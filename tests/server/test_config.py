@@ -68,7 +68,7 @@ def test_presets():
     cuda = load_config(device_preset="cuda")
     assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (1, 4, 3)
     assert cpu.lookahead.lazy_window and cpu.lookahead.break_even == 0.0 and cpu.lookahead.copy_length == 16
-    assert (cuda.lookahead.window_size, cuda.lookahead.ngram_size, cuda.lookahead.guess_set_size) == (16, 5, 16)
+    assert (cuda.lookahead.window_size, cuda.lookahead.ngram_size, cuda.lookahead.guess_set_size) == (16, 5, 32)
     assert not cuda.lookahead.lazy_window and cuda.lookahead.break_even == 0.0
     assert cpu.device == "cpu" and cuda.device == "cuda" and cuda.dtype == "float32"
 
@@ -89,7 +89,7 @@ def test_layers_in_order(tmp_path):
     assert config.port == 9100 and resolved.source("port") == "flag"  # flag beats file
     assert config.lookahead.window_size == 5 and resolved.source("lookahead.window_size") == str(path)
     assert config.lookahead.ngram_size == 3
-    assert config.lookahead.guess_set_size == 16  # a None flag does not override; the preset still applies
+    assert config.lookahead.guess_set_size == 32  # a None flag does not override; the preset still applies
     assert resolved.source("lookahead.guess_set_size") == "configs/cuda.yaml"
     assert config.host == "127.0.0.1" and resolved.source("host") == "default"
 
