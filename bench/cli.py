@@ -110,6 +110,8 @@ def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-min-match", type=int,
                         help=f"context tokens a copy step needs to match ({SERVER_DEFAULT})")
     parser.add_argument("--copy-candidates", type=int, help=f"continuations a copy step verifies ({SERVER_DEFAULT})")
+    parser.add_argument("--copy-stretch", type=int,
+                        help=f"whole copies stretch the next best copy up to this many times ({SERVER_DEFAULT})")
     parser.add_argument("--window-chains", action=argparse.BooleanOptionalAction,
                         help=f"also verify the window's own columns ({SERVER_DEFAULT})")
 
@@ -140,6 +142,7 @@ def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
         copy_length=args.copy_length,
         copy_min_match=args.copy_min_match,
         copy_candidates=args.copy_candidates,
+        copy_stretch=args.copy_stretch,
         window_chains=args.window_chains,
     )
     config.validate()

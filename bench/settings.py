@@ -25,7 +25,7 @@ from server.config import ServerConfig, load_config
 
 LOOKAHEAD_FIELDS = (
     "window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length", "copy_min_match",
-    "copy_candidates", "window_chains"
+    "copy_candidates", "copy_stretch", "window_chains"
 )
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
 SERVER_MEMORY_TOKENS = ServerConfig().lookahead.memory_tokens  # the server's shared n-gram memory, by default

@@ -510,6 +510,28 @@ class _Gate:
         self.expected += ACCEPT_SMOOTHING * (accepted - self.expected)
 
 
+class _Span:
+    """How far the best copy of a copy step reaches: ``base`` tokens, doubled (up to ``limit``) after each copy
+    step that accepted a whole copy of the current length, back to ``base`` after one that accepted less.
+
+    >>> span = _Span(16, 64)
+    >>> lengths = []
+    >>> for copied in (16, 32, 64, 64, 40):
+    ...     span.update(copied)
+    ...     lengths.append(span.length)
+    >>> lengths
+    [32, 64, 64, 64, 16]
+    """
+
+    def __init__(self, base: int, limit: int) -> None:
+        self.base = base
+        self.limit = max(base, limit)
+        self.length = base
+
+    def update(self, copied: int) -> None:
+        self.length = min(2 * self.length, self.limit) if copied >= self.length else self.base
+
+
 @dataclass(frozen=True)
 class _Chains:
     """The window's causal chains a step verifies beside its tree: each as window indices and as tokens."""
@@ -584,6 +606,7 @@ class _Lookahead:
         self.scanned = max(self.scanned, sequence.prompt_length - lookahead.levels)
         self.verifying = _Gate(float(lookahead.levels))
         self.copying = _Gate(float(lookahead.copy_length))
+        self.copy_span = _Span(lookahead.copy_length, lookahead.copy_stretch * lookahead.copy_length)
         self.predicting = _Gate(float(prediction_copy_length(lookahead)))  # the prediction's copies, gated apart
         self._wanted = _Shape(False)
 
@@ -693,7 +716,9 @@ class _Lookahead:
         sources = [*shape.sources, *[POOL] * len(chains.tokens)]
         reach = _reach_by_source(verified, sources, verdict.tokens[: verdict.num_accepted])
         if COPY in reach or MEMORY in reach:
-            self.copying.update(max(reach.get(COPY, 0), reach.get(MEMORY, 0)))
+            copied = max(reach.get(COPY, 0), reach.get(MEMORY, 0))
+            self.copying.update(copied)
+            self.copy_span.update(copied)
         if PREDICTION in reach:
             self.predicting.update(reach[PREDICTION])
         if POOL in reach:
@@ -787,20 +812,21 @@ class _Lookahead:
 
     def _copies(self) -> _Shape:
         """This step's copied continuations (``copy_candidates`` from the context, as many from the shared
-        memory), when copy steps are on, some match and copying pays (its running mean of accepted tokens is at
-        least ``break_even``, else a backed-off probe among copy opportunities, see ``_Gate``); then as many from
-        the prediction, when one was given, some match and its own gate (``predicting``) says it pays."""
+        memory; each source's best one ``copy_span.length`` tokens long, the others ``copy_length``), when copy
+        steps are on, some match and copying pays (its running mean of accepted tokens is at least
+        ``break_even``, else a backed-off probe among copy opportunities, see ``_Gate``); then as many from the
+        prediction, when one was given, some match and its own gate (``predicting``) says it pays."""
         config, tokens = self.config, self.sequence.tokens
         copies: list[tuple[int, ...]] = []
         sources: list[str] = []
         if config.copy_length and config.rank_by_context:
-            copies = self.context.best_copies(tokens, config.copy_length, config.copy_min_match, config.copy_candidates)
+            span = self.copy_span.length
+            found = self.context.best_copies(tokens, span, config.copy_min_match, config.copy_candidates)
+            copies = _stretched(found, config.copy_length)
             sources = [COPY] * len(copies)
             if self.memory is not None:
-                remembered = self.memory.candidates(
-                    tokens, config.copy_length, config.copy_candidates, config.copy_min_match
-                )
-                _add_new(copies, sources, remembered, MEMORY)
+                remembered = self.memory.candidates(tokens, span, config.copy_candidates, config.copy_min_match)
+                _add_new(copies, sources, _stretched(remembered, config.copy_length), MEMORY)
         if copies and not self.copying.pays(config.break_even):
             copies, sources = [], []
         if self.prediction is not None:
@@ -863,6 +889,21 @@ def _add_new(
         if not covered(copy, copies):
             copies.append(copy)
             sources.append(source)
+
+
+def _stretched(found: Sequence[tuple[int, ...]], length: int) -> list[tuple[int, ...]]:
+    """``found`` (best first) with every continuation but the first cut to ``length`` tokens; one that its cut
+    leaves a prefix of a continuation kept before it is dropped.
+
+    >>> _stretched([(1, 2, 3, 4), (5, 6, 7), (1, 2, 8)], 2)
+    [(1, 2, 3, 4), (5, 6)]
+    """
+    kept: list[tuple[int, ...]] = []
+    for index, continuation in enumerate(found):
+        cut = continuation if index == 0 else continuation[:length]
+        if not covered(cut, kept):
+            kept.append(cut)
+    return kept
 
 
 def _fitting(tree: TokenTree, room: int) -> int:

@@ -25,6 +25,7 @@ LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
     "copy_length": (0, 64),
     "copy_min_match": (0, 8),
     "copy_candidates": (1, 8),
+    "copy_stretch": (1, 8),
 }
 MAX_STEP_TOKENS = 1024
 MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's chat limit)
@@ -177,6 +178,11 @@ class LookaheadConfig:
       steps.
     - ``copy_candidates`` (1..8): continuations of different earlier occurrences a copy step verifies at once
       (best matches first; the shared memory adds up to as many of its own).
+    - ``copy_stretch`` (1..8, 1 = off): how far a run of whole copies may stretch the copies. After a copy step
+      accepts its longest copy whole, the next copy step's best copy (and the shared memory's best) reaches twice
+      as far, up to ``copy_stretch * copy_length`` tokens; a copy step that accepts less starts again at
+      ``copy_length``. Text being copied verbatim (a repetition loop, a quoted block, a remembered answer) then
+      commits up to that many tokens a step, while the other copies stay at ``copy_length``.
     - ``copy_min_match`` (0..8): tokens before ``last`` that must match an earlier context for a copy step
       (1 is prompt lookup's 2-gram match, 0 its 1-gram fallback: any earlier occurrence of ``last``). Among
       matching occurrences a stronger match (up to 5) wins first.
@@ -200,6 +206,7 @@ class LookaheadConfig:
     copy_length: int = 0
     copy_min_match: int = 5
     copy_candidates: int = 1
+    copy_stretch: int = 1
     window_chains: bool = False
     shared_memory: bool = True
 
@@ -211,8 +218,8 @@ class LookaheadConfig:
     @property
     def step_tokens(self) -> int:
         """Input tokens of the largest step: (N-1)·(W+G), plus up to 2·copy_candidates copies of copy_length
-        (the context's and the shared memory's)."""
-        copies = 2 * self.copy_candidates * self.copy_length
+        (the context's and the shared memory's), the best of each stretched to ``copy_stretch`` times that."""
+        copies = 2 * (self.copy_candidates + self.copy_stretch - 1) * self.copy_length
         return self.levels * (self.window_size + self.guess_set_size) + copies + (1 if copies else 0)
 
     def validate(self) -> None:

@@ -83,6 +83,11 @@ class LookaheadSettings(BaseModel):
     copy_candidates: int = _lookahead_field(
         "copy_candidates", "copy steps: continuations of different earlier occurrences verified at once (a token tree)"
     )
+    copy_stretch: int = _lookahead_field(
+        "copy_stretch",
+        "copy steps: after a copy accepted whole, the next best copy reaches twice as far, up to this many times "
+        "copy_length (1: off)",
+    )
     window_chains: bool = Field(
         _LIBRARY.window_chains,
         description="also verify the Jacobi window's own columns as candidates (more logit rows, no more input "

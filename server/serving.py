@@ -243,8 +243,8 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     """The request's lookahead settings over the configured defaults; ``None`` means autoregressive.
 
     The server-wide step policy (``lazy_window``, ``break_even``, capped at N-1, ``copy_length``,
-    ``copy_min_match``, ``copy_candidates``, ``window_chains``) comes from the config; ``shared_memory`` (the
-    server-wide n-gram memory, on unless the request sends false) from the request.
+    ``copy_min_match``, ``copy_candidates``, ``copy_stretch``, ``window_chains``) comes from the config;
+    ``shared_memory`` (the server-wide n-gram memory, on unless the request sends false) from the request.
 
     Each value must lie in ``lookahead_bounds``: the decoder's minimum, the configured maximum (400 naming
     ``lookahead.<field>`` otherwise).
@@ -266,7 +266,8 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     return LookaheadConfig(
         **values, lazy_window=settings.lazy_window, break_even=break_even, copy_length=settings.copy_length,
         copy_min_match=settings.copy_min_match, copy_candidates=settings.copy_candidates,
-        window_chains=settings.window_chains, shared_memory=request.shared_memory is not False,
+        copy_stretch=settings.copy_stretch, window_chains=settings.window_chains,
+        shared_memory=request.shared_memory is not False,
     )
 
 

@@ -282,6 +282,28 @@ def test_the_shared_memory_offers_an_earlier_requests_output_to_a_later_one(conf
     assert len(steps) < len(alone) / 2
 
 
+def test_a_remembered_output_accepted_whole_is_copied_further_with_copy_stretch():
+    """The second request repeats the first's output: copies of the memory's best continuation, accepted whole,
+    double in length (8, then 16) with ``copy_stretch`` 4, and the output is the same."""
+    model = _permutation_model()
+    config = LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1)
+    stop = StopCriteria(40)
+    lengths = {}
+    for stretch in (1, 4):
+        engine = BatchEngine(model, memory=NGramMemory(1000))
+        stretched = replace(config, copy_stretch=stretch)
+        run_engine(engine, {"a": ([1, 2, 7, 20], stretched)}, {"a": 0})
+        steps = []
+        engine.add("b", [9, 33, 7, 20], stop, SamplingParams(), stretched)
+        while engine.has_work:
+            steps.extend(step for _, step in engine.step())
+        assert tokens_of(steps) == tokens_of(generate_autoregressive(model, [9, 33, 7, 20], stop))
+        lengths[stretch] = [step.stats.committed for step in steps]
+    assert max(lengths[1]) == 9
+    assert lengths[4][:3] == [1, 9, 17]
+    assert len(lengths[4]) < len(lengths[1])
+
+
 def test_a_request_opted_out_neither_feeds_nor_reads_the_shared_memory():
     model = _permutation_model()
     config = LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1)

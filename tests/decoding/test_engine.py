@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decoding.engine import PROBE_INTERVAL, _Gate, generate_autoregressive, generate_lookahead
+from decoding.engine import PROBE_INTERVAL, _Gate, _Span, generate_autoregressive, generate_lookahead
 from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from tests.decoding.stubs import StubLM, cycle_model
@@ -72,10 +72,12 @@ def test_lookahead_with_window_chains_equals_greedy_over_grid(tiny_model, window
         LookaheadConfig(5, 4, 5, copy_length=32, copy_min_match=1, copy_candidates=3),
         LookaheadConfig(15, 5, 15, copy_length=48, copy_min_match=1, copy_candidates=4),
         LookaheadConfig(5, 4, 5, copy_length=32, copy_min_match=0, copy_candidates=8),
+        LookaheadConfig(5, 4, 5, copy_length=4, copy_min_match=0, copy_candidates=3, copy_stretch=8),
+        LookaheadConfig(1, 3, 2, lazy_window=True, break_even=0.85, copy_length=2, copy_min_match=1, copy_stretch=4),
     ],
     ids=["no-context-pool", "unaligned", "7-5-7", "degenerate", "lazy", "lazy-unaligned", "gated-lazy", "gated",
          "copy", "copy-long", "copy-2gram", "copy-3gram", "copies-lazy", "tree-window-copies", "tree-wide",
-         "copies-1gram"],
+         "copies-1gram", "copies-stretched", "copy-stretched-lazy"],
 )
 def test_lookahead_equals_greedy_for_variants(tiny_model, config):
     stop = StopCriteria(max_tokens=60)
@@ -116,6 +118,31 @@ def test_a_copy_step_commits_more_than_n_tokens_when_the_context_repeats():
     assert max(step.stats.committed for step in steps) > config.ngram_size
     without = replace(config, copy_length=0)
     assert len(steps) < len(list(generate_lookahead(model, prompt, StopCriteria(max_tokens=30), lookahead=without)))
+
+
+def test_copies_accepted_whole_stretch_the_next_copy_up_to_copy_stretch_times_copy_length():
+    model = cycle_model(period=8)
+    prompt = list(range(8)) * 2
+    config = LookaheadConfig(window_size=1, ngram_size=3, guess_set_size=2, copy_length=4, copy_stretch=4)
+    stop = StopCriteria(max_tokens=60)
+    stretched = list(generate_lookahead(model, prompt, stop, lookahead=config))
+    plain = list(generate_lookahead(model, prompt, stop, lookahead=replace(config, copy_stretch=1)))
+    assert tokens_of(stretched) == tokens_of(plain) == greedy(model, prompt, stop)
+    # copies of 4, 8, then 16 tokens (4 x 4), each accepted whole and followed by the model's own token
+    assert [step.stats.committed for step in stretched] == [1, 5, 9, 17, 17, 11]
+    assert {step.stats.committed for step in plain[1:-1]} == {5}
+
+
+def test_a_copy_span_doubles_on_whole_copies_and_starts_over_after_a_partial_one():
+    span = _Span(base=4, limit=16)
+    lengths = []
+    for copied in (4, 8, 16, 16, 15, 3, 4):
+        span.update(copied)
+        lengths.append(span.length)
+    assert lengths == [8, 16, 16, 16, 4, 4, 8]
+    off = _Span(base=4, limit=4)  # copy_stretch 1
+    off.update(4)
+    assert off.length == 4
 
 
 def test_several_copy_candidates_verify_the_runner_up_in_the_same_step():
@@ -308,6 +335,8 @@ def test_kv_fixup_matches_a_fresh_full_sequence_forward(tiny_model, stop_token):
         (LookaheadConfig(copy_length=65), "copy_length"),
         (LookaheadConfig(copy_candidates=0), "copy_candidates"),
         (LookaheadConfig(copy_candidates=9), "copy_candidates"),
+        (LookaheadConfig(copy_stretch=0), "copy_stretch"),
+        (LookaheadConfig(copy_stretch=9), "copy_stretch"),
         (LookaheadConfig(copy_length=-1), "copy_length"),
         (LookaheadConfig(copy_min_match=-1), "copy_min_match"),
         (LookaheadConfig(copy_min_match=9), "copy_min_match"),
