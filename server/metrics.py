@@ -69,7 +69,8 @@ class Metrics:
         self.generation_tokens = counter("generation_tokens", "Completion tokens produced (sent to clients).")
         self.decode_steps = counter("decode_steps", "Forward passes that produced tokens, prefill included.")
         self.draft_tokens = counter(
-            "draft_tokens", "Guessed tokens offered for verification (N-1 per step; a copy step up to copy_length)."
+            "draft_tokens",
+            "Guessed tokens offered for verification (N-1 per step; a copy step up to copy_stretch x copy_length).",
         )
         self.accepted_tokens = counter("accepted_tokens", "Guessed tokens accepted.")
         self.memory_accepted_tokens = counter(
@@ -77,7 +78,7 @@ class Metrics:
         )
         self.accepted_per_position = counter(
             "accepted_tokens_per_position",
-            "Guessed tokens accepted, by position 1..N-1 (up to copy_length for copy steps).",
+            "Guessed tokens accepted, by position 1..N-1 (up to copy_stretch x copy_length for copy steps).",
             ("position",),
         )
         self.requests = counter("requests", "Finished requests by finish reason.", ("finish_reason",))
