@@ -305,5 +305,6 @@ def benchmark_lines(
         f"prompts: {source} x {count} | max tokens {max_tokens} | methods {', '.join(methods)}",
         f"lookahead: W={config.window_size} N={config.ngram_size} G={config.guess_set_size} | prompt pool "
         f"{config.prompt_pool} | output pool {config.output_pool} | align window {config.align_window} | "
-        f"lazy window {config.lazy_window} | break-even {config.break_even} | copy length {config.copy_length}",
+        f"lazy window {config.lazy_window} | break-even {config.break_even} | copy length {config.copy_length} "
+        f"(candidates {config.copy_candidates}, min match {config.copy_min_match}, stretch {config.copy_stretch})",
     ]
