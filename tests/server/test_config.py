@@ -284,6 +284,12 @@ def test_the_step_policy_reaches_each_requests_lookahead_config():
         settings.copy_length, settings.copy_min_match, settings.lazy_window
     )
     assert resolve_lookahead(LookaheadRequest(enabled=False), settings) is None
+    cuda = load_config(device_preset="cuda").lookahead
+    config = resolve_lookahead(None, cuda)
+    assert (config.copy_candidates, config.copy_stretch, config.window_chains) == (
+        cuda.copy_candidates, cuda.copy_stretch, cuda.window_chains
+    )
+    assert config.copy_stretch > 1  # the CUDA preset stretches copies; a dropped field would leave the default 1
 
 
 def test_memory_tokens_field_flag_and_bounds():
