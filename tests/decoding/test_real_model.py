@@ -109,3 +109,13 @@ def test_a_saved_memory_serves_a_restarted_engine(real_model, greedy_outputs, tm
     (tmp_path / "other.json.gz").write_bytes(b"not a memory file")
     engine = decoder.batch_engine(memory_tokens=10_000, memory_file=str(tmp_path / "other.json.gz"))
     assert len(engine.memory) == 0 and "starts empty" in caplog.text
+
+
+def test_stretched_copies_equal_greedy_and_reach_past_copy_length(real_model):
+    """The model repeats a word: copies accepted whole stretch past ``copy_length`` and the output stays greedy's."""
+    decoder = Decoder(real_model)
+    ids = prompt_ids(real_model.tokenizer, "Write the word 'hello' twenty times, separated by spaces.")
+    config = LookaheadConfig(16, 5, 16, copy_length=8, copy_min_match=0, copy_candidates=4, copy_stretch=4)
+    steps = list(decoder.decode(ids, StopCriteria(96, decoder.eos_token_ids()), lookahead=config))
+    assert [token for step in steps for token in step.token_ids] == decode(decoder, ids, None, 96)
+    assert max(step.stats.committed for step in steps) > config.copy_length + 1
