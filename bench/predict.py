@@ -46,7 +46,7 @@ def totals(runs: Sequence[Served]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 1 when the outputs with and without the prediction differ."""
     args = preset_parser("python -m bench.predict", __doc__, "requests, from HumanEval/100 on", 256).parse_args(argv)
-    config, lookahead, decoder = load_preset(args.device)
+    config, lookahead, decoder = load_preset(args.device, args.preset)
     tokenizer = decoder.tokenizer
     engine = BatchEngine(decoder.loaded.model, batch_policy(config))
     stop = StopCriteria(args.max_tokens, decoder.eos_token_ids())

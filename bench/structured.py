@@ -120,7 +120,7 @@ def structured_request(spec: PromptSpec) -> PromptSpec:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 1 when constrained lookahead and constrained greedy differ."""
     args = preset_parser("python -m bench.structured", __doc__, "held-out AlpacaEval requests", 192).parse_args(argv)
-    config, lookahead, decoder = load_preset(args.device)
+    config, lookahead, decoder = load_preset(args.device, args.preset)
     tokenizer = decoder.tokenizer
     vocab_size = decoder.grammars.vocab_size
     document = tokenizer(json.dumps(EXAMPLE), add_special_tokens=False).input_ids

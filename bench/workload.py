@@ -7,7 +7,8 @@ engines so both see the same machine load. Each request is one prompt of a held-
 system prompt and task template (what repeats across a real service's requests); ``--rounds 2`` sends the
 set twice (retries, agent loops). It prints, per request and
 in total, tokens, steps, accepted guesses and those from the memory, checks that both engines return the same
-tokens, and writes JSON with ``--json``. The lookahead settings are the server's device preset.
+tokens, and writes JSON with ``--json``. The lookahead settings and batch policy are the server's device preset,
+or ``--preset``'s (``--preset cuda`` on a CPU counts the GPU setting's steps; its times there mean nothing).
 """
 
 from __future__ import annotations
@@ -112,24 +113,31 @@ def summary(results: Sequence[tuple[Served, Served]]) -> dict[str, dict[str, flo
     return report
 
 
-def load_preset(device: str) -> tuple[ServerConfig, LookaheadConfig, Decoder]:
-    """The server's device preset (``cuda`` when ``device`` starts with it, else ``cpu``), its lookahead settings,
-    and the model loaded as it says, with its threads set."""
-    config = load_config(device_preset="cuda" if device.startswith("cuda") else "cpu")
+def load_preset(device: str, preset: str | None = None) -> tuple[ServerConfig, LookaheadConfig, Decoder]:
+    """The lookahead settings and batch policy of ``preset`` (default: the device's, ``cuda`` when ``device``
+    starts with it, else ``cpu``) and the model loaded as the device's preset says, with its threads set. The
+    returned config is ``preset``'s."""
+    device_preset = "cuda" if device.startswith("cuda") else "cpu"
+    config = load_config(device_preset=preset or device_preset)
+    model = config if preset in (None, device_preset) else load_config(device_preset=device_preset)
     lookahead = LookaheadConfig(**{name: getattr(config.lookahead, name) for name in LOOKAHEAD_FIELDS})
-    configure_threads(config.threads)
+    configure_threads(model.threads)
     transformers.utils.logging.disable_progress_bar()
-    decoder = Decoder.load(config.model, device, config.dtype, config.quantize, config.weight_layout)
+    decoder = Decoder.load(model.model, device, model.dtype, model.quantize, model.weight_layout)
     return config, lookahead, decoder
 
 
 def preset_parser(prog: str, doc: str, limit_help: str, max_tokens: int) -> argparse.ArgumentParser:
     """The arguments every side-by-side preset benchmark takes: ``--limit`` (8), ``--max-tokens``, ``--device``
-    (the preset) and ``--json``; ``doc``'s first paragraph describes it."""
+    (and its preset), ``--preset`` (another preset's lookahead settings) and ``--json``; ``doc``'s first paragraph
+    describes it."""
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=8, help=f"{limit_help} (8)")
     parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens per request ({max_tokens})")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: the preset and the device (cpu)")
+    parser.add_argument("--preset", choices=("cpu", "cuda"),
+                        help="whose lookahead settings and batch policy (the device's); the model loads as the "
+                             "device's preset says")
     parser.add_argument("--json", metavar="PATH", help="write the per-request rows and the summary")
     return parser
 
@@ -142,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-tokens", type=int, default=SERVER_MEMORY_TOKENS,
                         help=f"the memory's size ({SERVER_MEMORY_TOKENS})")
     args = parser.parse_args(argv)
-    config, lookahead, decoder = load_preset(args.device)
+    config, lookahead, decoder = load_preset(args.device, args.preset)
     low, high = HELD_OUT[args.dataset]
     specs = [templated(spec) for spec in load_dataset(args.dataset)[low:high][: args.limit]] * args.rounds
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in specs]

@@ -28,3 +28,19 @@ def test_templated_wraps_text_and_chat_prompts_alike():
         wrapped = templated(spec)
         assert wrapped.messages[0] == {"role": "system", "content": SYSTEM_PROMPT}
         assert wrapped.messages[1]["content"].endswith("Request: sort a list")
+
+
+def test_a_named_preset_gives_the_lookahead_settings_and_the_device_the_model(monkeypatch):
+    """``--preset cuda`` on a CPU: the CUDA preset's lookahead settings and batch policy, the CPU preset's model."""
+    from bench import workload
+    from server.config import load_config
+
+    loads = []
+    monkeypatch.setattr(workload.Decoder, "load", staticmethod(lambda *args: loads.append(args) or "decoder"))
+    config, lookahead, decoder = workload.load_preset("cpu", "cuda")
+    cuda, cpu = load_config(device_preset="cuda"), load_config(device_preset="cpu")
+    assert decoder == "decoder" and config == cuda
+    assert (lookahead.window_size, lookahead.copy_stretch) == (cuda.lookahead.window_size, cuda.lookahead.copy_stretch)
+    assert loads == [(cpu.model, "cpu", cpu.dtype, cpu.quantize, cpu.weight_layout)]
+    _, own, _ = workload.load_preset("cpu")
+    assert own.window_size == cpu.lookahead.window_size
