@@ -316,8 +316,8 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout`` or ``memory``
-    as the first argument runs ``bench.heldout`` or ``bench.memory`` with the rest."""
+    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory`` or
+    ``anatomy`` as the first argument runs ``bench.heldout``, ``bench.memory`` or ``bench.anatomy`` with the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
@@ -327,6 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import memory
 
         return memory.main(argv[1:])
+    if argv[:1] == ["anatomy"]:
+        from bench import anatomy
+
+        return anatomy.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:

@@ -34,11 +34,12 @@ from transformers import PreTrainedModel
 from decoding.engine import DecodeStream, Proposal, Step, validate_request
 from decoding.errors import InvalidParameterError
 from decoding.grammar import GrammarCompiler
-from decoding.packed import forward_packed
+from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 
 if TYPE_CHECKING:
     from decoding.memory import NGramMemory
+    from decoding.static import StaticStep
 
 # Relative cost of one engine forward by input tokens, over a 300-token cache: SmolLM2-135M, float32 with packed
 # linears and the panel kernel's AVX-512 entry, 1 thread (configs/cpu.yaml's curve, `python -m bench --step-cost`,
@@ -107,13 +108,27 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
     return budgets
 
 
-def step_batch(streams: Sequence[DecodeStream], policy: BatchPolicy) -> list[Step | BaseException | None]:
-    """Advance the (unfinished) streams by one step in one packed forward; see the module contract.
+def step_batch(
+    streams: Sequence[DecodeStream], policy: BatchPolicy, static: StaticStep | None = None
+) -> list[Step | BaseException | None]:
+    """Advance the (unfinished) streams by one step in one packed forward; see the module contract. With
+    ``static``, a step whose slices fit one of its buckets runs there (``decoding.static``), else eagerly.
 
     Each result is the stream's ``Step``, the exception that ended it, or None when the stream sat this
     forward out (a prompt waiting for its prefill chunk).
     """
     results: list[Step | BaseException | None] = [None] * len(streams)
+    planned, slices = plan_batch(streams, policy, results)
+    if planned:
+        _forward_and_finish(streams, planned, slices, results, static)
+    return results
+
+
+def plan_batch(
+    streams: Sequence[DecodeStream], policy: BatchPolicy, results: list[Step | BaseException | None]
+) -> tuple[list[int], list[Slice]]:
+    """Propose, allocate and plan one step of ``streams``: the indices that run and their slices, in order. A
+    stream whose proposal or plan raised gets its exception in ``results`` and does not run."""
     proposals: dict[int, Proposal] = {}
     for index, stream in enumerate(streams):
         try:
@@ -131,27 +146,46 @@ def step_batch(streams: Sequence[DecodeStream], policy: BatchPolicy) -> list[Ste
             planned.append(index)
         except Exception as error:
             results[index] = error
-    if planned:
-        _forward_and_finish(streams, planned, slices, results)
-    return results
+    return planned, slices
+
+
+def forward_batch(
+    model: PreTrainedModel, slices: Sequence[Slice], static: StaticStep | None = None
+) -> tuple[list[torch.Tensor], list[list[int]] | list[None]]:
+    """One forward over ``slices``: each slice's logits, and their rows' argmax ids when the static step ran it
+    (``static`` given and a bucket fits; None per slice after an eager forward)."""
+    with torch.inference_mode():
+        bucket = static.bucket(slices) if static is not None else None
+        if bucket is not None:
+            return static.run(slices, bucket)
+        if static is not None:
+            static.eager += 1
+        return forward_packed(model, slices), [None] * len(slices)
 
 
 def _forward_and_finish(
-    streams: Sequence[DecodeStream], planned: list[int], slices: list, results: list[Step | BaseException | None]
+    streams: Sequence[DecodeStream], planned: list[int], slices: list, results: list[Step | BaseException | None],
+    static: StaticStep | None = None,
 ) -> None:
-    """Run the packed forward over ``slices`` and hand each planned stream its logits."""
-    model = streams[planned[0]].model
+    """Run one forward over ``slices`` and hand each planned stream its logits."""
     try:
-        with torch.inference_mode():
-            logits = forward_packed(model, slices)
+        logits, argmax = forward_batch(streams[planned[0]].model, slices, static)
     except Exception as error:  # the forward failed: every stream in it ends
         for index in planned:
             results[index] = error
         return
-    for index, stream_logits in zip(planned, logits, strict=True):
+    finish_batch(streams, planned, logits, argmax, results)
+
+
+def finish_batch(
+    streams: Sequence[DecodeStream], planned: list[int], logits: Sequence[torch.Tensor],
+    argmax: Sequence[list[int] | None], results: list[Step | BaseException | None],
+) -> None:
+    """Hand each planned stream its logits (and argmax ids); its ``Step`` or exception goes to ``results``."""
+    for index, stream_logits, stream_argmax in zip(planned, logits, argmax, strict=True):
         try:
             with torch.inference_mode():
-                results[index] = streams[index].finish(stream_logits)
+                results[index] = streams[index].finish(stream_logits, stream_argmax)
         except Exception as error:
             results[index] = error
 
@@ -176,8 +210,10 @@ class BatchEngine:
         open_stream: OpenStream = DecodeStream,
         memory: NGramMemory | None = None,
         grammars: GrammarCompiler | None = None,
+        static: StaticStep | None = None,
     ) -> None:
         self.model = model
+        self.static = static
         self.grammars = grammars
         self.policy = policy
         self.memory = memory
@@ -224,6 +260,8 @@ class BatchEngine:
             if self.grammars is None:
                 raise InvalidParameterError("grammar", "this engine has no grammar compiler")
             extra["constraint"] = self.grammars.constraint(sampling.grammar)
+        if self.static is not None:
+            extra["pool"] = self.static.pool
         self._streams[request_id] = self._open_stream(
             self.model, prompt_ids, stop, sampling, lookahead, self.memory, prediction, **extra
         )
@@ -233,7 +271,7 @@ class BatchEngine:
         ended it, in the order they were added. A decode waiting for its prefill chunk is left out; a
         finished or failed one leaves the batch."""
         request_ids = list(self._streams)
-        results = step_batch([self._streams[request_id] for request_id in request_ids], self.policy)
+        results = step_batch([self._streams[request_id] for request_id in request_ids], self.policy, self.static)
         reported: list[tuple[Hashable, Step | BaseException]] = []
         for request_id, result in zip(request_ids, results, strict=True):
             if result is None:

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
 from decoding.grammar import Constraint
-from decoding.kv_cache import SlotCache, new_cache
+from decoding.kv_cache import KVPool, SlotCache, new_cache
 from decoding.logits import adjust_logits, needs_adjusting
 from decoding.logprobs import TokenLogprob, token_logprobs
 from decoding.memory import NGramMemory
@@ -205,6 +205,10 @@ PREDICTION_COPY_LENGTH = 32  # the fewest tokens a prediction's copy proposes (s
 PROMPT_LOGPROBS_CHUNK = 256  # the most prompt tokens per prefill forward when every row's logits are read
 
 
+# Finishes a planned step: (the slice's logits, their rows' argmax ids when the forward returned them) -> Step.
+_Finisher = Callable[[torch.Tensor, "Sequence[int] | None"], "Step"]
+
+
 @dataclass(frozen=True)
 class Proposal:
     """What a stream would like its next forward to hold, for a batch to size it.
@@ -251,6 +255,7 @@ class DecodeStream:
         memory: NGramMemory | None = None,
         prediction: Sequence[int] | None = None,
         constraint: Constraint | None = None,
+        pool: KVPool | None = None,
     ) -> None:
         validate_request(model, prompt_ids, stop, sampling, lookahead)
         if (sampling.grammar is None) != (constraint is None):
@@ -264,15 +269,17 @@ class DecodeStream:
         self.sampling = sampling
         self.lookahead = lookahead
         self.memory = memory if lookahead is not None and lookahead.shared_memory else None
+        capacity = len(prompt_ids) + stop.max_tokens + step_tokens
+        cache = pool.acquire(capacity) if pool is not None else None
+        self.pool = pool if cache is not None else None
         self.sequence = _Sequence(
-            list(prompt_ids), len(prompt_ids), stop, new_cache(model, len(prompt_ids) + stop.max_tokens + step_tokens),
-            constraint=constraint,
+            list(prompt_ids), len(prompt_ids), stop, cache or new_cache(model, capacity), constraint=constraint
         )
         if not sampling.greedy:
             self.sequence.generator = torch.Generator(device="cpu")
             self.sequence.generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         self._policy: _Plain | _Lookahead | None = None
-        self._planned: Callable[[torch.Tensor], Step] | None = None
+        self._planned: _Finisher | None = None
         self._started = 0.0
         self.closed = False
 
@@ -296,6 +303,8 @@ class DecodeStream:
         """End the decode early (or after its last step) and free its cache."""
         self.closed = True
         self._planned = None
+        if self.pool is not None and self.sequence.cache is not None:
+            self.pool.release(self.sequence.cache)
         self.sequence.cache = None
 
     def propose(self) -> Proposal:
@@ -316,17 +325,18 @@ class DecodeStream:
             slice_, self._planned = self._policy.plan(max(budget, 1))
         return slice_
 
-    def finish(self, logits: torch.Tensor) -> Step:
-        """Consume the planned slice's logits: verify, commit, and return the step."""
+    def finish(self, logits: torch.Tensor, argmax: Sequence[int] | None = None) -> Step:
+        """Consume the planned slice's logits: verify, commit, and return the step. ``argmax`` (optional): each
+        logits row's argmax id, as a static step returns them; greedy choices then read them, not the logits."""
         planned, self._planned = self._planned, None
         if planned is None:
             raise RuntimeError("finish() without a planned step")
-        step = planned(logits)
+        step = planned(logits, argmax)
         if step.finish_reason is not None and self.memory is not None and self.sequence.generated:
             self.memory.add(self.sequence.tokens[max(0, self.sequence.prompt_length - MEMORY_PROMPT_TAIL) :])
         return replace(step, stats=replace(step.stats, seconds=time.perf_counter() - self._started))
 
-    def _plan_prefill(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
+    def _plan_prefill(self, budget: int) -> tuple[Slice, _Finisher]:
         """The next prompt chunk; the chunk reaching the prompt's end reads the first token off its last row
         (unless ``max_tokens`` is 0: then the decode ends there). With ``prompt_logprobs`` every row is read."""
         sequence, every_row = self.sequence, self.sampling.prompt_logprobs is not None
@@ -339,7 +349,7 @@ class DecodeStream:
             rows = torch.tensor([end - start - 1] if last_chunk else [], dtype=torch.long)
         slice_ = Slice(sequence.tokens[start:end], torch.arange(start, end), None, rows, sequence.cache)
 
-        def finish(logits: torch.Tensor) -> Step:
+        def finish(logits: torch.Tensor, argmax: Sequence[int] | None) -> Step:
             prompt = _prompt_logprobs(logits, sequence.tokens[: sequence.prompt_length], start, end, self.sampling)
             if not last_chunk:
                 stats = StepStats(end - start, 0, prefill=True)
@@ -349,7 +359,8 @@ class DecodeStream:
                 return Step([], StepStats(end - start, 0, prefill=True), "length",
                             _logprobs(logits, [], [], self.sampling), prompt)
             row = logits.shape[0] - 1
-            committed = sequence.accept([_choose(logits[row], self.sampling, sequence)])
+            chosen = _choose(logits[row], self.sampling, sequence, None if argmax is None else argmax[row])
+            committed = sequence.accept([chosen])
             if sequence.finish_reason is None:
                 self._policy = (
                     _Plain(sequence, self.sampling)
@@ -418,9 +429,13 @@ def generate_lookahead(
     return DecodeStream(model, prompt_ids, stop, sampling, lookahead, constraint=constraint)
 
 
-def _choose(logits: torch.Tensor, sampling: SamplingParams, sequence: _Sequence) -> int:
+def _choose(logits: torch.Tensor, sampling: SamplingParams, sequence: _Sequence, argmax: int | None = None) -> int:
     """Pick the token after ``sequence`` from ``[vocab]`` logits (adjusted, ``decoding.logits``): argmax when
-    greedy, else a sample."""
+    greedy, else a sample. ``argmax``, when given, is the raw row's argmax: greedy with nothing to adjust takes
+    it as it is (no read of the logits)."""
+    plain = sampling.greedy and sequence.constraint is None
+    if argmax is not None and plain and not needs_adjusting(sampling, sequence.stop, sequence.generated):
+        return argmax
     scores = _adjusted(logits.unsqueeze(0), sampling, sequence, [()])[0]
     if sequence.constraint is not None:
         scores = sequence.constraint.mask(scores)
@@ -442,12 +457,14 @@ def _adjusted(
 def _one_token_slice(sequence: _Sequence) -> Slice:
     """A plain step's slice: ``last`` alone at its position, its logits read."""
     position = len(sequence.tokens) - 1
-    return Slice([sequence.tokens[-1]], torch.tensor([position]), _SELF, _FIRST_ROW, sequence.cache)
+    return Slice([sequence.tokens[-1]], torch.tensor([position]), _SELF, _FIRST_ROW, sequence.cache, (-1,))
 
 
-def _finish_one_token(sequence: _Sequence, sampling: SamplingParams, logits: torch.Tensor) -> Step:
+def _finish_one_token(
+    sequence: _Sequence, sampling: SamplingParams, logits: torch.Tensor, argmax: Sequence[int] | None = None
+) -> Step:
     """Commit one token from a plain step's logits (or stop), leaving ``last``'s KV in the cache."""
-    committed = sequence.accept([_choose(logits[0], sampling, sequence)])
+    committed = sequence.accept([_choose(logits[0], sampling, sequence, None if argmax is None else argmax[0])])
     if not committed:
         sequence.cache.commit(len(sequence.tokens) - 1, [])
     return Step(committed, StepStats(1, len(committed)), sequence.finish_reason,
@@ -477,8 +494,8 @@ class _Plain:
     def propose(self) -> Proposal:
         return Proposal(1)
 
-    def plan(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
-        return _one_token_slice(self.sequence), lambda logits: _finish_one_token(self.sequence, self.sampling, logits)
+    def plan(self, budget: int) -> tuple[Slice, _Finisher]:
+        return _one_token_slice(self.sequence), functools.partial(_finish_one_token, self.sequence, self.sampling)
 
 
 class _Gate:
@@ -636,7 +653,7 @@ class _Lookahead:
         smallest = 2 if copies.candidates else 1 + config.levels
         return Proposal(tokens, max(gains), probe, smallest=smallest)
 
-    def plan(self, budget: int) -> tuple[Slice, Callable[[torch.Tensor], Step]]:
+    def plan(self, budget: int) -> tuple[Slice, _Finisher]:
         """The proposed step, shrunk to ``budget`` tokens."""
         shape = self._fit(self._wanted, budget)
         if not shape.window and not shape.candidates:
@@ -651,8 +668,9 @@ class _Lookahead:
         chains = self._chains(tokens, width, levels) if shape.window else _Chains()
         layout = step_layout(width, levels, tree.parents, bool(chains.indices))
         tokens += tree.tokens
-        slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache)
-        return slice_, lambda logits: self._finish(logits, shape, tree, width, levels, position, chains)
+        slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache,
+                       layout.parents)
+        return slice_, lambda logits, argmax: self._finish(logits, argmax, shape, tree, width, levels, position, chains)
 
     def _fit(self, shape: _Shape, budget: int) -> _Shape:
         """Drop candidates (last first), then the window, until the step holds at most ``budget`` tokens; when
@@ -669,16 +687,16 @@ class _Lookahead:
         first = shape.candidates[0][: budget - 1]
         return _Shape(False, (first,), shape.sources[:1], shape.copy)
 
-    def _finish_plain(self, logits: torch.Tensor) -> Step:
+    def _finish_plain(self, logits: torch.Tensor, argmax: Sequence[int] | None = None) -> Step:
         """A plain one-token step: the window only re-aligns."""
-        step = _finish_one_token(self.sequence, self.sampling, logits)
+        step = _finish_one_token(self.sequence, self.sampling, logits, argmax)
         self.window.skip(step.stats.committed, self.config.align_window)
         self._scan_output()
         return step
 
     def _finish(
-        self, logits: torch.Tensor, shape: _Shape, tree: TokenTree, width: int, levels: int, position: int,
-        chains: _Chains,
+        self, logits: torch.Tensor, argmax: Sequence[int] | None, shape: _Shape, tree: TokenTree, width: int,
+        levels: int, position: int, chains: _Chains,
     ) -> Step:
         """Verify the candidates (the tree's, then the window's chains), commit, fix up the KV cache, and feed
         the window's new n-grams to the pool."""
@@ -700,7 +718,7 @@ class _Lookahead:
 
         verified = [*candidates, *chains.tokens]
         scores = self._adjust(logits, tree, width)
-        predicted = scores.argmax(dim=-1).tolist()
+        predicted = list(argmax) if argmax is not None and scores is logits else scores.argmax(dim=-1).tolist()
         verdict = self._verify(scores, predicted, verified, candidate_row)
         committed = sequence.accept(verdict.tokens)
         slots = candidate_slots(verdict.candidate) if verdict.candidate is not None else ()

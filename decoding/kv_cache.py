@@ -36,6 +36,26 @@ class _SlotLayer(DynamicLayer):
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
+    # ``keys``/``values`` are the filled prefix of the buffers, made when read: a commit or a static step moves
+    # ``length`` without making 2 views per layer (the Cache mixin only ever assigns them None).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._key_buffer is None else self._key_buffer[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a slot layer's keys are a view of its buffer; write through update()")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._value_buffer is None else self._value_buffer[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a slot layer's values are a view of its buffer; write through update()")
+
     def _own_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor) -> _Buffers:
         """Key and value buffers of this layer alone."""
         batch, heads, _, key_dim = key_states.shape
@@ -45,9 +65,13 @@ class _SlotLayer(DynamicLayer):
         )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
         allocate = self._allocate or self._own_buffers
-        self._key_buffer, self._value_buffer = allocate(key_states, value_states)
+        self.bind(*allocate(key_states, value_states))
+
+    def bind(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
+        """Use ``[batch, heads, >= capacity, dim]`` buffers allocated elsewhere (this layer's, or a pool's)."""
+        self.dtype, self.device = key_buffer.dtype, key_buffer.device
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
         self._allocate = None
         self.is_initialized = True
 
@@ -74,9 +98,6 @@ class _SlotLayer(DynamicLayer):
 
     def _set_length(self, length: int) -> None:
         self.length = length
-        if self._key_buffer is not None:
-            self.keys = self._key_buffer[:, :, :length]
-            self.values = self._value_buffer[:, :, :length]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -94,11 +115,19 @@ class _SlotLayer(DynamicLayer):
 class SlotCache(Cache):
     """A preallocated cache for one sequence of at most ``capacity`` tokens across ``num_layers`` layers."""
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
+    def __init__(self, num_layers: int, capacity: int, storage: torch.Tensor | None = None) -> None:
+        """``storage`` (optional): a ``[2, layers, 1, heads, >= capacity, dim]`` tensor (a ``KVPool`` row) that
+        every layer's buffers are views of from the start; without it each cache allocates on first use."""
         self._storage: torch.Tensor | None = None  # [2, layers, batch, heads, capacity, dim]: keys, values
         self._in_storage = 0  # layers whose buffers are views of _storage
         super().__init__(layers=[_SlotLayer(capacity, self._shared_buffers(index)) for index in range(num_layers)])
         self.capacity = capacity
+        self.pool: KVPool | None = None  # the pool this cache is a row of (None: its own memory)
+        self.pool_row: int | None = None
+        if storage is not None:
+            self._storage, self._in_storage = storage, num_layers
+            for index, layer in enumerate(self.layers):
+                layer.bind(storage[0, index], storage[1, index])
 
     def _shared_buffers(self, index: int) -> Callable[[torch.Tensor, torch.Tensor], _Buffers]:
         """Layer ``index``'s allocator: views of the shared storage (made by the first layer to need buffers) when
@@ -137,18 +166,121 @@ class SlotCache(Cache):
         ``commit(11, [14, 15])`` leaves slots 0..10 in place and moves 14, 15 to 11, 12: length 13.
         """
         count = len(sources)
-        if list(sources) != list(range(keep, keep + count)):  # else the kept slots are already in place
-            index = torch.tensor(list(sources), device=self.layers[0].device)
+        if any(source != keep + offset for offset, source in enumerate(sources)):  # else already in place
+            if self.pool is not None:  # moved with every other row's commits, before the pool is next read
+                self.pool.defer(self.pool_row, keep, sources)
+                self._set_lengths(keep + count)
+                return
+            index = torch.tensor(sources, device=self.layers[0].device)
             if self._storage is None or self._in_storage < len(self.layers):
                 for layer in self.layers:
                     layer.commit(keep, index)
                 return
             self._storage[:, :, :, :, keep : keep + count] = self._storage[:, :, :, :, index]
+        self._set_lengths(keep + count)
+
+    def advance(self, count: int) -> None:
+        """Count ``count`` slots written past ``length`` by someone else (a static step) as filled."""
+        end = self.length + count
+        if end > self.capacity:
+            raise CacheOverflowError(f"KV cache capacity {self.capacity} exceeded ({end} slots needed)")
+        self._set_lengths(end)
+
+    def _set_lengths(self, length: int) -> None:
         for layer in self.layers:
-            layer._set_length(keep + count)
+            layer.length = length
 
 
 def new_cache(model: torch.nn.Module, capacity: int) -> SlotCache:
     """A ``SlotCache`` sized for ``model`` (its decoder layer count) and ``capacity`` tokens."""
     config = model.config.get_text_config(decoder=True)
     return SlotCache(config.num_hidden_layers, capacity)
+
+
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of ``model``'s decoder."""
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+class KVPool:
+    """Every sequence's KV cache in one tensor allocated once: ``sequences`` rows plus one scratch row.
+
+    ``storage`` is ``[layers, rows, 2, kv_heads, row_capacity, head_dim]`` (keys then values), zeroed, so that no
+    slot ever holds a NaN that a masked attention weight could multiply. A row holds ``capacity`` tokens of one
+    sequence plus ``scratch_tokens`` slots past them, where a static step writes its padding tokens; the last row
+    is the scratch of padding sequences. ``acquire(capacity)`` hands out a free row as a ``SlotCache`` (None when
+    every row is taken or it is too short: the caller then allocates a cache of its own), ``release`` takes it
+    back. ``layer_views[l]`` is layer ``l`` as ``[rows, 2 * kv_heads, row_capacity, head_dim]``: what a static
+    step writes by index and reads. Nothing is reallocated while the pool lives.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, sequences: int, capacity: int, scratch_tokens: int = 128,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    ) -> None:
+        layers, kv_heads, head_dim = kv_shape(model)
+        self.capacity, self.sequences, self.scratch_row = capacity, sequences, sequences
+        self.row_capacity = capacity + scratch_tokens
+        self.storage = torch.zeros(
+            (layers, sequences + 1, 2, kv_heads, self.row_capacity, head_dim),
+            dtype=dtype or model.dtype, device=device or model.device,
+        )
+        self.layer_views = [layer.view(sequences + 1, 2 * kv_heads, self.row_capacity, head_dim)
+                            for layer in self.storage]
+        self._slots = self.storage.view(layers, -1, head_dim)  # [layers, rows * 2 kv * slots, dim]
+        self._free = list(range(sequences - 1, -1, -1))  # popped from the end: row 0 first
+        self._moves: list[tuple[int, int, list[int]]] = []  # deferred commits: (row, keep, sources)
+
+    @property
+    def free(self) -> int:
+        """Rows not handed out."""
+        return len(self._free)
+
+    def acquire(self, capacity: int) -> SlotCache | None:
+        """A free row as a cache of ``capacity`` tokens (length 0), or None if none is free or ``capacity`` is
+        more than a row holds."""
+        if capacity > self.capacity or not self._free:
+            return None
+        row = self._free.pop()
+        storage = self.storage[:, row : row + 1].permute(2, 0, 1, 3, 4, 5)  # [2, layers, 1, heads, slots, dim]
+        cache = SlotCache(self.storage.shape[0], capacity, storage)
+        cache.pool, cache.pool_row = self, row
+        return cache
+
+    def release(self, cache: SlotCache) -> None:
+        """Give ``cache``'s row back, its deferred moves dropped (a cache not from this pool is ignored)."""
+        row = cache.pool_row
+        if cache.pool is not self or row is None:
+            return
+        self._moves = [move for move in self._moves if move[0] != row]
+        cache.pool, cache.pool_row = None, None
+        self._free.append(row)
+
+    def defer(self, row: int, keep: int, sources: Sequence[int]) -> None:
+        """Record a commit of row ``row`` (``SlotCache.commit``'s ``keep`` and ``sources``) for ``flush``."""
+        self._moves.append((row, keep, list(sources)))
+
+    def flush(self) -> None:
+        """Apply every deferred commit: one copy of host ints (pinned, not blocking on CUDA), then one gather and
+        one scatter of slots over all rows, keys/values and layers. Readers of the pool (forwards) call it first.
+
+        Slot s of row r, head h (keys, then values) is entry ``(r * 2 * heads + h) * row_capacity + s`` of a
+        layer's ``[rows * 2 * heads * row_capacity, dim]`` view; a commit's slots move in ascending order, so
+        gathering all before scattering any reads none that it overwrote."""
+        if not self._moves:
+            return
+        heads = self.layer_views[0].shape[1]
+        targets, origins = [], []
+        for row, keep, sources in self._moves:
+            for head in range((row * heads), (row + 1) * heads):
+                base = head * self.row_capacity
+                targets += range(base + keep, base + keep + len(sources))
+                origins += [base + source for source in sources]
+        self._moves.clear()
+        index = torch.tensor(targets + origins, dtype=torch.long, pin_memory=self.storage.device.type == "cuda")
+        index = index.to(self.storage.device, non_blocking=True)
+        count = len(targets)
+        self._slots.index_copy_(1, index[:count], self._slots.index_select(1, index[count:]))

@@ -48,6 +48,9 @@ class Slice:
       step token also sees the whole cache).
     - ``logit_rows`` ``[r]``: the step rows whose logits are returned (may be empty).
     - ``cache``: the sequence's cache; the forward appends ``t`` slots to it.
+    - ``parents`` (``t`` ints, or None for causal): each step token's parent (-1: none), when ``visible`` is
+      each token and its ancestors, as in every lookahead step; a static step (``decoding.static``) builds
+      the mask from them on the device instead of copying ``visible``.
     """
 
     tokens: list[int]
@@ -55,6 +58,7 @@ class Slice:
     visible: torch.Tensor | None
     logit_rows: torch.Tensor
     cache: SlotCache
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,8 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
     group = query_group(model) if device.type == "cuda" else 1
     parts, tokens, positions, rows, start = [], [], [], [], 0
     for slice_ in slices:
+        if slice_.cache.pool is not None:
+            slice_.cache.pool.flush()  # a pool row's deferred commits land before its keys are read
         end = start + len(slice_.tokens)
         mask = _mask(slice_, slice_.cache.length, model.dtype, device, group)
         parts.append(_Part(start, end, slice_.cache, mask, group))

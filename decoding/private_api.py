@@ -122,6 +122,12 @@ _SLOT_LAYER_HOOKS = ("lazy_initialization", "update", "get_seq_length", "get_mas
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
+        "torch.ops.aten._fused_rms_norm",
+        "decoding.static",
+        "the static step's RMSNorm in one op (F.rms_norm falls back to six; tests/decoding/test_static.py)",
+        exists("torch.ops.aten._fused_rms_norm"),
+    ),
+    PrivateApi(
         "torch.ops.mkldnn._reorder_linear_weight",
         "decoding.linears",
         "PackedFloat32 reorders each weight once into oneDNN's blocked layout (tests/decoding/test_linears.py)",

@@ -24,6 +24,8 @@ class StepLayout:
 
     - ``offsets`` ``[q]``: position of each input token minus ``p``.
     - ``visible`` ``[q, q]`` bool: ``visible[i, k]`` is True when token ``i`` attends to token ``k``.
+    - ``parents`` (``q`` ints): each token's parent in the step (-1 for ``last``); ``visible[i]`` is exactly
+      token ``i`` and its ancestors, so the mask can be rebuilt from ``parents`` alone (``decoding.static``).
     - ``logit_rows`` ``[1 + W + T (+ (L-1)·W - 1)]``: the input rows whose logits are read, in this order:
       ``last``, the bottom window row (W tokens), every tree node (T of them, in node order), then, for a
       layout with chains, the window's other tokens (indices 1 .. (L-1)·W - 1, see ``window_chains``).
@@ -32,6 +34,7 @@ class StepLayout:
     offsets: torch.Tensor
     visible: torch.Tensor
     logit_rows: torch.Tensor
+    parents: tuple[int, ...] = (-1,)
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +85,10 @@ def step_layout(width: int, levels: int, parents: tuple[int, ...] = (), chains: 
     upper = range(1, bottom_start) if chains else ()
     logit_rows = torch.tensor([0, *range(bottom_start, window_tokens), *range(window_tokens, total), *upper],
                               dtype=torch.long)
-    return StepLayout(offsets, visible, logit_rows)
+    window_parents = [(row - 1) * width + column if row else column - 1
+                      for row in range(levels) for column in range(width)]
+    tree_parents = [window_tokens + parent if parent >= 0 else 0 for parent in parents]
+    return StepLayout(offsets, visible, logit_rows, (*window_parents, *tree_parents))
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,371 @@
+"""The anatomy of a step: host work per phase, ATen ops per forward, blocking copies, graphs per bucket.
+
+Contract: ``python -m bench anatomy [--preset cpu|cuda] [--json FILE]`` (``main(argv)``) decodes with a greedy
+and a lookahead stream of the preset (its W/N/G, copies and batch policy) on ``tiny_deep_llama``: the default
+model's depth (30 LLaMA layers) at a tiny width, so that a forward's arithmetic is negligible and what is left is
+the work a GPU step pays on the host. Each is run twice: through today's eager path (``forward_packed``) and
+through the static step (``decoding.static``, eager mode on the CPU). It prints, per path and stream:
+
+- ``host_ms``: CPU thread milliseconds per step outside the model's forward (median over the decode), and per
+  phase: ``plan`` (propose, allocate, layout), ``inputs`` (the static step's input buffer; the eager path builds
+  its inputs and masks inside ``forward_packed``, outside ``lean.forward``: counted there), ``commit`` (the
+  pool's deferred KV moves), ``read`` (the step's results to Python) and ``finish`` (verify, commit, pool).
+  The forward is ``lean.forward`` (eager) or the static forward's launch (static: its mask is built inside it,
+  as on a GPU).
+- ``aten_ops_forward``: ATen ops dispatched by one forward (``count_aten_ops``), at the decode's median step.
+- ``syncs_in_step`` / ``syncs_in_static``: blocking host-device copies per step (``SyncCounter``), in the whole
+  step and inside the forward.
+- ``graphs_per_bucket``: graphs ``torch.compile(fullgraph=True, dynamic=False)`` made for each bucket over a whole
+  decode, recompiles made errors (static path only).
+
+The JSON has ``{"preset": ..., "eager": {"greedy": {...}, "lookahead": {...}}, "static": {...}}``; the top-level
+``"greedy"`` and ``"lookahead"`` are the static path's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.settings import batch_policy
+from decoding import lean
+from decoding.batch import BatchPolicy, finish_batch, forward_batch, plan_batch
+from decoding.engine import DecodeStream
+from decoding.kv_cache import KVPool
+from decoding.params import LookaheadConfig, StopCriteria
+from decoding.static import StaticStep
+from server.config import load_config
+
+DEPTH = 30  # the default model's layers
+PROMPT_TOKENS = 96
+DECODE_TOKENS = 128
+GRAPH_DECODE_TOKENS = 24  # the compile count's decode: each new bucket costs a compile
+_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+                    torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__})
+
+
+def tiny_deep_llama(seed: int = 0, vocab: int = 1024) -> LlamaForCausalLM:
+    """A random (seeded) LLaMA with the default model's 30 layers, 3:1 grouped heads and a width of 48."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=DEPTH,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=2048)
+    return LlamaForCausalLM(config).eval()
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_aten_ops(run: Callable[[], object]) -> int:
+    """ATen ops ``run()`` dispatches (views and in-place ops included; a GPU launches a kernel for most)."""
+    with _OpCounter() as counter:
+        run()
+    return sum(counter.ops.values())
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts what would block the host on a GPU while active: reading a tensor into Python (``item``,
+    ``tolist``, ``cpu``, ``bool()``/``int()``/``float()`` ...), and blocking copies to ``device`` (``.to``,
+    ``copy_`` or a factory given ``device=``, without ``non_blocking``). ``device`` is the model's: on the CPU
+    the copies it names cost nothing, but they are the ones a GPU would wait on. ``calls`` lists them."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.calls: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.calls)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READS or self._blocking_copy(func, args, kwargs):
+            self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+    def _blocking_copy(self, func, args: tuple, kwargs: dict) -> bool:
+        if kwargs.get("non_blocking") or (func is torch.Tensor.copy_ and len(args) > 2 and args[2]):
+            return False
+        if func is torch.Tensor.to:
+            targets = [arg for arg in (*args[1:], kwargs.get("device")) if isinstance(arg, (str, torch.device))]
+            return any(torch.device(target).type == self.device.type for target in targets)
+        if func is torch.Tensor.copy_:
+            return args[0].device != args[1].device
+        device = kwargs.get("device")
+        return device is not None and func in (torch.tensor, torch.as_tensor) and \
+            torch.device(device).type == self.device.type
+
+
+def preset_lookahead(preset: str) -> tuple[LookaheadConfig, BatchPolicy]:
+    """The preset's lookahead settings (as the server resolves them for a request that sets none) and policy."""
+    config = load_config(device_preset=preset)
+    names = {field.name for field in dataclasses.fields(LookaheadConfig)}
+    values = {name: getattr(config.lookahead, name) for name in names if hasattr(config.lookahead, name)}
+    values["break_even"] = min(values["break_even"], max(values["ngram_size"] - 1, 0))
+    return LookaheadConfig(**values), batch_policy(config)
+
+
+def anatomy_prompt(vocab: int, length: int = PROMPT_TOKENS) -> list[int]:
+    """A prompt with the repeats real text has (so copies and the pool have something to find)."""
+    phrase = [(7 * index + 3) % vocab for index in range(12)]
+    return [(token + (index // 36)) % vocab for index, token in enumerate(phrase * (length // 12 + 1))][:length]
+
+
+@dataclasses.dataclass
+class _Clock:
+    """Thread-time totals per phase of one step."""
+
+    phases: dict[str, float] = dataclasses.field(default_factory=Counter)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.thread_time()
+        try:
+            yield
+        finally:
+            self.phases[name] += time.thread_time() - started
+
+
+@contextlib.contextmanager
+def _timed_lean_forward(clock: _Clock) -> Iterator[None]:
+    """Count ``decoding.lean.forward`` (the eager path's model forward) as the ``forward`` phase."""
+    original = lean.forward
+
+    def timed(*args, **kwargs):
+        with clock.phase("forward"):
+            return original(*args, **kwargs)
+
+    lean.forward = timed
+    try:
+        yield
+    finally:
+        lean.forward = original
+
+
+def _step(streams: list[DecodeStream], policy: BatchPolicy, static: StaticStep | None, clock: _Clock) -> list:
+    """One batched step of ``streams``, as ``decoding.batch.step_batch`` takes it, each phase on ``clock``."""
+    results: list = [None] * len(streams)
+    with clock.phase("plan"):
+        planned, slices = plan_batch(streams, policy, results)
+    bucket = static.bucket(slices) if static is not None else None
+    with torch.inference_mode():
+        if bucket is None:
+            with clock.phase("eager_forward"):
+                logits, argmax = forward_batch(streams[0].model, slices)
+        else:
+            with clock.phase("commit"):
+                static.pool.flush()
+            with clock.phase("inputs"):
+                compiled = static.prepare(slices, bucket)
+            with clock.phase("forward"):
+                outputs = static.launch(compiled)
+            with clock.phase("read"):
+                logits, argmax = static.collect(slices, *outputs)
+    with clock.phase("finish"):
+        finish_batch(streams, planned, logits, argmax, results)
+    return results
+
+
+def measure_decode(
+    model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy, static: StaticStep | None,
+    max_tokens: int = DECODE_TOKENS,
+) -> dict:
+    """Decode one stream (prefill excluded from the figures) and report the module contract's measures."""
+    pool = static.pool if static is not None else None
+    stream = DecodeStream(model, anatomy_prompt(model.config.vocab_size), StopCriteria(max_tokens, frozenset()),
+                          lookahead=lookahead, pool=pool)
+    per_step: list[dict[str, float]] = []
+    syncs: list[int] = []
+    tokens: list[int] = []
+    shapes: list[list] = []
+    while not stream.finished:
+        prefill = stream.sequence.cache.length < stream.sequence.prompt_length
+        clock = _Clock()
+        counter = SyncCounter(model.device)
+        with _timed_lean_forward(clock), counter:
+            started = time.thread_time()
+            (step,) = _step([stream], policy, static, clock)
+            total = time.thread_time() - started
+        if isinstance(step, BaseException):
+            raise step
+        if prefill:
+            continue
+        clock.phases["eager_forward"] -= clock.phases.get("forward", 0.0) if static is None else 0.0
+        if static is None:  # forward_packed outside lean.forward: its inputs, masks and attention dispatch
+            clock.phases["inputs"] = clock.phases.pop("eager_forward")
+        per_step.append({**clock.phases, "host": total - clock.phases.get("forward", 0.0)})
+        syncs.append(counter.count)
+        tokens.append(step.stats.input_tokens)
+    stream.close()
+    phases = sorted({name for step in per_step for name in step} - {"forward", "host"})
+    median_tokens = statistics.median_low(tokens)
+    return {
+        "steps": len(per_step),
+        "median_step_tokens": median_tokens,
+        "host_ms": round(1000 * statistics.median(step["host"] for step in per_step), 3),
+        "phases_ms": {name: round(1000 * statistics.median(step.get(name, 0.0) for step in per_step), 3)
+                      for name in phases},
+        "forward_ms": round(1000 * statistics.median(step.get("forward", 0.0) for step in per_step), 3),
+        "syncs_in_step": statistics.median_low(syncs),
+        "shapes": shapes,
+    }
+
+
+def forward_ops(model: LlamaForCausalLM, static: StaticStep | None, tokens: int) -> tuple[int, int]:
+    """ATen ops of one forward of ``tokens`` tokens after a 96-token prompt, and the blocking copies inside
+    it: the static forward's, or the eager ``lean.forward``'s (``forward_packed``'s inputs and masks excluded)."""
+    from decoding.kv_cache import new_cache
+    from decoding.packed import Slice, forward_packed
+
+    prompt = anatomy_prompt(model.config.vocab_size)
+    cache = static.pool.acquire(len(prompt) + tokens) if static is not None else new_cache(model, 256)
+    visible = torch.ones((tokens, tokens), dtype=torch.bool).tril_()
+    with torch.inference_mode():
+        forward_batch(model, [Slice(prompt, torch.arange(len(prompt)), None, torch.arange(1), cache)], static)
+        slice_ = Slice(list(range(tokens)), torch.arange(tokens) + len(prompt), visible, torch.arange(tokens), cache,
+                       tuple(range(-1, tokens - 1)))
+        if static is not None:
+            compiled = static.prepare([slice_])
+            ops = count_aten_ops(lambda: static.launch(compiled))
+            with SyncCounter(model.device) as counter:
+                static.launch(compiled)
+            static.pool.release(cache)
+            return ops, counter.count
+        counts: list[int] = []
+        counter = SyncCounter(model.device)
+        original = lean.forward
+
+        def counted(*args, **kwargs):
+            with _OpCounter() as ops_counter, counter:
+                result = original(*args, **kwargs)
+            counts.append(sum(ops_counter.ops.values()))
+            return result
+
+        lean.forward = counted
+        try:
+            forward_packed(model, [slice_])
+        finally:
+            lean.forward = original
+        return counts[0], counter.count
+
+
+def graphs_per_bucket(model: LlamaForCausalLM, lookahead: LookaheadConfig, policy: BatchPolicy) -> dict[str, int]:
+    """Graphs compiled per bucket over a whole greedy-then-lookahead decode with ``torch.compile(fullgraph=True,
+    dynamic=False, backend="aot_eager")``, recompiles made errors."""
+    import torch._dynamo
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs: list[int] = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append(1)
+        return aot_eager(graph_module, example_inputs)
+
+    static = StaticStep(model, KVPool(model, 2, 1024, scratch_tokens=256), mode="compile", backend=counting)
+    per_bucket: dict[str, int] = {}
+    previous = torch._dynamo.config.error_on_recompile
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for config in (None, lookahead):
+            known = set(static._buckets)
+            stream = DecodeStream(model, anatomy_prompt(model.config.vocab_size),
+                                  StopCriteria(GRAPH_DECODE_TOKENS, frozenset()), lookahead=config, pool=static.pool)
+            while not stream.finished:
+                before = len(graphs)
+                (step,) = _step([stream], policy, static, _Clock())
+                if isinstance(step, BaseException):
+                    raise step
+                for bucket in set(static._buckets) - known:
+                    per_bucket[f"{bucket.sequences}x{bucket.tokens}@{bucket.attended}"] = len(graphs) - before
+                known = set(static._buckets)
+            stream.close()
+    finally:
+        torch._dynamo.config.error_on_recompile = previous
+        torch._dynamo.reset()
+    return per_bucket
+
+
+def run(preset: str, graphs: bool = True) -> dict:
+    """Every measure of the module contract for ``preset``."""
+    lookahead, policy = preset_lookahead(preset)
+    policy = dataclasses.replace(policy, max_step_tokens=max(policy.max_step_tokens, 256))
+    report: dict = {"preset": preset, "settings": dataclasses.asdict(lookahead)}
+    for path in ("eager", "static"):
+        model = tiny_deep_llama()
+        static = StaticStep(model, KVPool(model, 2, 1024, scratch_tokens=256)) if path == "static" else None
+        report[path] = {}
+        for name, config in (("greedy", None), ("lookahead", lookahead)):
+            measured = measure_decode(model, config, policy, static)
+            measured.pop("shapes")
+            ops, inside = forward_ops(model, static, measured["median_step_tokens"])
+            measured.update(aten_ops_forward=ops, syncs_in_static=inside)
+            report[path][name] = measured
+    if graphs:
+        counted = graphs_per_bucket(tiny_deep_llama(), lookahead, policy)
+        for name in ("greedy", "lookahead"):
+            report["static"][name]["graphs_per_bucket"] = counted
+    report["greedy"], report["lookahead"] = report["static"]["greedy"], report["static"]["lookahead"]
+    return report
+
+
+def table(report: dict) -> str:
+    """The report as a markdown table, one row per path and stream."""
+    lines = ["| path | stream | step tokens | host ms | phases (ms) | forward ms | ATen ops | syncs in step | "
+             "syncs in forward |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in ("eager", "static"):
+        for name in ("greedy", "lookahead"):
+            row = report[path][name]
+            phases = ", ".join(f"{phase} {value:.3f}" for phase, value in row["phases_ms"].items())
+            lines.append(f"| {path} | {name} | {row['median_step_tokens']} | {row['host_ms']:.3f} | {phases} | "
+                         f"{row['forward_ms']:.2f} | {row['aten_ops_forward']} | {row['syncs_in_step']} | "
+                         f"{row['syncs_in_static']} |")
+    graphs = report["static"]["lookahead"].get("graphs_per_bucket")
+    if graphs is not None:
+        lines.append("")
+        lines.append(f"graphs per bucket over a greedy and a lookahead decode: {graphs}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench anatomy``: print the table; ``--json FILE`` writes the report too."""
+    parser = argparse.ArgumentParser(prog="python -m bench anatomy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=("cpu", "cuda"), default="cuda",
+                        help="whose lookahead settings and batch policy to take (default: cuda)")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the compile count (the slowest part)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    report = run(args.preset, graphs=not args.no_graphs)
+    settings = report["settings"]
+    print(f"preset {args.preset}: W={settings['window_size']} N={settings['ngram_size']} "
+          f"G={settings['guess_set_size']}, {DEPTH}-layer width-48 LLaMA, CPU thread time per step")
+    print(table(report))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
