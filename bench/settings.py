@@ -54,7 +54,8 @@ def batch_policy(config: ServerConfig) -> BatchPolicy:
     the config gives none)."""
     settings = config.batch
     curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
-    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve)
+    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
+                       config.max_running)
 
 
 def server_defaults(config: ServerConfig) -> dict[str, object]:

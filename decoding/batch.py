@@ -36,10 +36,10 @@ from decoding.errors import InvalidParameterError
 from decoding.grammar import GrammarCompiler
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.static import MAX_BUCKET_TOKENS, SEQUENCE_BUCKETS, TOKEN_BUCKETS, StaticStep
 
 if TYPE_CHECKING:
     from decoding.memory import NGramMemory
-    from decoding.static import StaticStep
 
 # Relative cost of one engine forward by input tokens, over a 300-token cache: SmolLM2-135M, float32 with packed
 # linears and the panel kernel's AVX-512 entry, 1 thread (configs/cpu.yaml's curve, `python -m bench --step-cost`,
@@ -57,11 +57,16 @@ class BatchPolicy:
     - ``prefill_chunk``: prompt tokens per forward while other streams are running.
     - ``step_cost``: ``(tokens, relative cost)`` points of the step-cost curve, ascending; linear in between
       and beyond the last point.
+    - ``static_step``: ``"off"`` (every forward eager) or the ``decoding.static`` mode of the engine's static
+      step; with one, a forward is priced at the padded bucket it runs in (``padded_tokens``).
+    - ``static_sequences``: rows of the static step's KV pool (decodes at once; more run eagerly).
     """
 
     max_step_tokens: int = 128
     prefill_chunk: int = 128
     step_cost: tuple[tuple[int, float], ...] = CPU_STEP_COST
+    static_step: str = "off"
+    static_sequences: int = 16
 
     def cost(self, tokens: int) -> float:
         """The curve's relative cost of a forward over ``tokens`` input tokens."""
@@ -71,6 +76,22 @@ class BatchPolicy:
         (x0, y0), (x1, y1) = points[index - 1], points[index]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
+    def padded_tokens(self, budgets: Sequence[int]) -> int:
+        """The input tokens a forward over streams with these token ``budgets`` (0: sits out) costs: their sum
+        eagerly; with a static step, its bucket's ``sequences x tokens`` (the sum when it fits no bucket).
+
+        >>> BatchPolicy(static_step="graphs").padded_tokens([1, 20, 1, 0])  # 3 -> 4 sequences, 20 -> 32 tokens
+        128
+        """
+        running = [budget for budget in budgets if budget]
+        if self.static_step == "off" or not running:
+            return sum(running)
+        sequences = next((size for size in SEQUENCE_BUCKETS if size >= len(running)), None)
+        tokens = next((size for size in TOKEN_BUCKETS if size >= max(running)), None)
+        if sequences is None or tokens is None or sequences * tokens > MAX_BUCKET_TOKENS:
+            return sum(running)
+        return sequences * tokens
+
 
 def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
     """Token budgets for one forward, one per proposal; 0 means the stream sits this forward out.
@@ -79,8 +100,9 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
     served (the first always gets at least one; a lone stream gets its whole prompt); then, most expected
     gain per extra token first, a decoding stream gets its proposed step, or else its smallest verifying step
     (one candidate, no window), when that fits in ``max_step_tokens`` and either it is a probe (acceptance
-    must be re-measured) or its expected gain raises committed tokens per unit of step cost. The gain of the
-    smaller step is taken to be the full step's: the stream's acceptance estimate then tracks what it gets.
+    must be re-measured) or its expected gain raises committed tokens per unit of step cost (of the padded
+    bucket, with a static step: ``BatchPolicy.padded_tokens``). The gain of the smaller step is taken to be the
+    full step's: the stream's acceptance estimate then tracks what it gets.
     """
     if len(proposals) == 1:
         return [proposals[0].tokens]
@@ -99,7 +121,9 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
         for extra in (proposal.tokens - 1, proposal.smallest - 1):
             if extra < 1 or used + extra > policy.max_step_tokens:
                 continue
-            pays = (expected + proposal.gain) / policy.cost(used + extra) > expected / policy.cost(used)
+            trial = [*budgets[:index], budgets[index] + extra, *budgets[index + 1 :]]
+            pays = (expected + proposal.gain) / policy.cost(policy.padded_tokens(trial)) > \
+                expected / policy.cost(policy.padded_tokens(budgets))
             if proposal.probe or pays:
                 budgets[index] += extra
                 used += extra
@@ -219,6 +243,7 @@ class BatchEngine:
         self.memory = memory
         self._open_stream = open_stream
         self._streams: dict[Hashable, DecodeStream] = {}
+        self.last_forward: str | None = None  # how the last step's forward ran: "graph", "static" or "eager"
 
     @property
     def has_work(self) -> bool:
@@ -271,7 +296,11 @@ class BatchEngine:
         ended it, in the order they were added. A decode waiting for its prefill chunk is left out; a
         finished or failed one leaves the batch."""
         request_ids = list(self._streams)
+        runs = self.static.runs if self.static is not None else 0
         results = step_batch([self._streams[request_id] for request_id in request_ids], self.policy, self.static)
+        self.last_forward = "eager"
+        if self.static is not None and self.static.runs > runs:
+            self.last_forward = "graph" if self.static.mode == "graphs" else "static"
         reported: list[tuple[Hashable, Step | BaseException]] = []
         for request_id, result in zip(request_ids, results, strict=True):
             if result is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,11 +26,14 @@ from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
 from decoding.grammar import Constraint, Grammar, GrammarCompiler
+from decoding.kv_cache import KVPool
 from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
 from decoding.loading import LoadedModel, load_model
 from decoding.memory import MemoryFileError, NGramMemory, load_memory, save_memory, vocabulary_id
-from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
+from decoding.static import TOKEN_BUCKETS, StaticStep, warm_buckets
+from decoding.static import supports as static_supports
 
 QUANTIZE = ("none", "int8")
 log = logging.getLogger(__name__)
@@ -158,7 +161,13 @@ class Decoder:
         (``BatchPolicy()`` when None), with a server-wide ``NGramMemory(memory_tokens)`` shared by its decodes
         (none when ``memory_tokens`` is 0; each decode's ``LookaheadConfig.shared_memory`` opts it out). With a
         ``memory_file`` that exists, the memory starts with the documents saved there (``save_memory``); one
-        that cannot be used (another vocabulary, unreadable) is logged as a warning and the memory starts empty."""
+        that cannot be used (another vocabulary, unreadable) is logged as a warning and the memory starts empty.
+        With ``policy.static_step`` other than ``"off"``, steps that fit a bucket run through a static step
+        (``static_step``)."""
+        policy = policy or BatchPolicy()
+        static = self.static_step(policy) if policy.static_step != "off" else None
+        if static is None:
+            policy = replace(policy, static_step="off")
         memory = NGramMemory(memory_tokens) if memory_tokens > 0 else None
         if memory is not None and memory_file is not None and Path(memory_file).exists():
             try:
@@ -166,7 +175,28 @@ class Decoder:
                 log.info("n-gram memory: %d documents (%d tokens) from %s", count, len(memory), memory_file)
             except MemoryFileError as error:
                 log.warning("n-gram memory starts empty: %s", error)
-        return BatchEngine(self.loaded.model, policy or BatchPolicy(), memory=memory, grammars=self.grammars)
+        return BatchEngine(self.loaded.model, policy, memory=memory, grammars=self.grammars, static=static)
+
+    def static_step(self, policy: BatchPolicy) -> StaticStep | None:
+        """The static step ``policy`` asks for, over a KV pool of ``policy.static_sequences`` rows of the model's
+        context length (plus the largest lookahead step), with its common buckets built (in ``"graphs"`` mode:
+        captured) now; None, with a warning, for a model it cannot run. ``"graphs"`` off CUDA runs ``"eager"``."""
+        model = self.loaded.model
+        if not static_supports(model):
+            log.warning("static_step %s: %s is not a model the static step runs; every step runs eagerly",
+                        policy.static_step, type(model).__name__)
+            return None
+        mode = policy.static_step
+        if mode == "graphs" and model.device.type != "cuda":
+            log.warning("static_step graphs needs CUDA; running the static step eagerly on %s", model.device)
+            mode = "eager"
+        pool = KVPool(model, policy.static_sequences, self.context_length + MAX_STEP_TOKENS,
+                      scratch_tokens=TOKEN_BUCKETS[-1])
+        static = StaticStep(model, pool, mode)
+        seconds = static.warm_up(warm_buckets(static))
+        log.info("static step (%s): %d buckets ready in %.1f s, KV pool of %d x %d slots", mode,
+                 len(warm_buckets(static)), seconds, policy.static_sequences, pool.row_capacity)
+        return static
 
     def save_memory(self, engine: BatchEngine, memory_file: str) -> int | None:
         """Write ``engine``'s n-gram memory to ``memory_file`` (None, nothing written, when it has none); return

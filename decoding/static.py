@@ -77,6 +77,13 @@ def _round_up(value: int, choices: Sequence[int]) -> int | None:
     return next((choice for choice in choices if choice >= value), None)
 
 
+def warm_buckets(static: StaticStep, longest: int = 1024) -> list[Bucket]:
+    """The buckets a server builds at start: one sequence, every token bucket, attended lengths up to
+    ``longest`` (the rest are built, or captured, on first use)."""
+    attended = [length for length in static.attended if length <= longest] or [static.attended[0]]
+    return [Bucket(1, tokens, length) for tokens in TOKEN_BUCKETS for length in attended]
+
+
 def attended_lengths(row_capacity: int) -> tuple[int, ...]:
     """The attended-length buckets of a pool whose rows hold ``row_capacity`` slots.
 
@@ -472,9 +479,16 @@ class StaticStep:
             function = torch.compile(fresh_forward(), fullgraph=True, dynamic=False, backend=self.backend)
         else:
             function = static_forward
-        call = functools.partial(function, self.weights, caches, compiled.inputs, bucket.sequences, bucket.tokens,
-                                 self._outputs() if self.mode == "graphs" else None)
-        compiled.run = self._capture(call, compiled) if self.mode == "graphs" else self._kernels(call)
+        call = functools.partial(function, self.weights, caches, compiled.inputs, bucket.sequences, bucket.tokens)
+        if self.mode != "graphs":
+            compiled.run = self._kernels(call)
+        else:
+            try:
+                compiled.run = self._capture(functools.partial(call, self._outputs()), compiled)
+            except Exception:  # a capture that fails must not take the server down: run eagerly from now on
+                log.exception("CUDA graph capture of %s failed; the static step runs eagerly from now on", bucket)
+                self.mode = "eager"
+                compiled.run = self._kernels(call)
         self._buckets[bucket] = compiled
         return compiled
 

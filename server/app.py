@@ -97,7 +97,8 @@ def batch_policy(config: ServerConfig) -> BatchPolicy:
     """The engine's batching policy from the ``batch`` settings (the built-in CPU curve when none is given)."""
     settings = config.batch
     curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
-    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve)
+    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
+                       config.max_running)
 
 
 class Runtime:

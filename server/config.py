@@ -119,6 +119,11 @@ class BatchSettings(BaseModel):
 
     max_step_tokens: int = Field(128, ge=1, description="input tokens of one forward, all requests together")
     prefill_chunk: int = Field(128, ge=1, description="prompt tokens per forward while other requests decode")
+    static_step: Literal["off", "eager", "compile", "graphs"] = Field(
+        "off", description="run steps that fit a bucket through the static step (decoding/static.py): graphs "
+        "captures each bucket as a CUDA graph (CUDA only), compile uses torch.compile, eager the same ops as is; "
+        "off: every step eager",
+    )
     step_cost: list[tuple[int, float]] | None = Field(
         None, description="[[tokens, relative cost], ...] of one forward, as measured by `lookahead-server tune`; "
         "null: decoding's built-in CPU curve",

@@ -103,6 +103,10 @@ class Metrics:
         self.batch_input_tokens = histogram(
             "batch_input_tokens", "Per batched forward pass: input tokens, all requests together.", BATCH_TOKENS_BUCKETS
         )
+        self.forwards = counter(
+            "forwards", "Batched forward passes by how they ran: graph (a replayed CUDA graph of the static step), "
+            "static (the static step, no graph), eager.", ("path",)
+        )
 
         self.running = Gauge(f"{PREFIX}_requests_running", "Requests decoding now.", registry=registry)
         self.waiting = Gauge(f"{PREFIX}_requests_waiting", "Requests admitted, waiting to run.", registry=registry)
@@ -161,10 +165,12 @@ class Metrics:
             for _ in range(counts.tokens):
                 self.itl.observe(per_token)
 
-    def forward(self, requests: int, input_tokens: int) -> None:
-        """Count one batched forward pass over ``requests`` requests and ``input_tokens`` tokens."""
+    def forward(self, requests: int, input_tokens: int, path: str = "eager") -> None:
+        """Count one batched forward pass over ``requests`` requests and ``input_tokens`` tokens, run as ``path``
+        says (graph | static | eager)."""
         self.batch_requests.observe(requests)
         self.batch_input_tokens.observe(input_tokens)
+        self.forwards.labels(path=path).inc()
 
     def request_finished(self, finish_reason: str, counts: StepCounts, e2e_seconds: float) -> None:
         """Count a finished request (``finish_reason``: stop | length | abort | error; ``counts``: all its

@@ -314,7 +314,8 @@ class Worker:
             return
         stepped = [result for _, result in results if isinstance(result, Step)]
         if self.metrics is not None and stepped:
-            self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped))
+            path = getattr(self.engine, "last_forward", None) or "eager"  # engines without a static step: eager
+            self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped), path)
         by_id = {job.request_id: job for job in jobs}
         for request_id, result in results:
             job = by_id.get(request_id)

@@ -109,3 +109,93 @@ def test_real_model_lookahead_equals_greedy_on_cuda(cuda_real, config):
         assert tokens_of(steps) == expected, text
         accepted += sum(step.stats.accepted for step in steps)
     assert accepted > 0
+
+
+# ---------------------------------------------------------------- the static step and its CUDA graphs
+
+
+@pytest.fixture
+def no_tf32():
+    """float32 products in full float32 (TF32 off), so that a multi-token step rounds as a one-token step."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def graphed(model, mode="graphs", sequences=4, capacity=1024):
+    from decoding.kv_cache import KVPool
+    from decoding.static import StaticStep
+
+    return StaticStep(model, KVPool(model, sequences, capacity, scratch_tokens=256), mode)
+
+
+def static_decode(model, runner, prompts, configs, max_tokens=40):
+    from decoding.batch import BatchEngine
+
+    engine = BatchEngine(model, static=runner)
+    outputs = {index: [] for index in range(len(prompts))}
+    for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
+        engine.add(index, prompt, StopCriteria(max_tokens), lookahead=config)
+    while engine.has_work:
+        for request_id, step in engine.step():
+            assert not isinstance(step, BaseException), step
+            outputs[request_id].extend(step.token_ids)
+    return [outputs[index] for index in range(len(prompts))]
+
+
+def test_a_graph_replay_equals_the_eager_static_step_bit_for_bit(cuda_tiny, no_tf32):
+    from decoding.packed import Slice
+    from decoding.window import step_layout
+
+    layout = step_layout(4, 3, (-1, 0, 1, -1))
+    results = []
+    for mode in ("eager", "graphs"):
+        runner = graphed(cuda_tiny, mode)
+        cache = runner.pool.acquire(128)
+        with torch.inference_mode():
+            runner.run([Slice(PROMPTS[0], torch.arange(len(PROMPTS[0])), None, torch.arange(1), cache)])
+            tokens = [(7 * index) % 60 for index in range(layout.num_tokens)]
+            step = Slice(tokens, layout.offsets + len(PROMPTS[0]), layout.visible, layout.logit_rows, cache,
+                         layout.parents)
+            logits, argmax = runner.run([step])
+            results.append((logits[0].clone(), argmax))
+        assert runner.replays == (2 if mode == "graphs" else 0)
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
+
+
+def config_id(config: LookaheadConfig) -> str:
+    return f"{config.window_size}-{config.ngram_size}-{config.guess_set_size}"
+
+
+@pytest.mark.parametrize("config", [*CONFIGS, CUDA_PRESET], ids=config_id)
+def test_lookahead_equals_greedy_through_cuda_graphs(cuda_tiny, config, no_tf32):
+    runner = graphed(cuda_tiny)
+    greedy = static_decode(cuda_tiny, runner, PROMPTS, [None] * len(PROMPTS))
+    assert greedy == [tokens_of(generate_autoregressive(cuda_tiny, p, StopCriteria(40))) for p in PROMPTS]
+    assert static_decode(cuda_tiny, runner, PROMPTS, [config] * len(PROMPTS)) == greedy
+    assert runner.replays > 0 and runner.captures == len(runner._buckets)
+
+
+@pytest.mark.real_model
+def test_real_model_at_the_cuda_preset_through_cuda_graphs(cuda_real, no_tf32):
+    from decoding.decoder import Decoder
+
+    decoder = Decoder(cuda_real)
+    stop = StopCriteria(64, decoder.eos_token_ids())
+    policy = BatchPolicy(static_step="graphs", static_sequences=4)
+    engine = decoder.batch_engine(policy)
+    assert engine.static is not None and engine.static.mode == "graphs"
+    for text in REAL_MESSAGES:
+        encoded = decoder.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        expected = tokens_of(decoder.decode(ids, stop))
+        for config in (None, CUDA_PRESET):
+            engine.add(text, ids, stop, lookahead=config)
+            got = []
+            while engine.has_work:
+                for _, step in engine.step():
+                    assert not isinstance(step, BaseException), step
+                    got.extend(step.token_ids)
+            assert got == expected, (text, config)
+    assert engine.static.replays > 0

@@ -249,3 +249,40 @@ def test_aten_ops_per_forward_at_most_the_ceiling(tokens):
 def test_attended_lengths_double_up_to_the_row():
     assert attended_lengths(64) == (64,)
     assert attended_lengths(1000) == (64, 128, 256, 512, 1000)
+
+
+def test_the_decoder_builds_the_static_step_its_policy_names():
+    from decoding.decoder import Decoder
+    from decoding.loading import LoadedModel
+
+    model = tiny_llama()
+    decoder = Decoder(LoadedModel(model, None, "tiny", "", model.device, model.dtype), "torch")
+    assert decoder.batch_engine(BatchPolicy()).static is None
+    engine = decoder.batch_engine(BatchPolicy(static_step="graphs", static_sequences=2))  # no CUDA here: eager
+    assert (engine.static.mode, engine.static.pool.sequences, engine.policy.static_step) == ("eager", 2, "graphs")
+    assert len(engine.static._buckets) > 10  # the common buckets were built at start
+    engine.add("a", PROMPTS[0], StopCriteria(8), lookahead=LookaheadConfig(4, 4, 4))
+    paths = []
+    while engine.has_work:
+        engine.step()
+        paths.append(engine.last_forward)
+    assert set(paths) == {"static"}  # the prompt too: it fits a bucket
+
+
+def test_a_model_the_static_step_cannot_run_keeps_the_eager_path():
+    from decoding.decoder import Decoder
+    from decoding.linears import pack_float32
+    from decoding.loading import LoadedModel
+
+    model = pack_float32(tiny_llama())
+    assert not supports(model)
+    decoder = Decoder(LoadedModel(model, None, "tiny", "", model.device, model.dtype), "packed")
+    engine = decoder.batch_engine(BatchPolicy(static_step="eager"))
+    assert engine.static is None and engine.policy.static_step == "off"
+
+
+def test_the_planner_prices_the_padded_bucket():
+    eager, static = BatchPolicy(), BatchPolicy(static_step="graphs")
+    assert eager.padded_tokens([1, 20, 1, 0]) == 22
+    assert static.padded_tokens([1, 20, 1, 0]) == 4 * 32  # 3 sequences -> 4, 20 tokens -> 32
+    assert static.padded_tokens([300]) == 300  # no bucket: priced as it runs, eagerly
