@@ -316,8 +316,8 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory`` or
-    ``anatomy`` as the first argument runs ``bench.heldout``, ``bench.memory`` or ``bench.anatomy`` with the rest."""
+    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory``,
+    ``anatomy`` or ``gpu`` as the first argument runs that module of ``bench`` with the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
@@ -331,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import anatomy
 
         return anatomy.main(argv[1:])
+    if argv[:1] == ["gpu"]:
+        from bench import gpu
+
+        return gpu.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:

@@ -30,12 +30,14 @@ from transformers import PreTrainedModel
 from decoding.batch import BatchPolicy, step_batch
 from decoding.engine import DecodeStream, Step, context_length, generate_autoregressive
 from decoding.errors import InvalidParameterError
-from decoding.kv_cache import SlotCache, new_cache
+from decoding.kv_cache import KVPool, SlotCache, new_cache
 from decoding.memory import NGramMemory
 from decoding.packed import Slice, forward_packed
-from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams, StopCriteria
+from decoding.static import TOKEN_BUCKETS, StaticStep
+from decoding.static import supports as static_supports
 
-METHODS = ("greedy", "lookahead", "generate", "prompt_lookup")
+METHODS = ("greedy", "lookahead", "generate", "prompt_lookup", "generate_compiled")
 DEFAULT_METHODS = "greedy,lookahead,generate"
 STEP_COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
 WARMUP_TOKENS = 16
@@ -92,20 +94,45 @@ def _collect(steps: Iterator[Step]) -> Decoded:
     return Decoded(tokens, count, offered, accepted)
 
 
-def decode_greedy(model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria) -> Decoded:
-    """Our greedy reference loop (``generate_autoregressive``)."""
-    return _collect(generate_autoregressive(model, prompt_ids, stop, SamplingParams()))
+_STATIC_STEPS: dict[int, StaticStep | None] = {}  # per model (by id): the static step its policy asks for
 
 
-def batched_steps(stream: DecodeStream, policy: BatchPolicy) -> Iterator[Step]:
-    """The steps of ``stream``, each from its own ``step_batch([stream], policy)``: the server worker's way of
-    advancing a request (an exception that ended the stream is raised)."""
-    while not stream.finished:
-        result = step_batch([stream], policy)[0]
-        if isinstance(result, BaseException):
-            raise result
-        if result is not None:
-            yield result
+def static_for(model: PreTrainedModel, policy: BatchPolicy | None) -> StaticStep | None:
+    """The static step a server with ``policy`` runs ``model``'s steps through (one per model, built on first use
+    over a one-row KV pool); None when the policy has none or the model is not one it runs (packed linears).
+    ``"graphs"`` off CUDA runs ``"eager"``, as the server does."""
+    if policy is None or policy.static_step == "off" or not static_supports(model):
+        return None
+    if id(model) not in _STATIC_STEPS:
+        mode = policy.static_step if model.device.type == "cuda" or policy.static_step != "graphs" else "eager"
+        pool = KVPool(model, 1, context_length(model) + MAX_STEP_TOKENS, scratch_tokens=TOKEN_BUCKETS[-1])
+        _STATIC_STEPS[id(model)] = StaticStep(model, pool, mode)
+    return _STATIC_STEPS[id(model)]
+
+
+def decode_greedy(
+    model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria, policy: BatchPolicy | None = None
+) -> Decoded:
+    """Our greedy reference loop (``generate_autoregressive``); through the static step when ``policy`` names one
+    (as the server runs it)."""
+    static = static_for(model, policy)
+    if static is None:
+        return _collect(generate_autoregressive(model, prompt_ids, stop, SamplingParams()))
+    return _collect(batched_steps(DecodeStream(model, prompt_ids, stop, pool=static.pool), policy, static))
+
+
+def batched_steps(stream: DecodeStream, policy: BatchPolicy, static: StaticStep | None = None) -> Iterator[Step]:
+    """The steps of ``stream``, each from its own ``step_batch([stream], policy, static)``: the server worker's way
+    of advancing a request (an exception that ended the stream is raised). The stream is closed at the end."""
+    try:
+        while not stream.finished:
+            result = step_batch([stream], policy, static)[0]
+            if isinstance(result, BaseException):
+                raise result
+            if result is not None:
+                yield result
+    finally:
+        stream.close()
 
 
 def decode_lookahead(
@@ -119,14 +146,19 @@ def decode_lookahead(
     """Greedy lookahead decoding with ``config``: through ``step_batch`` under ``policy`` when one is given (as
     the server runs it), else by iterating the generator. With ``memory`` (the server-wide n-gram memory) the
     decode draws candidates from it and, once finished, adds its output to it, as a server request does."""
-    stream = DecodeStream(model, prompt_ids, stop, SamplingParams(), config, memory=memory)
-    return _collect(stream if policy is None else batched_steps(stream, policy))
+    static = static_for(model, policy)
+    pool = static.pool if static is not None else None
+    stream = DecodeStream(model, prompt_ids, stop, SamplingParams(), config, memory=memory, pool=pool)
+    return _collect(stream if policy is None else batched_steps(stream, policy, static))
 
 
 def decode_generate(
-    model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria, prompt_lookup_tokens: int | None = None
+    model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria, prompt_lookup_tokens: int | None = None,
+    static_cache: bool = False,
 ) -> Decoded:
-    """``model.generate`` with ``do_sample=False`` (prompt-lookup decoding when ``prompt_lookup_tokens``).
+    """``model.generate`` with ``do_sample=False`` (prompt-lookup decoding when ``prompt_lookup_tokens``; with
+    ``static_cache``, transformers' static cache, whose decode steps transformers compiles with ``torch.compile``
+    on a GPU: the fastest ``generate`` a transformers user gets).
 
     A trailing stop token is stripped so the output compares with ours; forward passes are counted with a
     pre-hook on the model's forward.
@@ -136,6 +168,8 @@ def decode_generate(
     input_ids = torch.tensor([list(prompt_ids)], device=model.device)
     stop_ids = sorted(stop.stop_token_ids)
     extra = {} if prompt_lookup_tokens is None else {"prompt_lookup_num_tokens": prompt_lookup_tokens}
+    if static_cache:
+        extra["cache_implementation"] = "static"
     try:
         output = model.generate(
             input_ids,
@@ -185,11 +219,12 @@ def make_runners(
     transformers_methods: dict[str, Runner] = {
         "generate": decode_generate,
         "prompt_lookup": partial(decode_generate, prompt_lookup_tokens=prompt_lookup_tokens),
+        "generate_compiled": partial(decode_generate, static_cache=True),
     }
     if transformers_model is not None:
         transformers_methods = {name: _on_model(transformers_model, run) for name, run in transformers_methods.items()}
     table: dict[str, Runner] = {
-        "greedy": decode_greedy,
+        "greedy": partial(decode_greedy, policy=policy),
         "lookahead": partial(decode_lookahead, config=lookahead, policy=policy, memory=memory),
         **transformers_methods,
     }
