@@ -181,8 +181,9 @@ def markdown(report: dict) -> str:
                   "| batch | k | forward_packed | static eager | static graph | whole static step (graph) |",
                   "|---|---|---|---|---|---|"]
         for row in rows:
-            lines.append(f"| {row['batch']} | {row['k']} | {row.get('forward_packed_ms', '-')} | "
-                         f"{row['static_eager_ms']} | {row['static_graphs_ms']} | {row['static_graphs_whole_step_ms']} |")
+            cells = (row["batch"], row["k"], row.get("forward_packed_ms", "-"), row["static_eager_ms"],
+                     row["static_graphs_ms"], row["static_graphs_whole_step_ms"])
+            lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
         lines.append("")
     for name in ("heldout", "load"):
         part = report.get(name)
