@@ -198,7 +198,6 @@ def measure_decode(
     per_step: list[dict[str, float]] = []
     syncs: list[int] = []
     tokens: list[int] = []
-    shapes: list[list] = []
     while not stream.finished:
         prefill = stream.sequence.cache.length < stream.sequence.prompt_length
         clock = _Clock()
@@ -211,9 +210,8 @@ def measure_decode(
             raise step
         if prefill:
             continue
-        clock.phases["eager_forward"] -= clock.phases.get("forward", 0.0) if static is None else 0.0
-        if static is None:  # forward_packed outside lean.forward: its inputs, masks and attention dispatch
-            clock.phases["inputs"] = clock.phases.pop("eager_forward")
+        if "eager_forward" in clock.phases:  # forward_packed outside lean.forward: its inputs, masks, dispatch
+            clock.phases["inputs"] += clock.phases.pop("eager_forward") - clock.phases.get("forward", 0.0)
         per_step.append({**clock.phases, "host": total - clock.phases.get("forward", 0.0)})
         syncs.append(counter.count)
         tokens.append(step.stats.input_tokens)
@@ -228,7 +226,6 @@ def measure_decode(
                       for name in phases},
         "forward_ms": round(1000 * statistics.median(step.get("forward", 0.0) for step in per_step), 3),
         "syncs_in_step": statistics.median_low(syncs),
-        "shapes": shapes,
     }
 
 
@@ -317,7 +314,6 @@ def run(preset: str, graphs: bool = True) -> dict:
         report[path] = {}
         for name, config in (("greedy", None), ("lookahead", lookahead)):
             measured = measure_decode(model, config, policy, static)
-            measured.pop("shapes")
             ops, inside = forward_ops(model, static, measured["median_step_tokens"])
             measured.update(aten_ops_forward=ops, syncs_in_static=inside)
             report[path][name] = measured

@@ -347,7 +347,9 @@ class DecodeStream:
             rows = torch.arange(end - start)
         else:
             rows = torch.tensor([end - start - 1] if last_chunk else [], dtype=torch.long)
-        slice_ = Slice(sequence.tokens[start:end], torch.arange(start, end), None, rows, sequence.cache)
+        host_rows = range(end - start) if every_row else ([end - start - 1] if last_chunk else [])
+        slice_ = Slice(sequence.tokens[start:end], torch.arange(start, end), None, rows, sequence.cache,
+                       host_positions=range(start, end), host_rows=host_rows)
 
         def finish(logits: torch.Tensor, argmax: Sequence[int] | None) -> Step:
             prompt = _prompt_logprobs(logits, sequence.tokens[: sequence.prompt_length], start, end, self.sampling)
@@ -457,7 +459,8 @@ def _adjusted(
 def _one_token_slice(sequence: _Sequence) -> Slice:
     """A plain step's slice: ``last`` alone at its position, its logits read."""
     position = len(sequence.tokens) - 1
-    return Slice([sequence.tokens[-1]], torch.tensor([position]), _SELF, _FIRST_ROW, sequence.cache, (-1,))
+    return Slice([sequence.tokens[-1]], torch.tensor([position]), _SELF, _FIRST_ROW, sequence.cache, (-1,),
+                 (position,), (0,))
 
 
 def _finish_one_token(
@@ -669,7 +672,7 @@ class _Lookahead:
         layout = step_layout(width, levels, tree.parents, bool(chains.indices))
         tokens += tree.tokens
         slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache,
-                       layout.parents)
+                       layout.parents, [position + offset for offset in layout.offset_values], layout.row_values)
         return slice_, lambda logits, argmax: self._finish(logits, argmax, shape, tree, width, levels, position, chains)
 
     def _fit(self, shape: _Shape, budget: int) -> _Shape:

@@ -51,6 +51,8 @@ class Slice:
     - ``parents`` (``t`` ints, or None for causal): each step token's parent (-1: none), when ``visible`` is
       each token and its ancestors, as in every lookahead step; a static step (``decoding.static``) builds
       the mask from them on the device instead of copying ``visible``.
+    - ``host_positions`` / ``host_rows`` (optional): ``positions`` and ``logit_rows`` as Python ints, for a
+      static step to write without reading the tensors back.
     """
 
     tokens: list[int]
@@ -59,6 +61,8 @@ class Slice:
     logit_rows: torch.Tensor
     cache: SlotCache
     parents: tuple[int, ...] | None = None
+    host_positions: Sequence[int] | None = None
+    host_rows: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)

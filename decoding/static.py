@@ -434,39 +434,34 @@ class StaticStep:
         return results, predicted
 
     def _fill(self, host: torch.Tensor, slices: Sequence[Slice], bucket: Bucket) -> None:
-        """Write the step's inputs (module contract) into the host buffer: the slices' tensors (positions, rows
-        read) are copied in place, the rest written from Python ints in one go."""
-        sequences, tokens = bucket.sequences, bucket.tokens
-        count = sequences * tokens
-        ids: list[int] = []
-        parents: list[int] = []
-        slots: list[int] = []
+        """Write the step's inputs (module contract) into the host buffer, from Python ints in one copy (a slice
+        without ``host_positions`` / ``host_rows`` has its tensors read instead)."""
+        tokens = bucket.tokens
+        fields: list[list[int]] = [[] for _ in _TOKEN_FIELDS]
+        ids, positions, parents, read_rows, write_rows, write_slots = fields
         lengths, rows = [], []
-        positions, read_rows = host[count : 2 * count], host[3 * count : 4 * count]
-        for index in range(sequences):
+        for index in range(bucket.sequences):
             slice_ = slices[index] if index < len(slices) else None
             base = index * tokens
-            if slice_ is None:
-                real, length, row, read = 0, 0, self.pool.scratch_row, 0
+            if slice_ is None:  # a padding sequence: the scratch row, nothing cached
+                real, length, row, read = 0, 0, self.pool.scratch_row, ()
             else:
                 real, length, row = len(slice_.tokens), slice_.cache.length, slice_.cache.pool_row
-                read = len(slice_.logit_rows)
                 ids += slice_.tokens
+                positions += slice_.host_positions if slice_.host_positions is not None else slice_.positions.tolist()
                 parents += slice_.parents if slice_.parents is not None else range(-1, real - 1)
-                positions[base : base + real].copy_(slice_.positions)
-                read_rows[base : base + read].copy_(slice_.logit_rows)
-                read_rows[base : base + read] += base
-            positions[base + real : base + tokens] = length + real  # padding: past the sequence, any finite value
-            read_rows[base + read : base + tokens] = base
-            ids += [0] * (tokens - real)
-            parents += [-1] * (tokens - real)
-            slots += range(length, length + tokens)
+                read = slice_.host_rows if slice_.host_rows is not None else slice_.logit_rows.tolist()
+            pad = tokens - real
+            ids += [0] * pad
+            positions += [length + real] * pad  # padding: past the sequence, any finite value
+            parents += [-1] * pad
+            read_rows += [base + r for r in read]
+            read_rows += [base] * (tokens - len(read))
+            write_rows += [row] * tokens
+            write_slots += range(length, length + tokens)
             lengths.append(length)
             rows.append(row)
-        host[:count] = torch.tensor(ids)
-        host[2 * count : 3 * count] = torch.tensor(parents)
-        host[4 * count : 6 * count] = torch.tensor([row for row in rows for _ in range(tokens)] + slots)
-        host[6 * count :] = torch.tensor(lengths + rows)
+        host.copy_(torch.tensor([value for field in fields for value in field] + lengths + rows))
 
     def _compiled(self, bucket: Bucket) -> _Compiled:
         """The bucket's buffers and callable, built (and in ``"graphs"`` mode captured) on first use."""

@@ -26,6 +26,7 @@ class StepLayout:
     - ``visible`` ``[q, q]`` bool: ``visible[i, k]`` is True when token ``i`` attends to token ``k``.
     - ``parents`` (``q`` ints): each token's parent in the step (-1 for ``last``); ``visible[i]`` is exactly
       token ``i`` and its ancestors, so the mask can be rebuilt from ``parents`` alone (``decoding.static``).
+      ``offset_values`` and ``row_values`` are ``offsets`` and ``logit_rows`` as Python ints.
     - ``logit_rows`` ``[1 + W + T (+ (L-1)·W - 1)]``: the input rows whose logits are read, in this order:
       ``last``, the bottom window row (W tokens), every tree node (T of them, in node order), then, for a
       layout with chains, the window's other tokens (indices 1 .. (L-1)·W - 1, see ``window_chains``).
@@ -35,6 +36,16 @@ class StepLayout:
     visible: torch.Tensor
     logit_rows: torch.Tensor
     parents: tuple[int, ...] = (-1,)
+
+    @functools.cached_property
+    def offset_values(self) -> tuple[int, ...]:
+        """``offsets`` as Python ints (made once per cached layout)."""
+        return tuple(self.offsets.tolist())
+
+    @functools.cached_property
+    def row_values(self) -> tuple[int, ...]:
+        """``logit_rows`` as Python ints (made once per cached layout)."""
+        return tuple(self.logit_rows.tolist())
 
     @property
     def num_tokens(self) -> int:
