@@ -8,8 +8,10 @@ through the static step (``decoding.static``, eager mode on the CPU). It prints,
 
 - ``host_ms``: CPU thread milliseconds per step outside the model's forward (median over the decode), and per
   phase: ``plan`` (propose, allocate, layout), ``inputs`` (the static step's input buffer; the eager path builds
-  its inputs and masks inside ``forward_packed``, outside ``lean.forward``: counted there), ``commit`` (the
-  pool's deferred KV moves), ``read`` (the step's results to Python) and ``finish`` (verify, commit, pool).
+  its inputs and masks inside ``forward_packed``, outside ``lean.forward``: counted there), ``commit`` (staging
+  the pool's deferred KV moves: their index, copied without blocking), ``read`` (the step's results to Python)
+  and ``finish`` (verify, commit, pool). The moves themselves (a gather and a scatter: two kernels on a GPU, the
+  CPU's memory latency here) are device work like the forward: ``commit_device_ms``, outside ``host_ms``.
   The forward is ``lean.forward`` (eager) or the static forward's launch (static: its mask is built inside it,
   as on a GPU).
 - ``aten_ops_forward``: ATen ops dispatched by one forward (``count_aten_ops``), at the decode's median step.
@@ -175,7 +177,9 @@ def _step(streams: list[DecodeStream], policy: BatchPolicy, static: StaticStep |
                 logits, argmax = forward_batch(streams[0].model, slices)
         else:
             with clock.phase("commit"):
-                static.pool.flush()
+                staged = static.pool.stage_moves()
+            with clock.phase("commit_device"):  # two kernels on a GPU: device work, like the forward
+                static.pool.apply_moves(staged)
             with clock.phase("inputs"):
                 compiled = static.prepare(slices, bucket)
             with clock.phase("forward"):
@@ -212,11 +216,12 @@ def measure_decode(
             continue
         if "eager_forward" in clock.phases:  # forward_packed outside lean.forward: its inputs, masks, dispatch
             clock.phases["inputs"] += clock.phases.pop("eager_forward") - clock.phases.get("forward", 0.0)
-        per_step.append({**clock.phases, "host": total - clock.phases.get("forward", 0.0)})
+        device = clock.phases.get("forward", 0.0) + clock.phases.get("commit_device", 0.0)
+        per_step.append({**clock.phases, "host": total - device})
         syncs.append(counter.count)
         tokens.append(step.stats.input_tokens)
     stream.close()
-    phases = sorted({name for step in per_step for name in step} - {"forward", "host"})
+    phases = sorted({name for step in per_step for name in step} - {"forward", "host", "commit_device"})
     median_tokens = statistics.median_low(tokens)
     return {
         "steps": len(per_step),
@@ -225,6 +230,7 @@ def measure_decode(
         "phases_ms": {name: round(1000 * statistics.median(step.get(name, 0.0) for step in per_step), 3)
                       for name in phases},
         "forward_ms": round(1000 * statistics.median(step.get("forward", 0.0) for step in per_step), 3),
+        "commit_device_ms": round(1000 * statistics.median(step.get("commit_device", 0.0) for step in per_step), 3),
         "syncs_in_step": statistics.median_low(syncs),
     }
 

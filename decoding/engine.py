@@ -671,8 +671,9 @@ class _Lookahead:
         chains = self._chains(tokens, width, levels) if shape.window else _Chains()
         layout = step_layout(width, levels, tree.parents, bool(chains.indices))
         tokens += tree.tokens
-        slice_ = Slice(tokens, layout.offsets + position, layout.visible, layout.logit_rows, sequence.cache,
-                       layout.parents, [position + offset for offset in layout.offset_values], layout.row_values)
+        positions = [position + offset for offset in layout.offset_values]
+        slice_ = Slice(tokens, None, None, None, sequence.cache, layout.parents, positions, layout.row_values,
+                       visibility=lambda: layout.visible)
         return slice_, lambda logits, argmax: self._finish(logits, argmax, shape, tree, width, levels, position, chains)
 
     def _fit(self, shape: _Shape, budget: int) -> _Shape:

@@ -11,6 +11,7 @@ for a 30-layer model).
 
 from __future__ import annotations
 
+import array
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -231,8 +232,11 @@ class KVPool:
         self.layer_views = [layer.view(sequences + 1, 2 * kv_heads, self.row_capacity, head_dim)
                             for layer in self.storage]
         self._slots = self.storage.view(layers, -1, head_dim)  # [layers, rows * 2 kv * slots, dim]
+        self._heads = torch.arange(2 * kv_heads, device=self.storage.device)
         self._free = list(range(sequences - 1, -1, -1))  # popped from the end: row 0 first
         self._moves: list[tuple[int, int, list[int]]] = []  # deferred commits: (row, keep, sources)
+        self._staging: torch.Tensor | None = None  # pinned, on CUDA: the moves' indices on their way
+        self._staged = None  # the CUDA event of the last staged copy
 
     @property
     def free(self) -> int:
@@ -259,6 +263,23 @@ class KVPool:
         cache.pool, cache.pool_row = None, None
         self._free.append(row)
 
+    def _index_on_device(self, values: array.array) -> torch.Tensor:
+        """``values`` as an int64 tensor on the pool's device. On CUDA through a pinned staging buffer, copied
+        without blocking; the copy before is waited for first, so the buffer is never overwritten under it."""
+        host = torch.frombuffer(values, dtype=torch.long)
+        if self.storage.device.type != "cuda":
+            return host
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 4096), dtype=torch.long, pin_memory=True)
+        if self._staged is not None:
+            self._staged.synchronize()
+        staging = self._staging[: host.numel()]
+        staging.copy_(host)
+        index = staging.to(self.storage.device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return index
+
     def defer(self, row: int, keep: int, sources: Sequence[int]) -> None:
         """Record a commit of row ``row`` (``SlotCache.commit``'s ``keep`` and ``sources``) for ``flush``."""
         self._moves.append((row, keep, list(sources)))
@@ -270,8 +291,70 @@ class KVPool:
         Slot s of row r, head h (keys, then values) is entry ``(r * 2 * heads + h) * row_capacity + s`` of a
         layer's ``[rows * 2 * heads * row_capacity, dim]`` view; a commit's slots move in ascending order, so
         gathering all before scattering any reads none that it overwrote."""
+        self.apply_moves(self.stage_moves())
+
+    def stage_moves(self) -> tuple[int, torch.Tensor] | None:
+        """``flush``'s host part: the deferred moves as ``(count, index)``, the index (each moved slot's row,
+        target and origin: three runs of ``count`` ints) on its way to the device; None when there are none. The
+        moves are forgotten."""
         if not self._moves:
+            return None
+        rows, targets, origins = array.array("q"), array.array("q"), array.array("q")
+        for row, keep, sources in self._moves:
+            rows.extend([row] * len(sources))
+            targets.extend(range(keep, keep + len(sources)))
+            origins.extend(sources)
+        self._moves.clear()
+        return len(rows), self._index_on_device(rows + targets + origins)
+
+    def apply_moves(self, staged: tuple[int, torch.Tensor] | None) -> None:
+        """``flush``'s device part: every moved slot of every KV head (keys, then values), gathered then scattered
+        over all layers at once. Slot s of row r, head h is entry ``(r * 2 * heads + h) * row_capacity + s`` of
+        a layer's ``[rows * 2 * heads * row_capacity, dim]`` view."""
+        if staged is None:
             return
+        count, index = staged
+        rows, targets, origins = index.view(3, count, 1)
+        heads = self.layer_views[0].shape[1]
+        base = (rows * heads + self._heads) * self.row_capacity  # [count, 2 heads]
+        moved = self._slots.index_select(1, (base + origins).flatten())  # gathered before any is overwritten
+        self._slots.index_copy_(1, (base + targets).flatten(), moved)
+
+    def _index_on_device(self, values: array.array) -> torch.Tensor:
+        """``values`` as an int64 tensor on the pool's device. On CUDA through a pinned staging buffer, copied
+        without blocking; the copy before is waited for first, so the buffer is never overwritten under it."""
+        host = torch.frombuffer(values, dtype=torch.long)
+        if self.storage.device.type != "cuda":
+            return host
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 4096), dtype=torch.long, pin_memory=True)
+        if self._staged is not None:
+            self._staged.synchronize()
+        staging = self._staging[: host.numel()]
+        staging.copy_(host)
+        index = staging.to(self.storage.device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return index
+
+    def defer(self, row: int, keep: int, sources: Sequence[int]) -> None:
+        """Record a commit of row ``row`` (``SlotCache.commit``'s ``keep`` and ``sources``) for ``flush``."""
+        self._moves.append((row, keep, list(sources)))
+
+    def flush(self) -> None:
+        """Apply every deferred commit: one copy of host ints (pinned, not blocking on CUDA), then one gather and
+        one scatter of slots over all rows, keys/values and layers. Readers of the pool (forwards) call it first.
+
+        Slot s of row r, head h (keys, then values) is entry ``(r * 2 * heads + h) * row_capacity + s`` of a
+        layer's ``[rows * 2 * heads * row_capacity, dim]`` view; a commit's slots move in ascending order, so
+        gathering all before scattering any reads none that it overwrote."""
+        self.apply_moves(self.stage_moves())
+
+    def stage_moves(self) -> tuple[int, torch.Tensor] | None:
+        """``flush``'s host part: the deferred moves as ``(count, index)``, the index (targets, then origins)
+        on its way to the device; None when there are none. The moves are forgotten."""
+        if not self._moves:
+            return None
         heads = self.layer_views[0].shape[1]
         targets, origins = [], []
         for row, keep, sources in self._moves:
@@ -280,7 +363,10 @@ class KVPool:
                 targets += range(base + keep, base + keep + len(sources))
                 origins += [base + source for source in sources]
         self._moves.clear()
-        index = torch.tensor(targets + origins, dtype=torch.long, pin_memory=self.storage.device.type == "cuda")
-        index = index.to(self.storage.device, non_blocking=True)
-        count = len(targets)
-        self._slots.index_copy_(1, index[:count], self._slots.index_select(1, index[count:]))
+        return len(targets), self._index_on_device(array.array("q", targets + origins))
+
+    def apply_moves(self, staged: tuple[int, torch.Tensor] | None) -> None:
+        """``flush``'s device part: gather every staged slot, then scatter them (two kernels on a GPU)."""
+        if staged is not None:
+            count, index = staged
+            self._slots.index_copy_(1, index[:count], self._slots.index_select(1, index[count:]))

@@ -22,7 +22,7 @@ kernel attends each KV head once without copying the cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -52,17 +52,38 @@ class Slice:
       each token and its ancestors, as in every lookahead step; a static step (``decoding.static``) builds
       the mask from them on the device instead of copying ``visible``.
     - ``host_positions`` / ``host_rows`` (optional): ``positions`` and ``logit_rows`` as Python ints, for a
-      static step to write without reading the tensors back.
+      static step to write without reading the tensors back; given them, ``positions`` / ``logit_rows`` may be
+      None (made when an eager forward needs them).
+    - ``visibility`` (optional): makes ``visible`` when an eager forward needs it (``visible`` then None), so a
+      static step never builds the ``[t, t]`` mask on the host.
     """
 
     tokens: list[int]
-    positions: torch.Tensor
+    positions: torch.Tensor | None
     visible: torch.Tensor | None
-    logit_rows: torch.Tensor
+    logit_rows: torch.Tensor | None
     cache: SlotCache
     parents: tuple[int, ...] | None = None
     host_positions: Sequence[int] | None = None
     host_rows: Sequence[int] | None = None
+    visibility: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def row_count(self) -> int:
+        """How many logits rows the slice reads."""
+        return len(self.host_rows) if self.logit_rows is None else len(self.logit_rows)
+
+    def position_tensor(self) -> torch.Tensor:
+        """``positions``, made from ``host_positions`` when not given."""
+        return self.positions if self.positions is not None else torch.tensor(self.host_positions, dtype=torch.long)
+
+    def row_tensor(self) -> torch.Tensor:
+        """``logit_rows``, made from ``host_rows`` when not given."""
+        return self.logit_rows if self.logit_rows is not None else torch.tensor(self.host_rows, dtype=torch.long)
+
+    def visible_mask(self) -> torch.Tensor | None:
+        """``visible``, made by ``visibility`` when not given (None: causal)."""
+        return self.visible if self.visible is not None or self.visibility is None else self.visibility()
 
 
 @dataclass(frozen=True)
@@ -163,9 +184,9 @@ def _mask(slice_: Slice, past: int, dtype: torch.dtype, device: torch.device, gr
     """The additive ``[1, 1, group * t, past + t]`` mask of one slice (its ``[t, past + t]`` rows repeated
     ``group`` times); None when causal over an empty cache."""
     count = len(slice_.tokens)
-    if slice_.visible is None and past == 0:
+    visible = slice_.visible_mask()
+    if visible is None and past == 0:
         return None
-    visible = slice_.visible
     if visible is None:
         visible = torch.ones((count, count), dtype=torch.bool).tril_()
     # Built where it is used: only the [t, t] booleans cross to the device, not the [t, past + t] floats.
@@ -224,8 +245,8 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
         mask = _mask(slice_, slice_.cache.length, model.dtype, device, group)
         parts.append(_Part(start, end, slice_.cache, mask, group))
         tokens.extend(slice_.tokens)
-        positions.append(slice_.positions)
-        rows.append(slice_.logit_rows + start)
+        positions.append(slice_.position_tensor())
+        rows.append(slice_.row_tensor() + start)
         start = end
     batch = PackedBatch(parts)
     input_ids = torch.tensor(tokens, device=device)
@@ -235,7 +256,7 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
             logits = lean.forward(model, input_ids, position_ids, kept, batch.attend)
         else:
             logits = _public_forward(model, input_ids, position_ids, kept, batch)
-    return list(torch.split(logits, [len(slice_.logit_rows) for slice_ in slices]))
+    return list(torch.split(logits, [slice_.row_count for slice_ in slices]))
 
 
 def _public_forward(

@@ -28,6 +28,8 @@ class NGramPool:
         self.ngram_length = ngram_length
         self.capacity = capacity
         self._table: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        # Per key: how many stored n-grams have each proper prefix, so "covered" is one lookup, not a scan.
+        self._prefixes: dict[int, dict[tuple[int, ...], int]] = {}
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._table.values())
@@ -35,20 +37,39 @@ class NGramPool:
     def add(self, key: int, ngram: Sequence[int]) -> None:
         """Insert ``ngram`` (1 to ``ngram_length`` tokens) under ``key``, refreshing it if present; a shorter one
         that is a prefix of an n-gram already under ``key`` is left out."""
-        if self.capacity == 0:
-            return
         ngram = tuple(ngram)
         if not 1 <= len(ngram) <= self.ngram_length:
             raise ValueError(f"expected 1 to {self.ngram_length} tokens, got {len(ngram)}")
-        entries = self._table.setdefault(key, OrderedDict())
-        if ngram in entries:
-            entries.move_to_end(ngram)
-            return
-        if len(ngram) < self.ngram_length and covered(ngram, entries):
-            return
+        if self.capacity:
+            self._insert(key, ngram)
+
+    def _insert(self, key: int, ngram: tuple[int, ...]) -> None:
+        """``add`` for an n-gram already checked (a tuple of 1 to ``ngram_length`` tokens), capacity > 0. The hot
+        path of every window step (W n-grams and their suffixes): kept to plain dict operations."""
+        entries = self._table.get(key)
+        if entries is None:
+            entries = self._table[key] = OrderedDict()
+            prefixes = self._prefixes[key] = {}
+        else:
+            if ngram in entries:
+                entries.move_to_end(ngram)
+                return
+            prefixes = self._prefixes[key]
+            if ngram in prefixes:  # a proper prefix of a stored n-gram: verifying it would add nothing
+                return
         entries[ngram] = None
+        for end in range(1, len(ngram)):
+            prefix = ngram[:end]
+            prefixes[prefix] = prefixes.get(prefix, 0) + 1
         if len(entries) > self.capacity:
-            entries.popitem(last=False)
+            evicted, _ = entries.popitem(last=False)
+            for end in range(1, len(evicted)):
+                prefix = evicted[:end]
+                count = prefixes[prefix] - 1
+                if count:
+                    prefixes[prefix] = count
+                else:
+                    del prefixes[prefix]
 
     def add_chains(self, ngrams: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Insert each ``(key, ngram)`` of ``ngrams``, then each n-gram's proper suffixes ``ngram[i:]`` under the
@@ -63,11 +84,18 @@ class NGramPool:
         >>> pool.candidates(1), pool.candidates(2), pool.candidates(3)
         ([(2, 3, 4)], [(3, 6), (3, 4)], [(6,), (4,)])
         """
-        for key, ngram in ngrams:
-            self.add(key, ngram)
-        for _, ngram in ngrams:
+        chains = [(key, tuple(ngram)) for key, ngram in ngrams]
+        for _, ngram in chains:
+            if not 1 <= len(ngram) <= self.ngram_length:
+                raise ValueError(f"expected 1 to {self.ngram_length} tokens, got {len(ngram)}")
+        if not self.capacity:
+            return
+        insert = self._insert
+        for key, ngram in chains:
+            insert(key, ngram)
+        for _, ngram in chains:
             for start in range(1, len(ngram)):
-                self.add(ngram[start - 1], ngram[start:])
+                insert(ngram[start - 1], ngram[start:])
 
     def add_sequence(self, tokens: Sequence[int], start: int = 0) -> int:
         """Insert every n-gram of ``tokens`` that begins at index >= ``start``; return the next unscanned start.

@@ -29,6 +29,7 @@ Modes: ``"eager"`` calls ``static_forward``; ``"compile"`` wraps one copy of it 
 
 from __future__ import annotations
 
+import array
 import functools
 import logging
 import math
@@ -385,13 +386,14 @@ class StaticStep:
     def bucket(self, slices: Sequence[Slice]) -> Bucket | None:
         """The bucket ``slices`` run in, or None when they do not fit one (run them eagerly)."""
         sequences = _round_up(len(slices), [b for b in SEQUENCE_BUCKETS if b <= self.pool.sequences])
-        widest = max(max(len(slice_.tokens), len(slice_.logit_rows)) for slice_ in slices)  # rows may repeat
+        widest = max(max(len(slice_.tokens), slice_.row_count) for slice_ in slices)  # rows may repeat
         tokens = _round_up(widest, TOKEN_BUCKETS)
         if sequences is None or tokens is None or sequences * tokens > self.max_bucket_tokens:
             return None
         reach = 0
         for slice_ in slices:
-            if slice_.cache.pool_row is None or (slice_.visible is not None and slice_.parents is None):
+            masked = slice_.visible is not None or slice_.visibility is not None
+            if slice_.cache.pool_row is None or (masked and slice_.parents is None):
                 return None
             reach = max(reach, slice_.cache.length + tokens)
         attended = _round_up(reach, self.attended)
@@ -427,7 +429,7 @@ class StaticStep:
         ids = argmax.tolist()
         results, predicted = [], []
         for index, slice_ in enumerate(slices):
-            rows = len(slice_.logit_rows)
+            rows = slice_.row_count
             results.append(logits[index, :rows])
             predicted.append(ids[index][:rows])
             slice_.cache.advance(len(slice_.tokens))
@@ -439,7 +441,8 @@ class StaticStep:
         tokens = bucket.tokens
         fields: list[list[int]] = [[] for _ in _TOKEN_FIELDS]
         ids, positions, parents, read_rows, write_rows, write_slots = fields
-        lengths, rows = [], []
+        lengths: list[int] = []
+        rows: list[int] = []
         for index in range(bucket.sequences):
             slice_ = slices[index] if index < len(slices) else None
             base = index * tokens
@@ -461,7 +464,10 @@ class StaticStep:
             write_slots += range(length, length + tokens)
             lengths.append(length)
             rows.append(row)
-        host.copy_(torch.tensor([value for field in fields for value in field] + lengths + rows))
+        values = array.array("q")  # 8-byte ints: ~10x faster into a tensor than torch.tensor(list)
+        for field in (*fields, lengths, rows):
+            values.extend(field)
+        host.copy_(torch.frombuffer(values, dtype=torch.long))
 
     def _compiled(self, bucket: Bucket) -> _Compiled:
         """The bucket's buffers and callable, built (and in ``"graphs"`` mode captured) on first use."""

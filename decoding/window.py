@@ -20,37 +20,53 @@ import torch
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Tensors describing one step of a given shape; built once per shape and reused.
+    """One step's shape; built once per shape and reused. The Python ints are made up front; the tensors an eager
+    forward needs, when first read (a static step, ``decoding.static``, reads only the ints).
 
-    - ``offsets`` ``[q]``: position of each input token minus ``p``.
-    - ``visible`` ``[q, q]`` bool: ``visible[i, k]`` is True when token ``i`` attends to token ``k``.
+    - ``offset_values`` / ``offsets`` ``[q]``: position of each input token minus ``p``.
     - ``parents`` (``q`` ints): each token's parent in the step (-1 for ``last``); ``visible[i]`` is exactly
-      token ``i`` and its ancestors, so the mask can be rebuilt from ``parents`` alone (``decoding.static``).
-      ``offset_values`` and ``row_values`` are ``offsets`` and ``logit_rows`` as Python ints.
-    - ``logit_rows`` ``[1 + W + T (+ (L-1)·W - 1)]``: the input rows whose logits are read, in this order:
-      ``last``, the bottom window row (W tokens), every tree node (T of them, in node order), then, for a
-      layout with chains, the window's other tokens (indices 1 .. (L-1)·W - 1, see ``window_chains``).
+      token ``i`` and its ancestors, so the mask can be rebuilt from ``parents`` alone.
+    - ``visible`` ``[q, q]`` bool: ``visible[i, k]`` is True when token ``i`` attends to token ``k``.
+    - ``row_values`` / ``logit_rows`` ``[1 + W + T (+ (L-1)·W - 1)]``: the input rows whose logits are read, in
+      this order: ``last``, the bottom window row (W tokens), every tree node (T of them, in node order), then,
+      for a layout with chains, the window's other tokens (indices 1 .. (L-1)·W - 1, see ``window_chains``).
     """
 
-    offsets: torch.Tensor
-    visible: torch.Tensor
-    logit_rows: torch.Tensor
-    parents: tuple[int, ...] = (-1,)
+    offset_values: tuple[int, ...]
+    row_values: tuple[int, ...]
+    parents: tuple[int, ...]
+    width: int
+    levels: int
 
     @functools.cached_property
-    def offset_values(self) -> tuple[int, ...]:
-        """``offsets`` as Python ints (made once per cached layout)."""
-        return tuple(self.offsets.tolist())
+    def offsets(self) -> torch.Tensor:
+        return torch.tensor(self.offset_values, dtype=torch.long)
 
     @functools.cached_property
-    def row_values(self) -> tuple[int, ...]:
-        """``logit_rows`` as Python ints (made once per cached layout)."""
-        return tuple(self.logit_rows.tolist())
+    def logit_rows(self) -> torch.Tensor:
+        return torch.tensor(self.row_values, dtype=torch.long)
+
+    @functools.cached_property
+    def visible(self) -> torch.Tensor:
+        """The window's part copied from ``_window_layout``; each tree node sees ``last``, its ancestors and itself."""
+        window_tokens = self.levels * self.width
+        total = len(self.parents)
+        visible = torch.zeros(total, total, dtype=torch.bool)
+        visible[:window_tokens, :window_tokens] = _window_layout(self.width, self.levels)[1]
+        seen: list[list[int]] = []  # per tree node: the step indices it sees, ``last`` included
+        rows: list[int] = []
+        for index in range(window_tokens, total):
+            parent = self.parents[index]
+            seen.append([*(seen[parent - window_tokens] if parent >= window_tokens else [0]), index])
+            rows.extend([index] * len(seen[-1]))
+        if seen:
+            visible[rows, [column for node_seen in seen for column in node_seen]] = True
+        return visible
 
     @property
     def num_tokens(self) -> int:
         """Input tokens of the step (q)."""
-        return self.offsets.numel()
+        return len(self.offset_values)
 
 
 @functools.lru_cache(maxsize=512)
@@ -73,33 +89,17 @@ def step_layout(width: int, levels: int, parents: tuple[int, ...] = (), chains: 
     """
     window_tokens = levels * width
     total = window_tokens + len(parents)
-    window_offsets, window_visible = _window_layout(width, levels)
+    window_offsets, _ = _window_layout(width, levels)
     depths: list[int] = []
-    seen: list[list[int]] = []  # per node: the step indices it sees, ``last`` included
-    rows: list[int] = []
-    for node, parent in enumerate(parents):
-        index = window_tokens + node
-        if parent < 0:
-            depths.append(1)
-            seen.append([0, index])
-        else:
-            depths.append(depths[parent] + 1)
-            seen.append([*seen[parent], index])
-        rows.extend([index] * len(seen[node]))
-    offsets = torch.tensor([*window_offsets, *depths], dtype=torch.long)
-    visible = torch.zeros(total, total, dtype=torch.bool)
-    visible[:window_tokens, :window_tokens] = window_visible
-    if parents:
-        columns = [column for node_seen in seen for column in node_seen]
-        visible[rows, columns] = True
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
     bottom_start = (levels - 1) * width
     upper = range(1, bottom_start) if chains else ()
-    logit_rows = torch.tensor([0, *range(bottom_start, window_tokens), *range(window_tokens, total), *upper],
-                              dtype=torch.long)
+    rows = (0, *range(bottom_start, window_tokens), *range(window_tokens, total), *upper)
     window_parents = [(row - 1) * width + column if row else column - 1
                       for row in range(levels) for column in range(width)]
     tree_parents = [window_tokens + parent if parent >= 0 else 0 for parent in parents]
-    return StepLayout(offsets, visible, logit_rows, (*window_parents, *tree_parents))
+    return StepLayout((*window_offsets, *depths), rows, (*window_parents, *tree_parents), width, levels)
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,9 +184,8 @@ class Window:
         """
         if not self.full:
             return []
-        first_row = [last, *self.rows[0][1:]]
-        lower_rows = (*self.rows[1:], new_row)
-        return [(first_row[j], tuple(row[j] for row in lower_rows)) for j in range(self.width)]
+        columns = zip(*self.rows[1:], new_row)  # column j of rows 1.. and of the new row, as a tuple
+        return [(last, next(columns)), *zip(self.rows[0][1:], columns)]
 
     def advance(self, new_row: Sequence[int], committed: int, align: bool) -> None:
         """Append ``new_row`` (dropping row 0 when full) and re-align after ``committed`` tokens.

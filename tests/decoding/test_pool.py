@@ -100,3 +100,32 @@ def test_context_index_skips_unindexed_positions():
     index.skip_to(3)  # the prompt (first 3 tokens) is not a source
     index.extend(tokens, upto=6)
     assert index.candidates(tokens, 2, 4) == [(2, 4)]
+
+
+def test_prefix_counts_keep_the_pool_as_a_scan_of_its_entries_would():
+    """The pool's covered-check by prefix counts (with evictions) stores exactly what scanning its entries did."""
+    import random
+    from collections import OrderedDict
+
+    from decoding.pool import NGramPool, covered
+
+    def reference_add(table, key, ngram, length, capacity):
+        entries = table.setdefault(key, OrderedDict())
+        if ngram in entries:
+            entries.move_to_end(ngram)
+            return
+        if len(ngram) < length and covered(ngram, entries):
+            return
+        entries[ngram] = None
+        if len(entries) > capacity:
+            entries.popitem(last=False)
+
+    rng = random.Random(3)
+    for capacity in (1, 2, 5):
+        pool, table = NGramPool(4, capacity), {}
+        for _ in range(3000):
+            key, ngram = rng.randrange(3), tuple(rng.randrange(3) for _ in range(rng.randint(1, 4)))
+            pool.add(key, ngram)
+            reference_add(table, key, ngram, 4, capacity)
+        for key in range(3):
+            assert pool.candidates(key) == list(reversed(table.get(key, {})))
