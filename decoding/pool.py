@@ -10,7 +10,6 @@ the most recent first.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 
@@ -27,7 +26,7 @@ class NGramPool:
     def __init__(self, ngram_length: int, capacity: int) -> None:
         self.ngram_length = ngram_length
         self.capacity = capacity
-        self._table: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        self._table: dict[int, dict[tuple[int, ...], None]] = {}  # per key: n-grams, oldest first
         # Per key: how many stored n-grams have each proper prefix, so "covered" is one lookup, not a scan.
         self._prefixes: dict[int, dict[tuple[int, ...], int]] = {}
 
@@ -48,11 +47,12 @@ class NGramPool:
         path of every window step (W n-grams and their suffixes): kept to plain dict operations."""
         entries = self._table.get(key)
         if entries is None:
-            entries = self._table[key] = OrderedDict()
+            entries = self._table[key] = {}
             prefixes = self._prefixes[key] = {}
         else:
-            if ngram in entries:
-                entries.move_to_end(ngram)
+            if ngram in entries:  # refreshed: moved to the end (a plain dict keeps insertion order)
+                del entries[ngram]
+                entries[ngram] = None
                 return
             prefixes = self._prefixes[key]
             if ngram in prefixes:  # a proper prefix of a stored n-gram: verifying it would add nothing
@@ -62,7 +62,8 @@ class NGramPool:
             prefix = ngram[:end]
             prefixes[prefix] = prefixes.get(prefix, 0) + 1
         if len(entries) > self.capacity:
-            evicted, _ = entries.popitem(last=False)
+            evicted = next(iter(entries))  # the oldest
+            del entries[evicted]
             for end in range(1, len(evicted)):
                 prefix = evicted[:end]
                 count = prefixes[prefix] - 1
