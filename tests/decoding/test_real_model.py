@@ -119,3 +119,31 @@ def test_stretched_copies_equal_greedy_and_reach_past_copy_length(real_model):
     steps = list(decoder.decode(ids, StopCriteria(96, decoder.eos_token_ids()), lookahead=config))
     assert [token for step in steps for token in step.token_ids] == decode(decoder, ids, None, 96)
     assert max(step.stats.committed for step in steps) > config.copy_length + 1
+
+
+def test_the_static_step_on_the_real_model_equals_greedy(greedy_outputs):
+    """The default model (9:3 heads, tied embeddings, its rotary base) through the static step: greedy and the
+    CUDA preset's lookahead both give the eager greedy tokens. A fresh copy: the static step re-points its weights."""
+    from decoding.batch import BatchEngine
+    from decoding.kv_cache import KVPool
+    from decoding.loading import load_model
+    from decoding.static import StaticStep
+    from server.config import load_config
+    from server.serving import resolve_lookahead
+
+    loaded = load_model(device="cpu", dtype="float32")
+    static = StaticStep(loaded.model, KVPool(loaded.model, 2, 1024, scratch_tokens=256))
+    preset = resolve_lookahead(None, load_config(device_preset="cuda").lookahead)
+    eos = Decoder(loaded).eos_token_ids()
+    for text in MESSAGES[:2]:
+        ids, expected = greedy_outputs[text]
+        for config in (None, preset):
+            engine = BatchEngine(loaded.model, static=static)
+            engine.add(text, ids, StopCriteria(40, eos), lookahead=config)
+            got = []
+            while engine.has_work:
+                for _, step in engine.step():
+                    assert not isinstance(step, BaseException), step
+                    got.extend(step.token_ids)
+            assert got == expected, (text, config)
+    assert static.runs > 0 and static.eager == 0
