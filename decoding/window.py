@@ -184,8 +184,8 @@ class Window:
         """
         if not self.full:
             return []
-        columns = zip(*self.rows[1:], new_row)  # column j of rows 1.. and of the new row, as a tuple
-        return [(last, next(columns)), *zip(self.rows[0][1:], columns)]
+        columns = zip(*self.rows[1:], new_row, strict=True)  # column j of rows 1.. and of the new row
+        return [(last, next(columns)), *zip(self.rows[0][1:], columns, strict=True)]
 
     def advance(self, new_row: Sequence[int], committed: int, align: bool) -> None:
         """Append ``new_row`` (dropping row 0 when full) and re-align after ``committed`` tokens.
