@@ -209,7 +209,10 @@ def finish_batch(
     for index, stream_logits, stream_argmax in zip(planned, logits, argmax, strict=True):
         try:
             with torch.inference_mode():
-                results[index] = streams[index].finish(stream_logits, stream_argmax)
+                stream = streams[index]
+                # A stream given no argmax ids is called as before them (a subclass may not take them).
+                results[index] = stream.finish(stream_logits) if stream_argmax is None else \
+                    stream.finish(stream_logits, stream_argmax)
         except Exception as error:
             results[index] = error
 

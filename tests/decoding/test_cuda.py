@@ -132,16 +132,9 @@ def graphed(model, mode="graphs", sequences=4, capacity=1024):
 
 def static_decode(model, runner, prompts, configs, max_tokens=40):
     from decoding.batch import BatchEngine
+    from tests.decoding.test_static import decode
 
-    engine = BatchEngine(model, static=runner)
-    outputs = {index: [] for index in range(len(prompts))}
-    for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-        engine.add(index, prompt, StopCriteria(max_tokens), lookahead=config)
-    while engine.has_work:
-        for request_id, step in engine.step():
-            assert not isinstance(step, BaseException), step
-            outputs[request_id].extend(step.token_ids)
-    return [outputs[index] for index in range(len(prompts))]
+    return decode(BatchEngine(model, static=runner), prompts, configs, max_tokens)
 
 
 def test_a_graph_replay_equals_the_eager_static_step_bit_for_bit(cuda_tiny, no_tf32):
@@ -180,6 +173,7 @@ def test_lookahead_equals_greedy_through_cuda_graphs(cuda_tiny, config, no_tf32)
 @pytest.mark.real_model
 def test_real_model_at_the_cuda_preset_through_cuda_graphs(cuda_real, no_tf32):
     from decoding.decoder import Decoder
+    from tests.decoding.test_static import drain
 
     decoder = Decoder(cuda_real)
     stop = StopCriteria(64, decoder.eos_token_ids())
@@ -192,10 +186,5 @@ def test_real_model_at_the_cuda_preset_through_cuda_graphs(cuda_real, no_tf32):
         expected = tokens_of(decoder.decode(ids, stop))
         for config in (None, CUDA_PRESET):
             engine.add(text, ids, stop, lookahead=config)
-            got = []
-            while engine.has_work:
-                for _, step in engine.step():
-                    assert not isinstance(step, BaseException), step
-                    got.extend(step.token_ids)
-            assert got == expected, (text, config)
+            assert drain(engine)[text] == expected, (text, config)
     assert engine.static.replays > 0

@@ -37,19 +37,25 @@ def static_runner(model, sequences: int = 8, capacity: int = 1024, **options) ->
     return StaticStep(model, KVPool(model, sequences, capacity, scratch_tokens=256), **options)
 
 
-def decode(engine: BatchEngine, prompts, configs, max_tokens: int = 40, sampling=SamplingParams()):
-    """Each prompt's tokens, all added to ``engine`` at once and stepped together until they finish."""
-    outputs = {index: [] for index in range(len(prompts))}
-    for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-        engine.add(index, prompt, StopCriteria(max_tokens), sampling, config)
+def drain(engine: BatchEngine) -> dict:
+    """Step ``engine`` until every decode in it has finished; each request's tokens by request id."""
+    outputs: dict = {}
     steps = 0
     while engine.has_work:
         for request_id, step in engine.step():
             assert not isinstance(step, BaseException), step
-            outputs[request_id].extend(step.token_ids)
+            outputs.setdefault(request_id, []).extend(step.token_ids)
         steps += 1
         assert steps < 3000
-    return [outputs[index] for index in range(len(prompts))]
+    return outputs
+
+
+def decode(engine: BatchEngine, prompts, configs, max_tokens: int = 40, sampling=SamplingParams()):
+    """Each prompt's tokens, all added to ``engine`` at once and stepped together until they finish."""
+    for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
+        engine.add(index, prompt, StopCriteria(max_tokens), sampling, config)
+    outputs = drain(engine)
+    return [outputs.get(index, []) for index in range(len(prompts))]
 
 
 def greedy_alone(model, prompt, max_tokens: int = 40) -> list[int]:

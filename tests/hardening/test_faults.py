@@ -42,11 +42,11 @@ class FailingStream(DecodeStream):
         self.closed_log = closed
         self.steps = 0
 
-    def finish(self, logits: Any) -> Any:
+    def finish(self, logits: Any, argmax: Any = None) -> Any:
         if self.steps == FAIL_AT_STEP:
             raise InjectedFault("injected fault")
         self.steps += 1
-        return super().finish(logits)
+        return super().finish(logits, argmax)
 
     def close(self) -> None:
         super().close()
