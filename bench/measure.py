@@ -35,7 +35,7 @@ from decoding.memory import NGramMemory
 from decoding.packed import Slice, forward_packed
 from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams, StopCriteria
 from decoding.static import TOKEN_BUCKETS, StaticStep
-from decoding.static import supports as static_supports
+from decoding.static_forward import supports as static_supports
 
 METHODS = ("greedy", "lookahead", "generate", "prompt_lookup", "generate_compiled")
 DEFAULT_METHODS = "greedy,lookahead,generate"

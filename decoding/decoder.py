@@ -33,7 +33,7 @@ from decoding.memory import MemoryFileError, NGramMemory, load_memory, save_memo
 from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
 from decoding.static import TOKEN_BUCKETS, StaticStep, warm_buckets
-from decoding.static import supports as static_supports
+from decoding.static_forward import supports as static_supports
 
 QUANTIZE = ("none", "int8")
 log = logging.getLogger(__name__)

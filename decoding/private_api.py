@@ -123,7 +123,7 @@ _SLOT_LAYER_HOOKS = ("lazy_initialization", "update", "get_seq_length", "get_mas
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "torch.ops.aten._fused_rms_norm",
-        "decoding.static",
+        "decoding.static_forward",
         "the static step's RMSNorm in one op (F.rms_norm falls back to six; tests/decoding/test_static.py)",
         exists("torch.ops.aten._fused_rms_norm"),
     ),

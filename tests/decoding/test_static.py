@@ -13,7 +13,8 @@ from decoding.engine import DecodeStream
 from decoding.kv_cache import KVPool, new_cache
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.static import Bucket, StaticStep, attended_lengths, static_forward, supports
+from decoding.static import Bucket, StaticStep, attended_lengths
+from decoding.static_forward import static_forward, supports
 from decoding.window import step_layout
 from server.config import load_config
 from server.serving import resolve_lookahead
