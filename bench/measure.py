@@ -30,12 +30,11 @@ from transformers import PreTrainedModel
 from decoding.batch import BatchPolicy, step_batch
 from decoding.engine import DecodeStream, Step, context_length, generate_autoregressive
 from decoding.errors import InvalidParameterError
-from decoding.kv_cache import KVPool, SlotCache, new_cache
+from decoding.kv_cache import SlotCache, new_cache
 from decoding.memory import NGramMemory
 from decoding.packed import Slice, forward_packed
-from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams, StopCriteria
-from decoding.static import TOKEN_BUCKETS, StaticStep
-from decoding.static_forward import supports as static_supports
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.static import StaticStep, build_static_step
 
 METHODS = ("greedy", "lookahead", "generate", "prompt_lookup", "generate_compiled")
 DEFAULT_METHODS = "greedy,lookahead,generate"
@@ -101,12 +100,10 @@ def static_for(model: PreTrainedModel, policy: BatchPolicy | None) -> StaticStep
     """The static step a server with ``policy`` runs ``model``'s steps through (one per model, built on first use
     over a one-row KV pool); None when the policy has none or the model is not one it runs (packed linears).
     ``"graphs"`` off CUDA runs ``"eager"``, as the server does."""
-    if policy is None or policy.static_step == "off" or not static_supports(model):
+    if policy is None or policy.static_step == "off":
         return None
     if id(model) not in _STATIC_STEPS:
-        mode = policy.static_step if model.device.type == "cuda" or policy.static_step != "graphs" else "eager"
-        pool = KVPool(model, 1, context_length(model) + MAX_STEP_TOKENS, scratch_tokens=TOKEN_BUCKETS[-1])
-        _STATIC_STEPS[id(model)] = StaticStep(model, pool, mode)
+        _STATIC_STEPS[id(model)] = build_static_step(model, policy.static_step, 1)
     return _STATIC_STEPS[id(model)]
 
 

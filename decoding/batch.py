@@ -36,7 +36,7 @@ from decoding.errors import InvalidParameterError
 from decoding.grammar import GrammarCompiler
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.static import MAX_BUCKET_TOKENS, SEQUENCE_BUCKETS, TOKEN_BUCKETS, StaticStep
+from decoding.static import StaticStep, bucket_shape
 
 if TYPE_CHECKING:
     from decoding.memory import NGramMemory
@@ -84,13 +84,8 @@ class BatchPolicy:
         128
         """
         running = [budget for budget in budgets if budget]
-        if self.static_step == "off" or not running:
-            return sum(running)
-        sequences = next((size for size in SEQUENCE_BUCKETS if size >= len(running)), None)
-        tokens = next((size for size in TOKEN_BUCKETS if size >= max(running)), None)
-        if sequences is None or tokens is None or sequences * tokens > MAX_BUCKET_TOKENS:
-            return sum(running)
-        return sequences * tokens
+        shape = bucket_shape(len(running), max(running)) if self.static_step != "off" and running else None
+        return sum(running) if shape is None else shape[0] * shape[1]
 
 
 def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
@@ -209,10 +204,7 @@ def finish_batch(
     for index, stream_logits, stream_argmax in zip(planned, logits, argmax, strict=True):
         try:
             with torch.inference_mode():
-                stream = streams[index]
-                # A stream given no argmax ids is called as before them (a subclass may not take them).
-                results[index] = stream.finish(stream_logits) if stream_argmax is None else \
-                    stream.finish(stream_logits, stream_argmax)
+                results[index] = streams[index].finish(stream_logits, stream_argmax)
         except Exception as error:
             results[index] = error
 

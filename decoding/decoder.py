@@ -26,14 +26,12 @@ from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
 from decoding.grammar import Constraint, Grammar, GrammarCompiler
-from decoding.kv_cache import KVPool
 from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
 from decoding.loading import LoadedModel, load_model
 from decoding.memory import MemoryFileError, NGramMemory, load_memory, save_memory, vocabulary_id
-from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams, StopCriteria
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
-from decoding.static import TOKEN_BUCKETS, StaticStep, warm_buckets
-from decoding.static_forward import supports as static_supports
+from decoding.static import StaticStep, build_static_step, warm_buckets
 
 QUANTIZE = ("none", "int8")
 log = logging.getLogger(__name__)
@@ -181,21 +179,13 @@ class Decoder:
         """The static step ``policy`` asks for, over a KV pool of ``policy.static_sequences`` rows of the model's
         context length (plus the largest lookahead step), with its common buckets built (in ``"graphs"`` mode:
         captured) now; None, with a warning, for a model it cannot run. ``"graphs"`` off CUDA runs ``"eager"``."""
-        model = self.loaded.model
-        if not static_supports(model):
-            log.warning("static_step %s: %s is not a model the static step runs; every step runs eagerly",
-                        policy.static_step, type(model).__name__)
+        static = build_static_step(self.loaded.model, policy.static_step, policy.static_sequences)
+        if static is None:
             return None
-        mode = policy.static_step
-        if mode == "graphs" and model.device.type != "cuda":
-            log.warning("static_step graphs needs CUDA; running the static step eagerly on %s", model.device)
-            mode = "eager"
-        pool = KVPool(model, policy.static_sequences, self.context_length + MAX_STEP_TOKENS,
-                      scratch_tokens=TOKEN_BUCKETS[-1])
-        static = StaticStep(model, pool, mode)
-        seconds = static.warm_up(warm_buckets(static))
-        log.info("static step (%s): %d buckets ready in %.1f s, KV pool of %d x %d slots", mode,
-                 len(warm_buckets(static)), seconds, policy.static_sequences, pool.row_capacity)
+        buckets = warm_buckets(static)
+        seconds = static.warm_up(buckets)
+        log.info("static step (%s): %d buckets ready in %.1f s, KV pool of %d x %d slots", static.mode, len(buckets),
+                 seconds, policy.static_sequences, static.pool.row_capacity)
         return static
 
     def save_memory(self, engine: BatchEngine, memory_file: str) -> int | None:

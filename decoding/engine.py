@@ -343,13 +343,9 @@ class DecodeStream:
         start = sequence.cache.length
         end = min(sequence.prompt_length, start + (min(budget, PROMPT_LOGPROBS_CHUNK) if every_row else budget))
         last_chunk = end == sequence.prompt_length
-        if every_row:
-            rows = torch.arange(end - start)
-        else:
-            rows = torch.tensor([end - start - 1] if last_chunk else [], dtype=torch.long)
-        host_rows = range(end - start) if every_row else ([end - start - 1] if last_chunk else [])
-        slice_ = Slice(sequence.tokens[start:end], torch.arange(start, end), None, rows, sequence.cache,
-                       host_positions=range(start, end), host_rows=host_rows)
+        rows = range(end - start) if every_row else ([end - start - 1] if last_chunk else [])
+        slice_ = Slice(sequence.tokens[start:end], None, None, None, sequence.cache, host_positions=range(start, end),
+                       host_rows=rows)
 
         def finish(logits: torch.Tensor, argmax: Sequence[int] | None) -> Step:
             prompt = _prompt_logprobs(logits, sequence.tokens[: sequence.prompt_length], start, end, self.sampling)
@@ -459,8 +455,7 @@ def _adjusted(
 def _one_token_slice(sequence: _Sequence) -> Slice:
     """A plain step's slice: ``last`` alone at its position, its logits read."""
     position = len(sequence.tokens) - 1
-    return Slice([sequence.tokens[-1]], torch.tensor([position]), _SELF, _FIRST_ROW, sequence.cache, (-1,),
-                 (position,), (0,))
+    return Slice([sequence.tokens[-1]], None, None, None, sequence.cache, (-1,), (position,), (0,))
 
 
 def _finish_one_token(
@@ -483,8 +478,6 @@ def _logprobs(
     return token_logprobs(logits, rows, committed, sampling.top_logprobs)
 
 
-_SELF = torch.ones((1, 1), dtype=torch.bool)
-_FIRST_ROW = torch.zeros(1, dtype=torch.long)
 
 
 class _Plain:

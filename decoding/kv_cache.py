@@ -286,11 +286,9 @@ class KVPool:
 
     def flush(self) -> None:
         """Apply every deferred commit: one copy of host ints (pinned, not blocking on CUDA), then one gather and
-        one scatter of slots over all rows, keys/values and layers. Readers of the pool (forwards) call it first.
-
-        Slot s of row r, head h (keys, then values) is entry ``(r * 2 * heads + h) * row_capacity + s`` of a
-        layer's ``[rows * 2 * heads * row_capacity, dim]`` view; a commit's slots move in ascending order, so
-        gathering all before scattering any reads none that it overwrote."""
+        one scatter of slots over all rows, keys/values and layers (``apply_moves``); a commit's slots move in
+        ascending order, so gathering all before scattering any reads none that it overwrote. Readers of the pool
+        (forwards) call it first."""
         self.apply_moves(self.stage_moves())
 
     def stage_moves(self) -> tuple[int, torch.Tensor] | None:

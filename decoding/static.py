@@ -35,8 +35,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from decoding.engine import context_length
 from decoding.kv_cache import KVPool
 from decoding.packed import CUDA_BACKENDS, Slice
+from decoding.params import MAX_STEP_TOKENS
 from decoding.static_forward import (
     SEQUENCE_FIELDS,
     TOKEN_FIELDS,
@@ -72,6 +74,36 @@ class Bucket:
 def _round_up(value: int, choices: Sequence[int]) -> int | None:
     """The smallest of ``choices`` (ascending) that is at least ``value``; None when none is."""
     return next((choice for choice in choices if choice >= value), None)
+
+
+def bucket_shape(
+    sequences: int, tokens: int, max_sequences: int = SEQUENCE_BUCKETS[-1], max_tokens: int = MAX_BUCKET_TOKENS
+) -> tuple[int, int] | None:
+    """``(sequences, tokens)`` rounded up to a bucket's (at most ``max_sequences`` sequences and ``max_tokens``
+    tokens in all); None when no bucket holds them. The rule both the static step and the batch planner use.
+
+    >>> bucket_shape(3, 20), bucket_shape(1, 300)
+    ((4, 32), None)
+    """
+    rounded = (_round_up(sequences, [size for size in SEQUENCE_BUCKETS if size <= max_sequences]),
+               _round_up(tokens, TOKEN_BUCKETS))
+    if None in rounded or rounded[0] * rounded[1] > max_tokens:
+        return None
+    return rounded
+
+
+def build_static_step(model: PreTrainedModel, mode: str, sequences: int) -> StaticStep | None:
+    """A static step in ``mode`` over a new KV pool of ``sequences`` rows, each of the model's context length plus
+    the largest lookahead step (``MAX_STEP_TOKENS``) and the largest bucket's padding; None, with a warning, for a
+    model it cannot run (``supports``). ``"graphs"`` off CUDA runs ``"eager"``, with a warning."""
+    if not supports(model):
+        log.warning("static step %s: %s is not a model it runs; every step runs eagerly", mode, type(model).__name__)
+        return None
+    if mode == "graphs" and model.device.type != "cuda":
+        log.warning("static step graphs needs CUDA; running it eagerly on %s", model.device)
+        mode = "eager"
+    pool = KVPool(model, sequences, context_length(model) + MAX_STEP_TOKENS, scratch_tokens=TOKEN_BUCKETS[-1])
+    return StaticStep(model, pool, mode)
 
 
 def warm_buckets(static: StaticStep, longest: int = 1024) -> list[Bucket]:
@@ -137,11 +169,11 @@ class StaticStep:
 
     def bucket(self, slices: Sequence[Slice]) -> Bucket | None:
         """The bucket ``slices`` run in, or None when they do not fit one (run them eagerly)."""
-        sequences = _round_up(len(slices), [b for b in SEQUENCE_BUCKETS if b <= self.pool.sequences])
         widest = max(max(len(slice_.tokens), slice_.row_count) for slice_ in slices)  # rows may repeat
-        tokens = _round_up(widest, TOKEN_BUCKETS)
-        if sequences is None or tokens is None or sequences * tokens > self.max_bucket_tokens:
+        shape = bucket_shape(len(slices), widest, self.pool.sequences, self.max_bucket_tokens)
+        if shape is None:
             return None
+        sequences, tokens = shape
         reach = 0
         for slice_ in slices:
             masked = slice_.visible is not None or slice_.visibility is not None
