@@ -34,8 +34,11 @@ _EXPORTS = {
     "ANY_JSON_OBJECT": "decoding.params",
     "Grammar": "decoding.params",
     "LookaheadConfig": "decoding.params",
+    "LLAMA_CPP_NUMBERS": "decoding.params",
+    "NumberBounds": "decoding.params",
     "SamplingParams": "decoding.params",
     "StopCriteria": "decoding.params",
+    "draw_seed": "decoding.params",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -35,10 +35,11 @@ from decoding.logits import adjust_logits, needs_adjusting
 from decoding.logprobs import TokenLogprob, token_logprobs
 from decoding.memory import NGramMemory
 from decoding.packed import Slice, forward_packed
-from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria, draw_seed
 from decoding.pool import ContextIndex, NGramPool, covered
+from decoding.sampling import SampledRows, row_chooser, sample_rows
 from decoding.tree import TokenTree
-from decoding.verify import Verdict, sample, verify_constrained, verify_greedy, verify_sampling, warp
+from decoding.verify import ChosenRows, Verdict, verify_constrained, verify_greedy
 from decoding.window import Window, context_filler, step_layout, window_chains, window_logit_row
 
 
@@ -139,13 +140,14 @@ class Step:
 class _Sequence:
     """Committed tokens of one decode; ``tokens[-1]`` is ``last`` and the cache holds all tokens before it.
     ``constraint`` (with a grammar) has consumed every committed output token; its end (EOS) stops the decode
-    even where EOS is not a stop token (``ignore_eos``): nothing can follow it."""
+    even where EOS is not a stop token (``ignore_eos``): nothing can follow it. ``seed`` (a sampled decode's)
+    decides the token at each output index (``decoding.sampling``)."""
 
     tokens: list[int]
     prompt_length: int
     stop: StopCriteria
     cache: SlotCache
-    generator: torch.Generator | None = None
+    seed: int = 0
     finish_reason: str | None = field(default=None)
     constraint: Constraint | None = None
 
@@ -276,12 +278,17 @@ class DecodeStream:
             list(prompt_ids), len(prompt_ids), stop, cache or new_cache(model, capacity), constraint=constraint
         )
         if not sampling.greedy:
-            self.sequence.generator = torch.Generator(device="cpu")
-            self.sequence.generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            self.sequence.seed = sampling.seed if sampling.seed is not None else draw_seed()
         self._policy: _Plain | _Lookahead | None = None
         self._planned: _Finisher | None = None
         self._started = 0.0
         self.closed = False
+
+    @property
+    def seed(self) -> int | None:
+        """The seed that decides a sampled decode's tokens (``sampling.seed``, or one drawn at start when it was
+        None: pass it back to replay the output); None for a greedy decode."""
+        return None if self.sampling.greedy else self.sequence.seed
 
     @property
     def finished(self) -> bool:
@@ -439,7 +446,7 @@ def _choose(logits: torch.Tensor, sampling: SamplingParams, sequence: _Sequence,
         scores = sequence.constraint.mask(scores)
     if sampling.greedy:
         return int(scores.argmax())
-    return sample(warp(scores.unsqueeze(0), sampling)[0].cpu(), sequence.generator)
+    return sample_rows(scores.unsqueeze(0), sampling, sequence.seed, [sequence.generated])[0]
 
 
 def _adjusted(
@@ -715,13 +722,13 @@ class _Lookahead:
 
         verified = [*candidates, *chains.tokens]
         scores = self._adjust(logits, tree, width)
-        predicted = list(argmax) if argmax is not None and scores is logits else scores.argmax(dim=-1).tolist()
+        predicted = self._chosen(scores, argmax if scores is logits else None, tree, width, levels)
         verdict = self._verify(scores, predicted, verified, candidate_row)
         committed = sequence.accept(verdict.tokens)
         slots = candidate_slots(verdict.candidate) if verdict.candidate is not None else ()
         self._commit_cache(position, slots, len(committed))
         if shape.window:
-            new_row = self._clean_row(predicted[1 : 1 + width])
+            new_row = self._clean_row([predicted[row] for row in range(1, 1 + width)])
             self.pool.add_chains(self.window.ngrams(last, new_row))
             self.window.advance(new_row, len(committed), config.align_window)
         else:
@@ -861,21 +868,33 @@ class _Lookahead:
                  for source in copies.sources]
         return max(gains, default=self.copying.expected)
 
+    def _chosen(
+        self, scores: torch.Tensor, argmax: Sequence[int] | None, tree: TokenTree, width: int, levels: int
+    ) -> ChosenRows:
+        """The token the plain loop would choose at each row of a step: the argmax ids (``argmax`` when the
+        forward gave them for these very scores), or, when sampling, each row's sample at the output index it
+        predicts: ``last``'s row the next index, a tree node's its depth past that, bottom window row column j's
+        ``levels + j - 1`` past it (the window then converges on the sampled text, as on the greedy one)."""
+        if self.sampling.greedy:
+            return list(argmax) if argmax is not None else scores.argmax(dim=-1).tolist()
+        first = self.sequence.generated
+        indices = {0: first}
+        indices.update({1 + column: first + levels + column - 1 for column in range(width)})
+        indices.update({1 + width + node: first + depth for node, depth in enumerate(tree.depths)})
+        return SampledRows(scores, self.sampling, self.sequence.seed, indices)
+
     def _verify(
         self,
         logits: torch.Tensor,
-        predicted: list[int],
+        predicted: ChosenRows,
         candidates: list[tuple[int, ...]],
         candidate_row: Callable[[int, int], int],
     ) -> Verdict:
         constraint = self.sequence.constraint
         if constraint is not None:
-            return verify_constrained(logits, candidates, candidate_row, constraint, self.sampling,
-                                      self.sequence.generator)
-        if self.sampling.greedy:
-            return verify_greedy(predicted, candidates, candidate_row)
-        probs = warp(logits, self.sampling).cpu()
-        return verify_sampling(probs, candidates, candidate_row, self.sequence.generator)
+            choose = row_chooser(self.sampling, self.sequence.seed, self.sequence.generated)
+            return verify_constrained(logits, candidates, candidate_row, constraint, choose)
+        return verify_greedy(predicted, candidates, candidate_row)
 
     def _commit_cache(self, position: int, slots: Sequence[int], committed: int) -> None:
         """KV fix-up: keep the old prefix, ``last`` and the winning candidate's tokens that stay committed.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,18 +39,39 @@ JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 
 
 @dataclass(frozen=True)
+class NumberBounds:
+    """The most digits a JSON number of a grammar's output may have: ``integer_digits`` before the point (and in
+    an exponent), ``fraction_digits`` after it; 0 leaves that part unbounded. The defaults are llama.cpp's JSON
+    grammars' (16 and 16), so a model cannot spin a number until ``max_tokens``."""
+
+    integer_digits: int = 16
+    fraction_digits: int = 16
+
+    def validate(self) -> None:
+        """Raise ``InvalidParameterError`` for a negative bound."""
+        _check_range("integer_digits", self.integer_digits, 0, 1 << 20)
+        _check_range("fraction_digits", self.fraction_digits, 0, 1 << 20)
+
+
+LLAMA_CPP_NUMBERS = NumberBounds()  # the default bounds: llama.cpp's
+
+
+@dataclass(frozen=True)
 class Grammar:
     """What the output must match: ``kind`` ``"json_schema"`` (``source`` a JSON schema as text), ``"lark"``
     (llguidance's Lark dialect) or ``"regex"``; enforced by ``decoding.grammar``. ``source`` is text, so the
-    value is hashable."""
+    value is hashable. ``numbers`` (None: unbounded) bounds the digits of every JSON number in the output (outside
+    JSON strings): give it to grammars whose output is JSON, or JSON between tags."""
 
     kind: GrammarKind
     source: str
+    numbers: NumberBounds | None = None
 
     @staticmethod
-    def json_schema(schema: dict[str, Any] | bool) -> Grammar:
-        """The grammar of JSON documents matching ``schema`` (a JSON schema as a Python value)."""
-        return Grammar("json_schema", json.dumps(schema))
+    def json_schema(schema: dict[str, Any] | bool, numbers: NumberBounds | None = LLAMA_CPP_NUMBERS) -> Grammar:
+        """The grammar of JSON documents matching ``schema`` (a JSON schema as a Python value), numbers bounded
+        as llama.cpp bounds them unless ``numbers`` says otherwise."""
+        return Grammar("json_schema", json.dumps(schema), numbers)
 
 
 ANY_JSON_OBJECT = Grammar.json_schema({"type": "object"})
@@ -233,6 +255,11 @@ class LookaheadConfig:
                 "lookahead",
                 f"{self.step_tokens} input tokens per step ((N-1)*(W+G) and copies) exceeds {MAX_STEP_TOKENS}",
             )
+
+
+def draw_seed() -> int:
+    """A fresh random int64 seed, for a sampled decode whose request gave none (reported, so it can be replayed)."""
+    return random.SystemRandom().randrange(-(1 << 63), 1 << 63)
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:

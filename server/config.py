@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, LookaheadConfig
+from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, LookaheadConfig, NumberBounds
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEVICE_PRESETS = ("cpu", "cuda")
@@ -183,6 +183,14 @@ class ServerConfig(BaseModel):
                        "(each choice is a sequence of its own in the running slots and the queue)")
     drain_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, finish in-flight work this long, "
                                        "then cancel")
+    json_integer_digits: int = Field(
+        16, ge=0, le=1 << 20, description="structured output and tool calls: the most digits of a JSON number's "
+        "integer part (and of its exponent), as llama.cpp's JSON grammars (0: unbounded)",
+    )
+    json_fraction_digits: int = Field(
+        16, ge=0, le=1 << 20, description="structured output and tool calls: the most digits after a JSON number's "
+        "point, as llama.cpp's JSON grammars (0: unbounded)",
+    )
     warmup: bool = Field(True, description="run one tiny decode before /health reports ready")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     lookahead: LookaheadSettings = LookaheadSettings()
@@ -193,6 +201,11 @@ class ServerConfig(BaseModel):
         if self.quantize == "int8" and self.weight_layout == "packed":
             raise ValueError("quantize int8 has its own weight layout: use weight_layout auto (or torch) with it")
         return self
+
+    @property
+    def number_bounds(self) -> NumberBounds:
+        """The digits JSON numbers of grammar-constrained output may have (``json_*_digits``)."""
+        return NumberBounds(self.json_integer_digits, self.json_fraction_digits)
 
     @property
     def model_name(self) -> str:

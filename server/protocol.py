@@ -373,7 +373,9 @@ class Usage(BaseModel):
 
 
 class DecodingInfo(BaseModel):
-    """Extension: how the completion was decoded. W/N/G are null for the autoregressive method."""
+    """Extension: how the completion was decoded. W/N/G are null for the autoregressive method. ``seed``: the
+    seed a sampled response's tokens were drawn with (the request's, or one drawn at admission; choice j used
+    seed + j); send it back to get the same text. Null for greedy decoding."""
 
     method: Literal["lookahead", "autoregressive"]
     steps: int
@@ -383,6 +385,7 @@ class DecodingInfo(BaseModel):
     window_size: int | None
     ngram_size: int | None
     guess_set_size: int | None
+    seed: int | None = None
 
 
 class StepInfo(BaseModel):

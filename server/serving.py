@@ -49,14 +49,17 @@ from typing import Any, Protocol
 
 from decoding import (
     ANY_JSON_OBJECT,
+    LLAMA_CPP_NUMBERS,
     BatchPolicy,
     Grammar,
     GrammarError,
     InvalidParameterError,
     LookaheadConfig,
+    NumberBounds,
     SamplingParams,
     StopCriteria,
     TokenLogprob,
+    draw_seed,
 )
 from server import tools
 from server.config import LookaheadSettings, ServerConfig, lookahead_bounds
@@ -89,6 +92,7 @@ from server.protocol import (
     chunk_json,
 )
 from server.scheduler import Handle, Scheduler
+from server.schemas import closed_schema
 from server.text import ChatTemplateOptions, TemplateError, TextCodec, TextStream
 from server.worker import EngineLike, GenerationPlan, Output, Summary
 
@@ -197,14 +201,17 @@ def check_chat_supported(request: ChatCompletionRequest) -> None:
     tools.resolve(request)
 
 
-def response_grammar(request: GenerationFields) -> Grammar | None:
+def response_grammar(request: GenerationFields, numbers: NumberBounds | None = LLAMA_CPP_NUMBERS) -> Grammar | None:
     """The grammar ``response_format`` asks for: any JSON object for ``json_object`` (and for ``json_schema``
-    without a schema), the schema's JSON for ``json_schema``; None for ``text`` or no ``response_format``."""
+    without a schema), the schema's JSON for ``json_schema`` with its objects closed (``server.schemas``, strict
+    rules when ``strict``); None for ``text`` or no ``response_format``. JSON numbers are bounded by ``numbers``."""
     response_format = getattr(request, "response_format", None)
     if response_format is None or response_format.type == "text":
         return None
-    schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
-    return ANY_JSON_OBJECT if schema is None else Grammar.json_schema(schema)
+    json_schema = response_format.json_schema
+    if json_schema is None or json_schema.schema_ is None:
+        return replace(ANY_JSON_OBJECT, numbers=numbers)
+    return Grammar.json_schema(closed_schema(json_schema.schema_, bool(json_schema.strict)), numbers)
 
 
 def output_grammar(engine: Engine, request: GenerationFields) -> Grammar | None:
@@ -213,12 +220,12 @@ def output_grammar(engine: Engine, request: GenerationFields) -> Grammar | None:
     it off the event loop."""
     plan = tool_plan(request)
     if plan is None:
-        grammar = response_grammar(request)
+        grammar = response_grammar(request, engine.config.number_bounds)
         check_grammar(engine, grammar, "response_format.json_schema.schema")
         return grammar
     for param, parameters in tools.parameter_grammars(plan):
         check_grammar(engine, parameters, param)
-    grammar = tools.grammar(plan)
+    grammar = tools.grammar(plan, engine.config.number_bounds)
     check_grammar(engine, grammar, "tools")
     return grammar
 
@@ -457,20 +464,23 @@ def plan_choices(
     prediction: list[int] | None = None, grammar: Grammar | None = None,
 ) -> list[GenerationPlan]:
     """One plan per choice (``plan``), in choice order (prompt by prompt, ``n`` each); choice j of a prompt
-    decodes with ``derived_seed(seed, j)``."""
+    decodes with ``derived_seed(seed, j)``. A sampled request without a seed gets one drawn here, at admission
+    (``decoding.draw_seed``), so its ``decoding.seed`` replays it."""
     n = request.n or 1
     choices = []
+    seed = None
     for prompt_ids in prompts:
         generation = plan(engine, request, prompt_ids, prompt_param, prediction, grammar)
         sampling = generation.sampling
-        choices += [replace(generation, sampling=replace(sampling, seed=derived_seed(sampling.seed, j)))
+        if seed is None:
+            seed = sampling.seed if sampling.seed is not None or sampling.greedy else draw_seed()
+        choices += [replace(generation, sampling=replace(sampling, seed=derived_seed(seed, j)))
                     for j in range(n)]
     return choices
 
 
 def derived_seed(seed: int | None, index: int) -> int | None:
-    """Choice ``index``'s seed: ``seed + index`` (vLLM's rule), wrapped into int64; None stays None (each
-    choice then draws its own random seed).
+    """Choice ``index``'s seed: ``seed + index`` (vLLM's rule), wrapped into int64; None stays None (greedy).
 
     >>> derived_seed(7, 2), derived_seed(None, 1), derived_seed(2**63 - 1, 1)
     (9, None, -9223372036854775808)
@@ -571,6 +581,7 @@ def decoding_of(summaries: Sequence[Summary]) -> DecodingInfo:
         window_size=lookahead.window_size if lookahead else None,
         ngram_size=lookahead.ngram_size if lookahead else None,
         guess_set_size=lookahead.guess_set_size if lookahead else None,
+        seed=summaries[0].seed,
     )
 
 

@@ -12,8 +12,9 @@ Contract:
 - ``grammar(plan)`` is what the output must match. The call shape is ``{"tool_call": {"name", "arguments"}}``
   with ``parallel_tool_calls`` false, else ``{"tool_calls": [...]}`` of 1 to ``MAX_PARALLEL_CALLS`` calls;
   each call's ``name`` is a const and its ``arguments`` the function's ``parameters`` schema (any object when
-  absent). ``required`` and a named ``tool_choice`` (only that function) must produce it; ``auto`` may produce
-  it or plain text: the first character decides (``{`` starts a call, which is then enforced; anything else is
+  absent), its objects closed by ``server.schemas`` (OpenAI's strict rules with ``strict``). ``required`` and a
+  named ``tool_choice`` (only that function) must produce it; ``auto`` may produce it or plain text: the first
+  character decides (``{`` starts a call, which is then enforced; anything else is
   text, left free). See docs/design.md, "Tool calls".
 - ``ToolCallParser`` reads the output as it streams and reports ``ToolEvent``s: content text, a call's start
   (its name, once complete) and fragments of its arguments' JSON text (whitespace outside strings dropped), so
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from decoding.params import JSON_WHITESPACE, Grammar
+from decoding.params import JSON_WHITESPACE, LLAMA_CPP_NUMBERS, Grammar, NumberBounds
 from server.errors import BadRequestError
 from server.protocol import (
     ChatCompletionRequest,
@@ -42,6 +43,7 @@ from server.protocol import (
     ResponseToolCall,
     TokenizeRequest,
 )
+from server.schemas import closed_schema
 
 MAX_PARALLEL_CALLS = 8  # a tiny model asked for "one or more" calls may otherwise repeat calls until max_tokens
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -243,7 +245,8 @@ def call_schema(plan: ToolPlan) -> dict[str, Any]:
     definitions: dict[str, Any] = {}
     calls = []
     for function in plan.callable:
-        parameters, moved = hoist_definitions(function.parameters or ANY_OBJECT, function.name)
+        closed = closed_schema(function.parameters or ANY_OBJECT, bool(function.strict))
+        parameters, moved = hoist_definitions(closed, function.name)
         definitions.update(moved)
         calls.append({
             "type": "object",
@@ -290,13 +293,14 @@ def _renamed(reference: Any, prefix: str) -> Any:
     return reference
 
 
-def grammar(plan: ToolPlan) -> Grammar:
-    """What the output must match: the call schema (``required``, named), or text or a call (``auto``)."""
+def grammar(plan: ToolPlan, numbers: NumberBounds | None = LLAMA_CPP_NUMBERS) -> Grammar:
+    """What the output must match: the call schema (``required``, named), or text or a call (``auto``); JSON
+    numbers bounded by ``numbers``."""
     schema = call_schema(plan)
     if plan.mode != "auto":
-        return Grammar.json_schema(schema)
+        return Grammar.json_schema(schema, numbers)
     bounded = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}, **schema}  # as decoding.grammar does
-    return Grammar("lark", AUTO_GRAMMAR.replace("{schema}", json.dumps(bounded)))
+    return Grammar("lark", AUTO_GRAMMAR.replace("{schema}", json.dumps(bounded)), numbers)
 
 
 def parameter_grammars(plan: ToolPlan) -> list[tuple[str, Grammar]]:

@@ -85,12 +85,14 @@ class GenerationPlan:
 @dataclass(frozen=True)
 class Summary:
     """A finished request: the ``usage`` and ``decoding`` numbers (``counts`` sums all its steps;
-    ``prediction_tokens``: its prediction's length, None without one)."""
+    ``prediction_tokens``: its prediction's length, None without one; ``seed``: the seed its sampled tokens were
+    drawn with, None when greedy)."""
 
     prompt_tokens: int
     counts: StepCounts
     lookahead: LookaheadConfig | None
     prediction_tokens: int | None = None
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -134,9 +136,9 @@ class Job:
     done: bool = False
 
     def summary(self) -> Summary:
-        prediction = self.plan.prediction
+        prediction, sampling = self.plan.prediction, self.plan.sampling
         return Summary(len(self.plan.prompt_ids), self.totals, self.plan.lookahead,
-                       None if prediction is None else len(prediction))
+                       None if prediction is None else len(prediction), None if sampling.greedy else sampling.seed)
 
     def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
         """An output carrying the counts since the previous one."""

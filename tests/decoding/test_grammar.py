@@ -16,6 +16,7 @@ from decoding.errors import InvalidParameterError
 from decoding.grammar import ANY_JSON_OBJECT, ConstraintViolation, Grammar, GrammarCompiler, GrammarError
 from decoding.loading import ensure_default_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.sampling import row_chooser
 from decoding.verify import verify_constrained
 from tests.conftest import TINY_SIZES
 from tests.decoding.test_sampling import P_FLOOR, goodness_of_fit
@@ -173,13 +174,22 @@ def test_the_grammars_end_stops_the_decode_even_when_eos_is_ignored(model, compi
         assert steps[-1].finish_reason == "stop" and json.loads(tokenizer.decode(tokens_of(steps)))
 
 
-def test_sampled_constrained_lookahead_stays_in_the_grammar(model, compiler, tokenizer):
+def test_sampled_constrained_lookahead_stays_in_the_grammar_and_equals_the_seeded_loop(model, compiler, tokenizer):
+    """A seed gives the same constrained tokens with lookahead on or off, at every shape."""
     stop = StopCriteria(24, frozenset({tokenizer.eos_token_id}))
-    for seed in range(4):
-        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=YES_NO)
-        steps = generate_lookahead(model, [9, 9, 9], stop, sampling, CONFIGS[1], compiler.constraint(YES_NO))
-        text = tokenizer.decode(tokens_of(steps))
-        assert set(text.split(" ")) <= {"yes", "no"}, text
+    prompts = [[9, 9, 9], encode(tokenizer, 'Reply with JSON: {"name": "Bo", "mood": "sad", "age": 3}')]
+    accepted = 0
+    for seed, grammar, prompt in itertools.product(range(3), [YES_NO, *GRAMMARS.values()], prompts):
+        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar)
+        expected = tokens_of(generate_autoregressive(model, prompt, stop, sampling, compiler.constraint(grammar)))
+        assert compiler.constraint(grammar).valid_prefix(expected) == len(expected)
+        for config in CONFIGS:
+            steps = list(generate_lookahead(model, prompt, stop, sampling, config, compiler.constraint(grammar)))
+            assert tokens_of(steps) == expected, (seed, grammar, config)
+            accepted += sum(step.stats.accepted for step in steps)
+        if grammar is YES_NO:
+            assert set(tokenizer.decode(expected).split(" ")) <= {"yes", "no"}
+    assert accepted > 0, "multi-token steps must happen"
 
 
 def test_batched_constrained_decodes_equal_their_greedy_loops(model, compiler, tokenizer):
@@ -230,11 +240,11 @@ def test_constrained_sampling_verification_keeps_each_masked_conditional():
     ]))
     candidates = [(1, 2), (3, 4)]
     sampling = SamplingParams(temperature=1.0)
-    generator = torch.Generator().manual_seed(0)
     first, second = Counter(), {1: Counter(), 3: Counter()}
     total = 6000
-    for _ in range(total):
-        verdict = verify_constrained(scores, candidates, lambda c, k: 1 + c, constraint, sampling, generator)
+    for seed in range(total):
+        choose = row_chooser(sampling, seed, 0)
+        verdict = verify_constrained(scores, candidates, lambda c, k: 1 + c, constraint, choose)
         assert constraint.path == []
         first[verdict.tokens[0]] += 1
         if verdict.num_accepted:

@@ -13,7 +13,7 @@ from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
 from decoding.logits import adjust_logits
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.verify import warp
+from decoding.sampling import warp
 from tests.decoding.test_engine import PROMPTS, tokens_of
 from tests.decoding.test_sampling import P_FLOOR, goodness_of_fit, tiny_vocab_model
 
