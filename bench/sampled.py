@@ -1,11 +1,12 @@
 """Sampled decoding: tokens per step of seeded lookahead, and whether it gives the plain loop's text.
 
-Contract: ``python -m bench.sampled`` decodes the held-out HumanEval and chat prompts (``--limit`` of each) with
-``--temperature`` (0.7) and seed = the prompt's position, through a ``BatchEngine`` (the server's decode loop) with
-the server's shared memory, twice: lookahead at the device preset and the autoregressive loop, alternating which
-goes first. It prints per prompt and in total tokens, steps, tokens per step and accepted / offered guesses of
-lookahead, and how many prompts gave the same tokens both ways (a seed decides the text: all of them), and writes
-JSON with ``--json``. Counts, not times: ``--preset cuda`` on a CPU counts the GPU setting's steps.
+Contract: ``python -m bench.sampled`` decodes the held-out HumanEval and chat prompts (``--limit`` of each,
+``--seeds`` decodes of each) with ``--temperature`` (0.7) and seed = the decode's position, through a
+``BatchEngine`` (the server's decode loop) with the server's shared memory, twice: lookahead at the device preset
+and the autoregressive loop, alternating which goes first. It prints per decode and in total tokens, steps,
+tokens per step and accepted / offered guesses of lookahead, and how many decodes gave the same tokens both ways
+(a seed decides the text: all of them), and writes JSON with ``--json``. Counts, not times: ``--preset cuda`` on
+a CPU counts the GPU setting's steps.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0 (the report says how many outputs matched)."""
     parser = preset_parser("python -m bench.sampled", __doc__, "held-out prompts of each set", 0)
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0.7)")
+    parser.add_argument("--seeds", type=int, default=1, help="decodes of each prompt, each with its own seed (1)")
     args = parser.parse_args(argv)
     config, lookahead, decoder = load_preset(args.device, args.preset)
     engine = BatchEngine(decoder.loaded.model, batch_policy(config), memory=NGramMemory(SERVER_MEMORY_TOKENS))
@@ -37,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     totals = {"lookahead": StepCounts(), "autoregressive": StepCounts()}
     for name, max_tokens in SETS.items():
         stop = StopCriteria(args.max_tokens or max_tokens, frozenset(decoder.eos_token_ids()))
-        for index, spec in enumerate(load_split(name, "heldout", args.limit)):
+        specs = [spec for spec in load_split(name, "heldout", args.limit) for _ in range(args.seeds)]
+        for index, spec in enumerate(specs):
             prompt = encode_prompt(decoder.tokenizer, spec)
             sampling = SamplingParams(temperature=args.temperature, seed=len(rows))
             methods = {"lookahead": lookahead, "autoregressive": None}

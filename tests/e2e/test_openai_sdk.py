@@ -91,6 +91,29 @@ def test_parse_returns_a_pydantic_object(client):
     assert isinstance(parsed, City) and parsed.city
 
 
+class CityFacts(BaseModel):
+    """The issue's model: unbounded strings and a float, as a user writes it."""
+
+    name: str
+    country: str
+    population_millions: float
+
+
+@pytest.mark.parametrize("temperature", [None, 0])
+@pytest.mark.parametrize("question", [
+    "Give the capital of France as JSON.", "Tell me about Tokyo.", "What is the biggest city in Brazil?",
+])
+def test_parse_of_an_unbounded_model_finishes_within_96_tokens(client, question, temperature):
+    """A strict schema from pydantic (closed, every field required) on the 135M model: the JSON closes and parses
+    (the server's default temperature, seeded; and greedy)."""
+    fields = ask(question, max_tokens=96, seed=7) | ({} if temperature is None else {"temperature": temperature})
+    if temperature is None:
+        del fields["temperature"]
+    completion = client.chat.completions.parse(**fields, response_format=CityFacts)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, CityFacts) and completion.choices[0].finish_reason == "stop"
+
+
 def test_completions_sync(client):
     response = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
     assert response.object == "text_completion" and response.choices[0].text
