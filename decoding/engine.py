@@ -728,6 +728,8 @@ class _Lookahead:
         slots = candidate_slots(verdict.candidate) if verdict.candidate is not None else ()
         self._commit_cache(position, slots, len(committed))
         if shape.window:
+            if isinstance(predicted, SampledRows):
+                predicted.prefetch(range(1, 1 + width))
             new_row = self._clean_row([predicted[row] for row in range(1, 1 + width)])
             self.pool.add_chains(self.window.ngrams(last, new_row))
             self.window.advance(new_row, len(committed), config.align_window)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import replace
+from unittest.mock import patch
 
 import numpy
 import pytest
@@ -16,7 +17,7 @@ from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.sampling import GOLDEN32, MASK32, SampledRows, gumbel, mix32, row_key, sample_rows, warp
+from decoding.sampling import GOLDEN32, MASK32, SampledRows, gumbel, mix32, row_key, sample_rows, warp, warp_scores
 from decoding.tree import TokenTree
 from decoding.verify import verify_greedy
 
@@ -236,3 +237,25 @@ def test_an_unseeded_stream_draws_a_seed_that_replays_it(tiny_model):
     replay = SamplingParams(temperature=1.0, seed=stream.seed)
     assert sampled_tokens(tiny_model, [1, 2, 3], replay, None, 20)[0] == tokens
     assert generate_autoregressive(tiny_model, [1, 2, 3], StopCriteria(1)).seed is None  # greedy: no seed
+
+
+def test_top_p_found_among_the_likeliest_tokens_equals_the_full_sort():
+    """The CPU's partial sorts (64, then 1024 tokens) keep the nucleus a full sort keeps, narrow or wide."""
+    generator = torch.Generator().manual_seed(0)
+    for spread in (0.5, 3.0, 12.0):
+        logits = torch.randn(3, 5000, generator=generator) * spread
+        for top_p in (0.0, 0.3, 0.9, 0.99):
+            sampling = SamplingParams(temperature=1.0, top_p=top_p)
+            kept = ~torch.isinf(warp_scores(logits, sampling))
+            with patch("decoding.sampling.NUCLEUS_WIDTHS", ()):
+                assert torch.equal(kept, ~torch.isinf(warp_scores(logits, sampling))), (spread, top_p)
+
+
+def test_rows_sampled_together_equal_rows_sampled_one_by_one():
+    scores = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    sampling = SamplingParams(temperature=0.8, top_p=0.9)
+    indices = {row: 10 + row for row in range(6)}
+    together = SampledRows(scores, sampling, 5, indices)
+    together.prefetch(range(6))
+    alone = SampledRows(scores, sampling, 5, indices)
+    assert [together[row] for row in range(6)] == [alone[row] for row in range(6)]
