@@ -130,11 +130,12 @@ def graphed(model, mode="graphs", sequences=4, capacity=1024):
     return StaticStep(model, KVPool(model, sequences, capacity, scratch_tokens=256), mode)
 
 
-def static_decode(model, runner, prompts, configs, max_tokens=40):
+def static_decode(model, runner, prompts, configs, sampling=None, max_tokens=40):
     from decoding.batch import BatchEngine
+    from decoding.params import SamplingParams
     from tests.decoding.test_static import decode
 
-    return decode(BatchEngine(model, static=runner), prompts, configs, max_tokens)
+    return decode(BatchEngine(model, static=runner), prompts, configs, max_tokens, sampling or SamplingParams())
 
 
 def test_a_graph_replay_equals_the_eager_static_step_bit_for_bit(cuda_tiny, no_tf32):
@@ -188,3 +189,23 @@ def test_real_model_at_the_cuda_preset_through_cuda_graphs(cuda_real, no_tf32):
             engine.add(text, ids, stop, lookahead=config)
             assert drain(engine)[text] == expected, (text, config)
     assert engine.static.replays > 0
+
+
+@pytest.mark.parametrize("config", [CONFIGS[1], CUDA_PRESET], ids=config_id)
+def test_a_seed_gives_the_same_tokens_on_cuda_alone_batched_and_through_graphs(cuda_tiny, config, no_tf32):
+    """Per-position sampling on the device: the noise is computed where the logits are, every row a step may read
+    at once; lookahead, a batch and the captured static step commit the plain loop's sampled tokens."""
+    from dataclasses import replace
+
+    from decoding.params import SamplingParams
+
+    sampling = SamplingParams(temperature=0.9, top_p=0.95)
+    seeded = [replace(sampling, seed=seed) for seed in range(len(PROMPTS))]
+    stop = StopCriteria(40)
+    expected = [tokens_of(generate_autoregressive(cuda_tiny, p, stop, s)) for p, s in zip(PROMPTS, seeded, strict=True)]
+    alone = [tokens_of(generate_lookahead(cuda_tiny, p, stop, s, config)) for p, s in zip(PROMPTS, seeded, strict=True)]
+    assert alone == expected
+    streams = [make_stream(cuda_tiny, p, config, s) for p, s in zip(PROMPTS, seeded, strict=True)]
+    assert run_batch(streams, BatchPolicy(max_step_tokens=256, prefill_chunk=4), join_at={1: 3}) == expected
+    runner = graphed(cuda_tiny)
+    assert static_decode(cuda_tiny, runner, PROMPTS, [config] * len(PROMPTS), seeded) == expected

@@ -52,9 +52,11 @@ def drain(engine: BatchEngine) -> dict:
 
 
 def decode(engine: BatchEngine, prompts, configs, max_tokens: int = 40, sampling=SamplingParams()):
-    """Each prompt's tokens, all added to ``engine`` at once and stepped together until they finish."""
+    """Each prompt's tokens, all added to ``engine`` at once and stepped together until they finish; ``sampling``
+    is every prompt's, or a list of one per prompt."""
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-        engine.add(index, prompt, StopCriteria(max_tokens), sampling, config)
+        engine.add(index, prompt, StopCriteria(max_tokens), samplings[index], config)
     outputs = drain(engine)
     return [outputs.get(index, []) for index in range(len(prompts))]
 
@@ -146,6 +148,19 @@ def test_lookahead_equals_greedy_through_the_static_step(pair, config):
         assert decode(BatchEngine(model, static=runner), [prompt], [config]) == [want]
     assert runner.pool.free == runner.pool.sequences  # every row released
     assert greedy_runs > 0 and runner.runs - greedy_runs > 2 * runner.eager  # mostly static, not vacuous
+
+
+def test_seeded_sampling_through_the_static_step_equals_the_plain_loop(pair):
+    """The static step's logits feed per-position sampling as the eager forward's do: batched lookahead streams at
+    the CUDA preset commit each seed's plain-loop tokens."""
+    model, reference = pair
+    runner = static_runner(model)
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=seed) for seed in range(len(PROMPTS))]
+    alone = [tokens_of(DecodeStream(reference, prompt, StopCriteria(40), sampling))
+             for prompt, sampling in zip(PROMPTS, seeded, strict=True)]
+    policy = BatchPolicy(max_step_tokens=256, prefill_chunk=4)
+    assert decode(BatchEngine(model, policy, static=runner), PROMPTS, [CUDA_PRESET] * len(PROMPTS), 40, seeded) == alone
+    assert runner.runs > 10
 
 
 def test_batched_streams_through_the_static_step_equal_each_alone(pair):
