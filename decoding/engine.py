@@ -123,7 +123,10 @@ class StepCounts:
 class Step:
     """One forward pass's output: new token ids, stats, and why decoding ended (None while it goes on).
 
-    ``logprobs`` (only when ``SamplingParams.top_logprobs`` is set, else None) is aligned with ``token_ids``.
+    ``stop_token``: the stop token (EOS, or the grammar's end) the model chose where this step ended the decode
+    with "stop"; it is never in ``token_ids``, but evaluation tools count it and want its logprob.
+    ``logprobs`` (only when ``SamplingParams.top_logprobs`` is set, else None) is aligned with ``token_ids``, plus
+    one last entry for ``stop_token`` when there is one.
     ``prompt_logprobs`` (only when ``SamplingParams.prompt_logprobs`` is set, else None): on a prefill step, the
     logprobs of the prompt tokens its chunk's rows predicted, in order; prompt token 0 has none, so a whole
     prefill's steps together carry tokens 1..P-1.
@@ -134,6 +137,7 @@ class Step:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    stop_token: int | None = None
 
 
 @dataclass
@@ -150,6 +154,12 @@ class _Sequence:
     seed: int = 0
     finish_reason: str | None = field(default=None)
     constraint: Constraint | None = None
+    stop_token: int | None = None  # the stop token that ended the decode, once one did
+
+    def chosen(self, committed: list[int]) -> list[int]:
+        """What the model chose in the run ``accept`` just took: ``committed``, then the stop token if it ended
+        the decode (the tokens whose logprobs a step reports)."""
+        return committed if self.stop_token is None else [*committed, self.stop_token]
 
     @property
     def generated(self) -> int:
@@ -161,7 +171,7 @@ class _Sequence:
         ended = self.constraint.eos if self.constraint is not None else None
         for token in run:
             if token in self.stop.stop_token_ids or token == ended:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_token = "stop", token
                 break
             committed.append(token)
             self.tokens.append(token)
@@ -373,7 +383,8 @@ class DecodeStream:
                     else _Lookahead(self.model, sequence, self.sampling, self.lookahead, self.memory, self.prediction)
                 )
             return Step(committed, StepStats(end - start, len(committed), prefill=True), sequence.finish_reason,
-                        _logprobs(logits, [row], committed, self.sampling), prompt)
+                        _logprobs(logits, [row], sequence.chosen(committed), self.sampling), prompt,
+                        sequence.stop_token)
 
         return slice_, finish
 
@@ -473,7 +484,7 @@ def _finish_one_token(
     if not committed:
         sequence.cache.commit(len(sequence.tokens) - 1, [])
     return Step(committed, StepStats(1, len(committed)), sequence.finish_reason,
-                _logprobs(logits, [0], committed, sampling))
+                _logprobs(logits, [0], sequence.chosen(committed), sampling), stop_token=sequence.stop_token)
 
 
 def _logprobs(
@@ -761,7 +772,8 @@ class _Lookahead:
         rows = [0]
         if verdict.candidate is not None:
             rows += [candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
-        return Step(committed, stats, sequence.finish_reason, _logprobs(logits, rows, committed, self.sampling))
+        return Step(committed, stats, sequence.finish_reason,
+                    _logprobs(logits, rows, sequence.chosen(committed), self.sampling), stop_token=sequence.stop_token)
 
     def _chains(self, tokens: Sequence[int], width: int, levels: int) -> _Chains:
         """The window's causal chains (``decoding.window.window_chains``) over this step's window ``tokens``, when

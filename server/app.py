@@ -6,7 +6,8 @@ metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and a
 only parse, authorize and delegate to ``server.serving``; prompts are tokenized off the event loop (in a
 thread), so a huge prompt never stalls other streams; every error goes through ``server.errors``.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's, keyed like ``/v1/*``),
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's, keyed like
+``/v1/*``),
 ``GET /health`` (readiness), ``GET /live`` (liveness: 503 only once the runtime has failed), ``GET /metrics``, and
 the playground page: ``GET /`` and
 ``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
@@ -57,6 +58,7 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     protocol_field_names,
 )
 from server.scheduler import Handle, Scheduler
@@ -351,6 +353,13 @@ async def tokenize(request: Request) -> dict[str, Any]:
     body, engine = await tool_body(request, TokenizeRequest)
     ids = await asyncio.to_thread(serving.tokenize_prompt, engine.codec, body)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.decoder.context_length).model_dump()
+
+
+@tools.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info``: the tokenizer's class, special tokens, chat template and the context length."""
+    engine = runtime_of(request).require_engine()
+    return TokenizerInfo(**engine.codec.info(), model_max_length=engine.decoder.context_length).model_dump()
 
 
 @tools.post("/detokenize")

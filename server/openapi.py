@@ -41,6 +41,7 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 
 REF = "#/components/schemas/{model}"
@@ -308,7 +309,7 @@ def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> di
     responses = [
         (model, "serialization")
         for model in (ChatCompletion, Completion, ModelList, ModelCard, ErrorResponse, HealthStatus,
-                      TokenizeResponse, DetokenizeResponse)
+                      TokenizeResponse, DetokenizeResponse, TokenizerInfo)
     ]
     _, bundle = models_json_schema([*requests, *responses], ref_template=REF)
     schemas: dict[str, Any] = bundle["$defs"]
@@ -379,6 +380,10 @@ def operations(config: ServerConfig, protected: bool) -> dict[tuple[str, str], d
         ("/v1/completions", "post"): generation_operation("CompletionRequest", "Completion", auth),
         ("/tokenize", "post"): tool_operation("TokenizeRequest", "TokenizeResponse", auth),
         ("/detokenize", "post"): tool_operation("DetokenizeRequest", "DetokenizeResponse", auth),
+        ("/tokenizer_info", "get"): {
+            "responses": {"200": {"description": "The tokenizer.", "content": json_content("TokenizerInfo")},
+                          **error_responses((*auth, *SERVICE_STATUSES))},
+        },
         ("/v1/models", "get"): {
             "responses": {"200": {"description": "The served model.", "content": json_content("ModelList")},
                           **error_responses(auth)},

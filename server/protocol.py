@@ -350,6 +350,19 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's): what a client that tokenizes through the server needs."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    add_bos_token: bool | None
+    chat_template: str | None
+    model_max_length: int
+
+
 class CompletionTokensDetails(BaseModel):
     """OpenAI's predicted-output counts: ``accepted_prediction_tokens`` the completion's tokens that lookahead took
     from the prediction (beyond what its other sources proposed), ``rejected_prediction_tokens`` the prediction's

@@ -122,6 +122,18 @@ class TextCodec:
     def vocab_size(self) -> int:
         return len(self._tokenizer)
 
+    def info(self) -> dict[str, Any]:
+        """What vLLM's ``/tokenizer_info`` tells a client that tokenizes through the server (lm-evaluation-harness'
+        remote tokenizer): the tokenizer's class, its special tokens and the chat template in use."""
+        tokenizer = self._tokenizer
+        specials = ("bos_token", "eos_token", "pad_token", "unk_token")
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            **{name: getattr(tokenizer, name, None) for name in specials},
+            "add_bos_token": getattr(tokenizer, "add_bos_token", None),
+            "chat_template": self._chat_template,
+        }
+
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions = ChatTemplateOptions(),
         tools: Sequence[dict[str, Any]] | None = None,

@@ -108,3 +108,37 @@ async def test_completions_legacy_logprobs_shape_and_stream(client):
     pieces = [piece for piece in pieces if piece is not None]
     assert [value for piece in pieces for value in piece["text_offset"]] == logprobs["text_offset"]
     assert [token for piece in pieces for token in piece["tokens"]] == tokens
+
+
+async def test_a_generated_eos_is_listed_in_logprobs_and_counted_in_usage(client, tokenizer):
+    """lm-evaluation-harness' loglikelihood request (``max_tokens`` 1, ``echo``, ``logprobs`` 1) drops the last
+    logprob entry as the generated token: when the model generates EOS, that entry must be EOS's, and it counts."""
+    eos = tokenizer.eos_token_id
+    body = {"prompt": "The capital of France is Paris.", "max_tokens": 1, "echo": True, "logprobs": 1,
+            "temperature": 0, "logit_bias": {str(eos): 100}}
+    data = (await client.post("/v1/completions", json=body)).json()
+    [choice] = data["choices"]
+    prompt_tokens = data["usage"]["prompt_tokens"]
+    assert choice["finish_reason"] == "stop" and choice["text"] == body["prompt"]  # EOS's text stays out
+    assert data["usage"]["completion_tokens"] == 1
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == prompt_tokens + 1
+    assert logprobs["tokens"][-1] == tokenizer.eos_token
+    assert -30 < logprobs["token_logprobs"][-1] < 0  # the raw model's logprob: the bias chose EOS, it is not in it
+    assert logprobs["text_offset"][-1] == len(body["prompt"])
+    events = sse_events((await client.post("/v1/completions", json={**body, "stream": True,
+                                                                     "stream_options": {"include_usage": True}})).text)
+    chunks = [json.loads(event) for event in events[:-1]]
+    streamed = [token for chunk in chunks if chunk["choices"] and chunk["choices"][0]["logprobs"]
+                for token in chunk["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == logprobs["tokens"] and chunks[-1]["usage"]["completion_tokens"] == 1
+
+
+async def test_chat_lists_the_eos_it_ends_with(client, tokenizer):
+    body = chat_body("Say hi.", temperature=0, max_tokens=64, logprobs=True)
+    data = (await client.post("/v1/chat/completions", json=body)).json()
+    [choice] = data["choices"]
+    assert choice["finish_reason"] == "stop"
+    content = choice["logprobs"]["content"]
+    assert content[-1]["token"] == tokenizer.eos_token and len(content) == data["usage"]["completion_tokens"]
+    assert "".join(entry["token"] for entry in content[:-1]) == choice["message"]["content"]

@@ -1,5 +1,5 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes): the ids a completion or chat decodes from, text back,
-400s naming the field, and the API key like ``/v1/*``."""
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's shapes): the ids a completion or chat
+decodes from, text back, the tokenizer's special tokens, 400s naming the field, and the API key like ``/v1/*``."""
 
 from __future__ import annotations
 
@@ -74,3 +74,11 @@ async def test_the_api_key_guards_them(scripted):
             assert (await client.post(path, json=body)).status_code == 401
             response = await client.post(path, json=body, headers={"authorization": "Bearer k"})
             assert response.status_code == 200, path
+        assert (await client.get("/tokenizer_info")).status_code == 401
+        assert (await client.get("/tokenizer_info", headers={"authorization": "Bearer k"})).status_code == 200
+
+
+async def test_tokenizer_info_names_the_special_tokens_and_the_template(client, tokenizer):
+    info = (await client.get("/tokenizer_info")).json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    assert info["tokenizer_class"] == type(tokenizer).__name__ and info["model_max_length"] == 4096
