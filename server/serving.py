@@ -551,7 +551,7 @@ def usage_of(summaries: Sequence[Summary], n: int = 1) -> Usage:
     counted once, completion tokens summed; with a prediction, the accepted tokens and the rest of each choice's
     prediction as rejected."""
     prompt_tokens = sum(summary.prompt_tokens for summary in summaries[::n])
-    completion_tokens = sum(summary.counts.tokens + summary.stop_tokens for summary in summaries)
+    completion_tokens = sum(summary.counts.tokens for summary in summaries)
     details = None
     if summaries[0].prediction_tokens is not None:
         accepted = [summary.counts.prediction_accepted for summary in summaries]

@@ -10,7 +10,7 @@ production). Each job's steps become text in its own ``TextStream`` here, on thi
 stop strings never wait on a lock the event loop's encoding holds, see ``server.text``); a stop string ends
 the job.
 Each step's token logprobs (when the request asked for them) follow its kept tokens into the outputs, and so does
-the stop token (EOS) the model ended with, which ``usage`` counts though its text stays out; the
+the stop token (EOS) the model ended with, which the counts include (``usage`` too) though its text stays out; the
 prompt's logprobs (``SamplingParams.prompt_logprobs``) are gathered over the prefill and ride on the job's
 first output.
 Counts flow as one ``decoding.StepCounts`` record per step into the job's totals, its outputs and the metrics.
@@ -87,15 +87,13 @@ class GenerationPlan:
 class Summary:
     """A finished request: the ``usage`` and ``decoding`` numbers (``counts`` sums all its steps;
     ``prediction_tokens``: its prediction's length, None without one; ``seed``: the seed its sampled tokens were
-    drawn with, None when greedy; ``stop_tokens``: 1 when the model ended it with a stop token such as EOS, which
-    ``usage`` counts as a completion token, as vLLM does, though its text is not in the completion)."""
+    drawn with, None when greedy)."""
 
     prompt_tokens: int
     counts: StepCounts
     lookahead: LookaheadConfig | None
     prediction_tokens: int | None = None
     seed: int | None = None
-    stop_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,7 +129,6 @@ class Job:
     reported: StepCounts = StepCounts()  # the totals as of the last posted output
     pending_logprobs: list[TokenLogprob] | None = None  # kept tokens' logprobs not yet posted (None: not asked)
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, gathered over the prefill, until posted
-    stop_tokens: int = 0  # 1 once the model ended the request with a stop token (counted in usage)
     cancel_requested: bool = False
     cancel_error: BaseException | None = None
     started: float | None = None
@@ -142,8 +139,7 @@ class Job:
     def summary(self) -> Summary:
         prediction, sampling = self.plan.prediction, self.plan.sampling
         return Summary(len(self.plan.prompt_ids), self.totals, self.plan.lookahead,
-                       None if prediction is None else len(prediction), None if sampling.greedy else sampling.seed,
-                       self.stop_tokens)
+                       None if prediction is None else len(prediction), None if sampling.greedy else sampling.seed)
 
     def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
         """An output carrying the counts since the previous one."""
@@ -344,9 +340,10 @@ class Worker:
         delta = job.text.feed(step.token_ids)
         finish_reason = "stop" if delta.stopped else step.finish_reason
         counts = step.stats.counts(delta.tokens)
-        job.totals += counts
         stop_token = step.stop_token is not None and not delta.stopped  # a stop string ended the text before it
-        job.stop_tokens += stop_token
+        if stop_token:  # generated, so counted (as vLLM counts EOS), though its text is not the completion's
+            counts += StepCounts(tokens=1, steps=0 if counts.steps else 1)
+        job.totals += counts
         if step.logprobs is not None:
             job.pending_logprobs = (job.pending_logprobs or []) + step.logprobs[: delta.tokens + stop_token]
         if step.prompt_logprobs is not None:
