@@ -5,7 +5,8 @@ worker thread and, in the background, loads the decoder (unless one is injected)
 metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and again while draining. Routes
 only parse, authorize and delegate to ``server.serving``; prompts are tokenized off the event loop (in a
 thread), so a huge prompt never stalls other streams; every error goes through ``server.errors``.
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` and
+``GET /v1/responses/{id}`` (``server.responses``), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's, keyed like
 ``/v1/*``),
 ``GET /health`` (readiness), ``GET /live`` (liveness: 503 only once the runtime has failed), ``GET /metrics``, and
@@ -35,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
 from decoding import BatchPolicy, Decoder, SamplingParams, StopCriteria, configure_threads
-from server import serving
+from server import responses, serving
 from server.auth import KeyChecker, load_api_keys
 from server.body import decode_json
 from server.config import ServerConfig
@@ -128,6 +129,7 @@ class Runtime:
         self.state = "loading"
         self.created = int(time.time())
         self.fingerprint = serving.system_fingerprint(config)
+        self.stored_responses = responses.ResponseStore(config.max_stored_responses)
         self._boot_task: asyncio.Task | None = None
 
     @asynccontextmanager
@@ -319,6 +321,23 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/completions")
 async def completions(request: Request) -> Response:
     return await generate(request, CompletionRequest, serving.completion_prompts, "prompt")
+
+
+@router.post("/responses")
+async def create_response(request: Request) -> Response:
+    """OpenAI's Responses API, decoded on the chat path (``server.responses``)."""
+    runtime = runtime_of(request)
+    body = responses.parse_request(await read_json(request, runtime.config.max_request_bytes))
+    handles, renderer = await responses.submit(runtime, body)
+    if body.stream:
+        return EventSourceResponse(responses.events(handles, renderer), sep="\n", ping=SSE_PING_SECONDS)
+    return JSONResponse(await serving.complete(handles, renderer, disconnect_watcher(request)))
+
+
+@router.get("/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    """A stored response (404 when not stored)."""
+    return runtime_of(request).stored_responses.get(response_id)
 
 
 @router.get("/models")

@@ -183,6 +183,9 @@ class ServerConfig(BaseModel):
                        "(each choice is a sequence of its own in the running slots and the queue)")
     drain_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM, finish in-flight work this long, "
                                        "then cancel")
+    max_stored_responses: int = Field(1024, ge=0, description="/v1/responses kept in memory for "
+                                      "previous_response_id and GET /v1/responses/{id}, the least recently stored "
+                                      "evicted first (0: none; a restart forgets them)")
     json_integer_digits: int = Field(
         16, ge=0, le=1 << 20, description="structured output and tool calls: the most digits of a JSON number's "
         "integer part (and of its exponent), as llama.cpp's JSON grammars (0: unbounded)",

@@ -43,6 +43,7 @@ from server.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
+from server.responses_protocol import ResponseObject, ResponseRequest
 
 REF = "#/components/schemas/{model}"
 # A stream's schema: the raw text, or one event as an SSE parser yields it (schemathesis validates each parsed
@@ -86,7 +87,7 @@ class HealthStatus(BaseModel):
 ERROR_DESCRIPTIONS = {
     "400": "Invalid request: bad JSON, wrong types, out-of-range values, context length exceeded.",
     "401": "Missing or wrong API key (when the server has keys).",
-    "404": "Unknown model.",
+    "404": "Unknown model, or (/v1/responses) an unknown stored response.",
     "413": "Request body over the configured limit.",
     "429": "Queue full; retry after Retry-After seconds.",
     "500": "The generation failed (this request only).",
@@ -285,6 +286,7 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
                                     "description": "false: at most one call per reply; true: 1 to 8."},
             "response_format": nullable(RESPONSE_FORMAT),
         },
+        "ResponseRequest": {"model": shared["model"], "seed": shared["seed"]},
         "CompletionRequest": {
             **shared,
             "prompt": prompt_schema(vocab_size),
@@ -304,12 +306,12 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
 
 def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> dict[str, Any]:
     """Every body model as a named component, request schemas tightened to what the server accepts."""
-    request_models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    request_models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponseRequest)
     requests = [(model, "validation") for model in request_models]
     responses = [
         (model, "serialization")
         for model in (ChatCompletion, Completion, ModelList, ModelCard, ErrorResponse, HealthStatus,
-                      TokenizeResponse, DetokenizeResponse, TokenizerInfo)
+                      TokenizeResponse, DetokenizeResponse, TokenizerInfo, ResponseObject)
     ]
     _, bundle = models_json_schema([*requests, *responses], ref_template=REF)
     schemas: dict[str, Any] = bundle["$defs"]
@@ -378,6 +380,11 @@ def operations(config: ServerConfig, protected: bool) -> dict[tuple[str, str], d
     return {
         ("/v1/chat/completions", "post"): generation_operation("ChatCompletionRequest", "ChatCompletion", auth),
         ("/v1/completions", "post"): generation_operation("CompletionRequest", "Completion", auth),
+        ("/v1/responses", "post"): generation_operation("ResponseRequest", "ResponseObject", auth),
+        ("/v1/responses/{response_id}", "get"): {
+            "responses": {"200": {"description": "A stored response.", "content": json_content("ResponseObject")},
+                          **error_responses((*auth, "404"))},
+        },
         ("/tokenize", "post"): tool_operation("TokenizeRequest", "TokenizeResponse", auth),
         ("/detokenize", "post"): tool_operation("DetokenizeRequest", "DetokenizeResponse", auth),
         ("/tokenizer_info", "get"): {

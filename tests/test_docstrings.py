@@ -20,6 +20,8 @@ MODULES = [
     "server.errors",
     "server.ray_app",
     "server.ray_metrics",
+    "server.responses",
+    "server.responses_protocol",
     "server.serving",
     "server.sse",
 ]

@@ -25,7 +25,8 @@ FLAG_KEY = f"sk-flag-{secrets.token_hex(12)}"
 WRONG_KEY = f"sk-wrong-{secrets.token_hex(12)}"
 ROUTES = [("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
           ("POST", "/v1/completions", completion_body("Hi", max_tokens=1)),
-          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})]
+          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+          ("POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 1})]
 
 
 @pytest.fixture(scope="module")

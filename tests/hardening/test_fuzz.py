@@ -3,10 +3,11 @@
 
 Checks on every response: no 5xx; the status is documented; content type and body conform to the schema;
 documented headers (``Retry-After``) are present; schema-invalid bodies are refused with a 4xx; every 4xx
-carries OpenAI's envelope; a stream is well formed (JSON events, then ``[DONE]``). No hangs: each call has
-a timeout. The run is derandomized (a fixed seed) and bounded; ``HARDENING_FUZZ_SCALE=10`` multiplies the
-number of cases for a longer local run. Generations stay short: the live server's default ``max_tokens`` is 8
-and larger requested values are capped at ``TOKEN_CAP`` before sending (still schema-valid).
+carries OpenAI's envelope; a stream is well formed (JSON events, then ``[DONE]``; on ``/v1/responses``
+numbered events ending with the whole response). No hangs: each call has a timeout. The run is derandomized
+(a fixed seed) and bounded; ``HARDENING_FUZZ_SCALE=10`` multiplies the number of cases for a longer local run.
+Generations stay short: the live server's default ``max_tokens`` is 8 and larger requested values are capped
+at ``TOKEN_CAP`` before sending (still schema-valid).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tests.hardening.live import ERROR_FIELDS
 pytestmark = pytest.mark.real_model
 SCALE = int(os.environ.get("HARDENING_FUZZ_SCALE", "1"))
 TOKEN_CAP = 4
+GENERATION_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 TIMEOUT_SECONDS = 60
 CHECKS = [
     not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -55,11 +57,18 @@ def error_envelope(ctx: Any, response: Any, case: Any) -> bool | None:
 
 
 def well_formed_stream(ctx: Any, response: Any, case: Any) -> bool | None:
-    """A 200 stream is JSON events without an error, ending with ``[DONE]``."""
+    """A 200 stream is JSON events without an error, ending with ``[DONE]``; a Responses stream's events are
+    numbered from 0 and end with its ``response.completed`` (or ``response.incomplete``)."""
     content_type = response.headers.get("content-type", [""])[0]
     if response.status_code != 200 or not content_type.startswith("text/event-stream") or response.stream_cut_short:
         return None
     events = data_events(response.content.decode())
+    if case.path == "/v1/responses":
+        parsed = [json.loads(event) for event in events]
+        assert [event["sequence_number"] for event in parsed] == list(range(len(parsed))), events[-3:]
+        assert parsed[-1]["type"] in ("response.completed", "response.incomplete"), events[-3:]
+        assert all(event["type"] != "error" for event in parsed), events
+        return None
     assert events and events[-1] == "[DONE]", events[-3:]
     for event in events[:-1]:
         assert "error" not in json.loads(event), event
@@ -67,10 +76,11 @@ def well_formed_stream(ctx: Any, response: Any, case: Any) -> bool | None:
 
 
 def cap_tokens(case: schemathesis.Case) -> None:
-    """Lower a valid, large ``max_tokens`` / ``max_completion_tokens`` to ``TOKEN_CAP`` (keeps calls short)."""
+    """Lower a valid, large ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` to ``TOKEN_CAP``
+    (keeps calls short)."""
     if not isinstance(case.body, dict):
         return
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = case.body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > TOKEN_CAP:
             case.body[name] = TOKEN_CAP
@@ -101,24 +111,25 @@ def fuzz(schema: Any, base_url: str, path: str, method: str, mode: GenerationMod
     return statuses
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", GENERATION_ROUTES)
 def test_generation_routes_accept_valid_bodies(schema, live, path):
     statuses = fuzz(schema, live.base_url, path, "POST", GenerationMode.POSITIVE, 20)
     assert statuses[200] >= 5, statuses  # the fuzzer really reached the decoder
-    assert set(statuses) <= {200, 400}, statuses  # 400: only what no schema can say (context, content rules)
+    # 400: only what no schema can say (context, content rules); 404: a previous_response_id never stored
+    assert set(statuses) <= ({200, 400, 404} if path == "/v1/responses" else {200, 400}), statuses
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", GENERATION_ROUTES)
 def test_generation_routes_refuse_invalid_bodies(schema, live, path):
     statuses = fuzz(schema, live.base_url, path, "POST", GenerationMode.NEGATIVE, 40)
     assert statuses and all(400 <= status < 500 for status in statuses), statuses
 
 
 @pytest.mark.parametrize("path, examples", [("/v1/models", 3), ("/v1/models/{model_id}", 15), ("/health", 3),
-                                            ("/metrics", 3)])
+                                            ("/metrics", 3), ("/v1/responses/{response_id}", 5)])
 def test_read_routes(schema, live, path, examples):
     statuses = fuzz(schema, live.base_url, path, "GET", GenerationMode.POSITIVE, examples)
-    assert statuses and set(statuses) <= {200, 404}, statuses  # 404: an unknown model id
+    assert statuses and set(statuses) <= {200, 404}, statuses  # 404: an unknown model id, or response id
 
 
 def test_live_schema_bounds_token_ids_by_the_vocabulary(live):

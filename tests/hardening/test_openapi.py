@@ -11,6 +11,7 @@ import pytest
 from server.app import create_app
 from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses import parse_request
 
 GENERATION_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest"}
 PROTOCOL = {"ChatCompletionRequest": ChatCompletionRequest, "CompletionRequest": CompletionRequest}
@@ -169,7 +170,7 @@ def test_auth_is_documented_only_where_enforced():
     guarded = document(api_key="k", protect_metrics=True)
     assert guarded["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/metrics",
-                 "/tokenize", "/detokenize"):
+                 "/tokenize", "/detokenize", "/v1/responses", "/v1/responses/{response_id}"):
         operation = next(iter(guarded["paths"][path].values()))
         assert "401" in operation["responses"] and operation["security"] == [{"bearer": []}], path
     assert "401" not in guarded["paths"]["/health"]["get"]["responses"]
@@ -229,3 +230,31 @@ def test_prediction_schema(doc, prediction, valid):
 def test_usage_describes_the_prediction_counts(doc):
     details = doc["components"]["schemas"]["CompletionTokensDetails"]["properties"]
     assert set(details) == {"accepted_prediction_tokens", "rejected_prediction_tokens"}
+
+
+@pytest.mark.parametrize("body, valid", [
+    ({"input": "Hi"}, True), ({"input": []}, True), ({"input": [{"role": "user", "content": "Hi"}]}, True),
+    ({"input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "x"}]},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "status": "completed"},
+                {"type": "function_call_output", "call_id": "c", "output": "42"}],
+      "instructions": "Be brief.", "max_output_tokens": 16, "temperature": 0, "top_p": 1, "seed": -1,
+      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": False}],
+      "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": False, "stream": True,
+      "store": False, "previous_response_id": "resp_x", "metadata": {"k": "v"}, "lookahead": {"window_size": 6},
+      "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}},
+      "reasoning": {"effort": "low"}, "include": [], "truncation": "auto"}, True),
+    ({}, False), ({"input": 3}, False), ({"input": [{"type": "input_image", "image_url": "x"}]}, False),
+    ({"input": [{"role": "tool", "content": "x"}]}, False), ({"input": [{"role": "user"}]}, False),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, False),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, False),
+    ({"input": "Hi", "max_output_tokens": 0}, False), ({"input": "Hi", "temperature": 2.5}, False),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, False), ({"input": "Hi", "tool_choice": "sometimes"}, False),
+    ({"input": "Hi", "model": "gpt-4o"}, False), ({"input": "Hi", "lookahead": {"window_size": 7}}, False),
+    ({"input": "Hi", "text": {"format": {"type": "xml"}}}, False), ({"input": "Hi", "store": "yes"}, False),
+])
+def test_responses_schema(doc, body, valid):
+    assert validator(doc, "ResponseRequest").is_valid(body) is valid
+    if valid:
+        parse_request(body)
+    assert set(doc["paths"]["/v1/responses"]["post"]["responses"]) == {
+        "200", "400", "404", "413", "429", "500", "503"}
