@@ -25,14 +25,15 @@ COPY_CONFIGS = [
 ]
 
 
-def flatten(steps) -> tuple[list[int], list]:
-    """The tokens and logprobs of a run, checking that every step's logprobs align with its tokens."""
+def flatten(steps, with_stop: bool = False) -> tuple[list[int], list]:
+    """The tokens and logprobs of a run, checking that every step's logprobs align with its tokens (and its stop
+    token's, last, when it ended at one); ``with_stop`` keeps the stop token and its logprob at the end."""
     tokens, logprobs = [], []
     for step in steps:
-        assert step.logprobs is not None and len(step.logprobs) == len(step.token_ids)
-        assert [entry.token_id for entry in step.logprobs] == step.token_ids
-        tokens += step.token_ids
-        logprobs += step.logprobs
+        stop = [] if step.stop_token is None else [step.stop_token]
+        assert step.logprobs is not None and [entry.token_id for entry in step.logprobs] == step.token_ids + stop
+        tokens += step.token_ids + (stop if with_stop else [])
+        logprobs += step.logprobs if with_stop else step.logprobs[: len(step.token_ids)]
     return tokens, logprobs
 
 
@@ -123,13 +124,13 @@ def test_batched_logprobs_equal_each_stream_alone(tiny_model):
 
 
 def test_logprobs_stop_where_the_tokens_stop(tiny_model):
-    """A stop token or max_tokens inside an accepted run cuts the logprobs with the tokens."""
+    """A stop token inside an accepted run cuts the logprobs with the tokens, its own logprob listed last."""
     prompt = PROMPTS[0]
     tokens, _ = autoregressive(tiny_model, prompt, 40)
     stop = StopCriteria(17, frozenset({tokens[12]}))
     steps = list(generate_lookahead(tiny_model, prompt, stop, GREEDY_LOGPROBS, LookaheadConfig(4, 4, 4)))
-    stopped_tokens, logprobs = flatten(steps)
-    assert stopped_tokens == tokens[: tokens.index(tokens[12])]
+    stopped_tokens, logprobs = flatten(steps, with_stop=True)  # the stop token's logprob comes last
+    assert stopped_tokens == tokens[: tokens.index(tokens[12]) + 1] and steps[-1].stop_token == tokens[12]
     assert_same_logprobs(logprobs, full_forward_logprobs(tiny_model, prompt, stopped_tokens))
 
 
