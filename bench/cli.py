@@ -20,6 +20,8 @@ users run them.
 from __future__ import annotations
 
 import argparse
+import datetime
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -62,7 +64,7 @@ from bench.report import (
     to_json,
     total_rows,
 )
-from bench.settings import Resolved, describe, resolve
+from bench.settings import Resolved, describe, preset_digest, resolve
 from decoding.decoder import QUANTIZE, WEIGHT_LAYOUTS, Decoder, check_linear_options, configure_threads, prepare_linears
 from decoding.errors import DecodingError
 from decoding.loading import LoadedModel, load_model
@@ -203,6 +205,28 @@ def json_settings(resolved: Resolved, env: Mapping[str, object]) -> dict[str, ob
         "sources": resolved.sources,
         "batch": asdict(resolved.policy),
         "environment": env,
+        "stamp": stamp(resolved.preset),
+    }
+
+
+def stamp(preset: str) -> dict[str, object]:
+    """Where a figure comes from: the command line, the commit (with ``+dirty`` for uncommitted changes), the UTC
+    date, and the preset with its digest (``bench.settings.preset_digest``)."""
+    def git(*arguments: str) -> str:
+        try:
+            return subprocess.run(["git", *arguments], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {
+        "command": "python -m bench " + " ".join(sys.argv[1:]),
+        "commit": commit + ("+dirty" if dirty else ""),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "preset": preset,
+        "preset_digest": preset_digest(preset),
     }
 
 

@@ -17,6 +17,8 @@ Raises ``server.config.ConfigError`` when the server's configuration does not lo
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 from dataclasses import dataclass
 
 from decoding.batch import BatchPolicy
@@ -28,6 +30,7 @@ LOOKAHEAD_FIELDS = (
     "copy_candidates", "copy_stretch", "window_chains"
 )
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
+DECODING_SECTIONS = ("lookahead", "batch", *MODEL_FIELDS)  # what of a preset decides how a benchmark decodes
 SERVER_MEMORY_TOKENS = ServerConfig().lookahead.memory_tokens  # the server's shared n-gram memory, by default
 FLAG = "flag"
 
@@ -86,6 +89,15 @@ def resolve(args: argparse.Namespace, preset: str | None = None) -> Resolved:
     if sources["break_even"] != FLAG:
         filled.break_even = min(filled.break_even, max(filled.ngram_size - 1, 0))
     return Resolved(filled, sources, batch_policy(config), preset, model_preset)
+
+
+def preset_digest(preset: str) -> str:
+    """12 hex digits of SHA-256 over what ``preset`` (``"cpu"`` or ``"cuda"``) resolves to for decoding (its
+    lookahead and batch settings, the model, dtype, linears and threads, defaults included): a figure stamped with
+    it was measured on that preset exactly; any change to a value there changes it."""
+    config = load_config(device_preset=preset).model_dump(mode="json")
+    decoding = {name: config[name] for name in DECODING_SECTIONS}
+    return hashlib.sha256(json.dumps(decoding, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def describe(resolved: Resolved) -> str:
