@@ -27,6 +27,7 @@ what multi-token verification needs.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from decoding.params import ANY_JSON_OBJECT, JSON_WHITESPACE, Grammar, NumberBou
 
 __all__ = ["ANY_JSON_OBJECT", "Constraint", "ConstraintViolation", "Grammar", "GrammarCompiler", "GrammarError"]
 
+COMPILED_GRAMMARS = 64  # compiled grammars a compiler keeps (a check, then its request's constraint, reuse one)
 DIGITS = frozenset("0123456789")
 # A JSON number's part the output is in (NONE: not in a number), as ``_lex`` follows it.
 NONE, INTEGER, FRACTION, EXPONENT = range(4)
@@ -99,6 +101,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._hf_tokenizer = tokenizer
+        self._matchers: dict[Grammar, Any] = {}  # compiled grammars, least recently used first
+        self._lock = threading.Lock()  # checks run on request threads, constraints on the worker's
 
     @functools.cached_property
     def _lexicon(self) -> Lexicon:
@@ -115,25 +119,34 @@ class GrammarCompiler:
         return llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
 
     def check(self, grammar: Grammar) -> None:
-        """Raise ``GrammarError`` when ``grammar`` cannot be compiled."""
-        import llguidance
-
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            self._serialised(grammar), self._tokenizer
-        )
-        if is_error:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
+        """Raise ``GrammarError`` when ``grammar`` cannot be compiled. The compiled grammar is kept (the last
+        ``COMPILED_GRAMMARS``), so the decode's ``constraint`` that follows the check does not compile it again."""
+        self._compiled(grammar)
 
     def constraint(self, grammar: Grammar) -> Constraint:
-        """A fresh constraint at the start of the output; ``GrammarError`` when the grammar does not compile."""
-        import llguidance
-
-        matcher = llguidance.LLMatcher(self._tokenizer, self._serialised(grammar), log_level=0)
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+        """A fresh constraint at the start of the output (a copy of the compiled grammar's matcher);
+        ``GrammarError`` when the grammar does not compile."""
+        matcher = self._compiled(grammar).deep_copy()
         numbers = grammar.numbers if grammar.numbers is not None and any(vars(grammar.numbers).values()) else None
         return Constraint(matcher, self.vocab_size, self._tokenizer.eos_token, numbers,
                           self._lexicon if numbers is not None else None)
+
+    def _compiled(self, grammar: Grammar) -> Any:
+        """The matcher of ``grammar`` at the start of the output, compiled once and kept (least recently used
+        dropped first); ``GrammarError`` when the grammar does not compile. Never advanced: callers copy it."""
+        import llguidance
+
+        with self._lock:
+            matcher = self._matchers.pop(grammar, None)
+        if matcher is None:
+            matcher = llguidance.LLMatcher(self._tokenizer, self._serialised(grammar), log_level=0)
+            if matcher.is_error():
+                raise GrammarError(matcher.get_error())
+        with self._lock:
+            self._matchers[grammar] = matcher  # most recently used last
+            while len(self._matchers) > COMPILED_GRAMMARS:
+                self._matchers.pop(next(iter(self._matchers)))
+        return matcher
 
     @staticmethod
     def _serialised(grammar: Grammar) -> str:

@@ -215,18 +215,22 @@ def response_grammar(request: GenerationFields, numbers: NumberBounds | None = L
 
 
 def output_grammar(engine: Engine, request: GenerationFields) -> Grammar | None:
-    """The grammar the output must match, checked: ``response_format``'s, or the tool call grammar when calls
-    can come (``server.tools.grammar``; each tool's ``parameters`` checked first, a 400 naming the bad one). Call
-    it off the event loop."""
+    """The grammar the output must match, checked (compiled once: the decode's constraint reuses it):
+    ``response_format``'s, or the tool call grammar when calls can come (``server.tools.grammar``; when it does
+    not compile, each tool's ``parameters`` is checked to give a 400 naming the bad one). Call it off the event
+    loop."""
     plan = tool_plan(request)
     if plan is None:
         grammar = response_grammar(request, engine.config.number_bounds)
         check_grammar(engine, grammar, "response_format.json_schema.schema")
         return grammar
-    for param, parameters in tools.parameter_grammars(plan):
-        check_grammar(engine, parameters, param)
     grammar = tools.grammar(plan, engine.config.number_bounds)
-    check_grammar(engine, grammar, "tools")
+    try:
+        check_grammar(engine, grammar, "tools")
+    except BadRequestError:
+        for param, parameters in tools.parameter_grammars(plan):
+            check_grammar(engine, parameters, param)
+        raise
     return grammar
 
 
