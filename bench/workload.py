@@ -24,13 +24,13 @@ import transformers
 from transformers import PreTrainedModel
 
 from bench.datasets import PromptSpec, encode_prompt, load_dataset
-from bench.settings import LOOKAHEAD_FIELDS, SERVER_MEMORY_TOKENS, batch_policy
+from bench.settings import SERVER_MEMORY_TOKENS, batch_policy
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.decoder import Decoder, configure_threads
 from decoding.engine import StepCounts
 from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from server.config import ServerConfig, load_config
+from server.config import ServerConfig, decoder_lookahead, load_config
 
 SYSTEM_PROMPT = "You are a concise assistant. Follow the answer format exactly."
 TEMPLATE = (
@@ -120,7 +120,7 @@ def load_preset(device: str, preset: str | None = None) -> tuple[ServerConfig, L
     device_preset = "cuda" if device.startswith("cuda") else "cpu"
     config = load_config(device_preset=preset or device_preset)
     model = config if preset in (None, device_preset) else load_config(device_preset=device_preset)
-    lookahead = LookaheadConfig(**{name: getattr(config.lookahead, name) for name in LOOKAHEAD_FIELDS})
+    lookahead = decoder_lookahead(config.lookahead)
     configure_threads(model.threads)
     transformers.utils.logging.disable_progress_bar()
     decoder = Decoder.load(model.model, device, model.dtype, model.quantize, model.weight_layout)

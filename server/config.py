@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from collections.abc import Iterator
@@ -224,6 +225,21 @@ def lookahead_bounds(settings: LookaheadSettings) -> dict[str, tuple[int, int]]:
     """
     names = ("window_size", "ngram_size", "guess_set_size")
     return {name: (LOOKAHEAD_BOUNDS[name][0], getattr(settings, f"max_{name}")) for name in names}
+
+
+def decoder_lookahead(settings: LookaheadSettings, **request: Any) -> LookaheadConfig:
+    """The one conversion of the server's lookahead settings into the decoder's ``LookaheadConfig`` (the server,
+    the tuner, the benchmark and the tests all use it): every field the two share, then ``request``'s values (a
+    request's W/N/G, ``shared_memory``), ``break_even`` capped at N-1 (no step accepts more).
+
+    >>> config = decoder_lookahead(LookaheadSettings(break_even=3.0), ngram_size=3)
+    >>> config.ngram_size, config.break_even
+    (3, 2.0)
+    """
+    shared = {field.name for field in dataclasses.fields(LookaheadConfig)} & set(LookaheadSettings.model_fields)
+    values = {name: getattr(settings, name) for name in shared} | request
+    values["break_even"] = min(values["break_even"], float(values["ngram_size"] - 1))
+    return LookaheadConfig(**values)
 
 
 # ---- Layers -------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from decoding import (
     draw_seed,
 )
 from server import tools
-from server.config import LookaheadSettings, ServerConfig, lookahead_bounds
+from server.config import LookaheadSettings, ServerConfig, decoder_lookahead, lookahead_bounds
 from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
 from server.protocol import (
     AssistantMessage,
@@ -273,13 +273,7 @@ def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSetti
     enabled = settings.enabled if request.enabled is None else request.enabled
     if not enabled:
         return None
-    break_even = min(settings.break_even, values["ngram_size"] - 1)
-    return LookaheadConfig(
-        **values, lazy_window=settings.lazy_window, break_even=break_even, copy_length=settings.copy_length,
-        copy_min_match=settings.copy_min_match, copy_candidates=settings.copy_candidates,
-        copy_stretch=settings.copy_stretch, window_chains=settings.window_chains,
-        shared_memory=request.shared_memory is not False,
-    )
+    return decoder_lookahead(settings, **values, shared_memory=request.shared_memory is not False)
 
 
 def resolve_max_tokens(

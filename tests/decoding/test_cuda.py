@@ -15,8 +15,7 @@ from transformers import DynamicCache
 from decoding.batch import BatchPolicy
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
-from server.config import load_config
-from server.serving import resolve_lookahead
+from server.config import decoder_lookahead, load_config
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, make_stream, run_batch, tokens_of
@@ -34,7 +33,7 @@ CONFIGS = [
 ]
 # What the server runs on a GPU (as server.app resolves it): the window, the pool's token tree and the copy steps
 # in one tree mask.
-CUDA_PRESET = resolve_lookahead(None, load_config(device_preset="cuda").lookahead)
+CUDA_PRESET = decoder_lookahead(load_config(device_preset="cuda").lookahead)
 REAL_MESSAGES = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "List three tips for writing clear emails.",

@@ -128,13 +128,12 @@ def test_the_static_step_on_the_real_model_equals_greedy(greedy_outputs):
     from decoding.kv_cache import KVPool
     from decoding.loading import load_model
     from decoding.static import StaticStep
-    from server.config import load_config
-    from server.serving import resolve_lookahead
+    from server.config import decoder_lookahead, load_config
     from tests.decoding.test_static import drain
 
     loaded = load_model(device="cpu", dtype="float32")
     static = StaticStep(loaded.model, KVPool(loaded.model, 2, 1024, scratch_tokens=256))
-    preset = resolve_lookahead(None, load_config(device_preset="cuda").lookahead)
+    preset = decoder_lookahead(load_config(device_preset="cuda").lookahead)
     eos = Decoder(loaded).eos_token_ids()
     for text in MESSAGES[:2]:
         ids, expected = greedy_outputs[text]

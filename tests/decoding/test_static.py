@@ -16,8 +16,7 @@ from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.static import Bucket, StaticStep, attended_lengths
 from decoding.static_forward import static_forward, supports
 from decoding.window import step_layout
-from server.config import load_config
-from server.serving import resolve_lookahead
+from server.config import decoder_lookahead, load_config
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, tokens_of
@@ -29,7 +28,7 @@ GRID = [
     LookaheadConfig(3, 4, 3, copy_length=12, copy_min_match=1, copy_candidates=3),
     LookaheadConfig(1, 5, 3, lazy_window=True, break_even=0.5, copy_length=10),
 ]
-CUDA_PRESET = resolve_lookahead(None, load_config(device_preset="cuda").lookahead)
+CUDA_PRESET = decoder_lookahead(load_config(device_preset="cuda").lookahead)
 OP_CEILING = 700
 ARCHITECTURES = {"llama": tiny_llama, "qwen2": tiny_qwen2}
 
