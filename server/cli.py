@@ -34,7 +34,7 @@ from server.config import (
     requested_device,
     resolve,
 )
-from server.tuning import add_tune_flags, tune_command
+from server.tuning import TUNED_WITH, add_tune_flags, tune_command
 
 API_KEY_ENV = "LOOKAHEAD_API_KEY"
 logger = logging.getLogger("server.cli")
@@ -195,6 +195,17 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``lookahead-server tune``: ``--config`` and the serve flags it tunes with, then the tuner's own."""
+    add_config_flags(parser, TUNED_WITH)
+    add_tune_flags(parser)
+
+
+def tune(args: argparse.Namespace) -> int:
+    """``lookahead-server tune``: the tuner (``server.tuning``) on the configuration ``serve`` would run."""
+    return tune_command(args, build_config)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "serve": ("run the OpenAI-compatible server (the default command)", add_config_flags, serve),
     "config": ("print the configuration serve would run, and where each value comes from", add_show_config_flags,
@@ -202,7 +213,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "chat": ("chat in the terminal with a running server (or --serve one), multi-token steps coloured",
              add_chat_flags, chat),
     "tune": ("measure this device and write a config file of W/N/G and the step policy (serve it with --config)",
-             add_tune_flags, tune_command),
+             add_tuning_flags, tune),
 }
 
 

@@ -14,21 +14,20 @@ import argparse
 import datetime
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
-from server.config import ConfigError
+from server.config import ConfigError, ServerConfig
 
 # The config values that decide what is tuned: the model and how it runs, and the copy steps the tuner keeps.
 TUNED_WITH = ("model", "device", "dtype", "quantize", "weight_layout", "threads", "lookahead.copy_length")
 
 
 def add_tune_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``lookahead-server tune``: ``--config`` and the serve flags in ``TUNED_WITH``, then its own."""
-    from server.cli import add_config_flags  # the CLI module imports this one
-
-    add_config_flags(parser, TUNED_WITH)
+    """The flags of ``lookahead-server tune`` of its own (the CLI adds ``--config`` and the serve flags in
+    ``TUNED_WITH`` before them)."""
     parser.add_argument("--prompts-per-set", type=int, default=3, help="HumanEval and chat prompts each (3)")
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per prompt (96)")
     parser.add_argument("--output", help="config file to write (default tuned-<device>.yaml, current directory)")
@@ -71,12 +70,12 @@ def preset_text(result, device: str, model: str) -> str:
     return "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 
-def tune_command(args: argparse.Namespace) -> int:
-    """Run the tuner with the server's configuration and write the config file; 0 on success."""
+def tune_command(args: argparse.Namespace, build_config: Callable[[argparse.Namespace], ServerConfig]) -> int:
+    """Run the tuner with the server's configuration (``build_config(args)``, the CLI's, as ``serve`` resolves it)
+    and write the config file; 0 on success."""
     from bench.datasets import encode_prompt
     from bench.tune import tune, tune_prompts
     from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
-    from server.cli import build_config
 
     try:
         config = build_config(args)

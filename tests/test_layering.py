@@ -57,3 +57,45 @@ def test_bench_reads_only_the_server_config() -> None:
             if bad:
                 offenders[str(path.relative_to(ROOT))] = bad
     assert offenders == {}
+
+
+def server_import_graph() -> dict[str, set[str]]:
+    """Each ``server`` module's imports of other ``server`` modules, at any depth of the file (imports inside
+    functions included), leaving out those under ``if TYPE_CHECKING:`` (annotations only)."""
+    modules = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+               for path in (ROOT / "server").rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and getattr(node.test, "id", None) == "TYPE_CHECKING" for inner in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        graph[name] = found & set(modules) - {name}
+    return graph
+
+
+def test_server_modules_import_each_other_without_cycles():
+    graph = server_import_graph()
+    assert graph["server.cli"] >= {"server.tuning"}  # the walk sees function-level imports too
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for imported in sorted(graph[module]):
+            if imported in path:
+                cycles.append(path[path.index(imported):] + [imported])
+            elif imported not in done:
+                visit(imported, [*path, imported])
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert cycles == []
