@@ -290,7 +290,7 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 async def generate(
     request: Request,
     request_type: type[ChatCompletionRequest] | type[CompletionRequest],
-    prompts_of: Callable[[Any, Any], list[list[int]]],
+    prompts_of: serving.PromptsOf,
     prompt_param: str,
 ) -> Response:
     """Parse, check, plan, submit and answer one generation request (chat or completion alike), every choice
@@ -302,15 +302,9 @@ async def generate(
     prompt_count = len(body.prompt_list()) if isinstance(body, CompletionRequest) else 1
     serving.check_choices(runtime.config, body.n, prompt_count)
     engine = runtime.require_engine()
-    prompts = await asyncio.to_thread(prompts_of, engine.codec, body)  # a long prompt must not stall the loop
-    prediction = await asyncio.to_thread(serving.prediction_ids, engine.codec, body) if body.prediction else None
-    grammar = await asyncio.to_thread(serving.output_grammar, engine, body)  # compiling may take a while
-    generations = serving.plan_choices(engine, body, prompts, prompt_param, prediction, grammar)
-    renderer = await asyncio.to_thread(serving.renderer_for, body, model, engine.codec, prompts, runtime.fingerprint)
-    if isinstance(renderer, serving.ChatRenderer):
-        renderer.use_tools(serving.tool_plan(body))
-    handles = serving.start_many(engine, generations)
-    return await respond(request, handles, renderer, bool(body.stream))
+    prepared, renderer = await asyncio.to_thread(  # tokenizing and compiling a grammar must not stall the loop
+        serving.prepare_rendered, engine, body, prompts_of, prompt_param, model, runtime.fingerprint)
+    return await respond(request, serving.start_many(engine, prepared.generations), renderer, bool(body.stream))
 
 
 @router.post("/chat/completions")

@@ -267,12 +267,10 @@ async def submit(runtime: Runtime, request: ResponseRequest) -> tuple[list[Handl
         chat = chat_request(request, conversation)
         serving.check_supported(chat)
         engine = runtime.require_engine()
-        prompts = await asyncio.to_thread(serving.chat_prompts, engine.codec, chat)  # off the event loop
-        grammar = await asyncio.to_thread(serving.output_grammar, engine, chat)
-        generations = serving.plan_choices(engine, chat, prompts, "input", None, grammar)
-        renderer = ResponsesRenderer(shell(request, model), serving.tool_plan(chat), conversation,
+        prepared = await asyncio.to_thread(serving.prepare, engine, chat, serving.chat_prompts, "input")
+        renderer = ResponsesRenderer(shell(request, model), prepared.plan, conversation,
                                      store if request.store else None)
-        return serving.start_many(engine, generations), renderer
+        return serving.start_many(engine, prepared.generations), renderer
     except (BadRequestError, InvalidParameterError) as error:
         raise renamed(error) from error
 

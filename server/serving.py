@@ -194,11 +194,10 @@ def check_choices(config: ServerConfig, n: int | None, prompts: int) -> None:
 
 
 def check_chat_supported(request: ChatCompletionRequest) -> None:
-    """400 for ``top_logprobs`` without ``logprobs`` and for tool fields that cannot work together
-    (``server.tools.resolve``)."""
+    """400 for ``top_logprobs`` without ``logprobs`` (tool fields that cannot work together are refused where the
+    tool plan is resolved, once: ``prepare``)."""
     if request.top_logprobs is not None and not request.logprobs:
         raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
-    tools.resolve(request)
 
 
 def response_grammar(request: GenerationFields, numbers: NumberBounds | None = LLAMA_CPP_NUMBERS) -> Grammar | None:
@@ -214,12 +213,11 @@ def response_grammar(request: GenerationFields, numbers: NumberBounds | None = L
     return Grammar.json_schema(closed_schema(json_schema.schema_, bool(json_schema.strict)), numbers)
 
 
-def output_grammar(engine: Engine, request: GenerationFields) -> Grammar | None:
+def output_grammar(engine: Engine, request: GenerationFields, plan: tools.ToolPlan | None) -> Grammar | None:
     """The grammar the output must match, checked (compiled once: the decode's constraint reuses it):
-    ``response_format``'s, or the tool call grammar when calls can come (``server.tools.grammar``; when it does
-    not compile, each tool's ``parameters`` is checked to give a 400 naming the bad one). Call it off the event
-    loop."""
-    plan = tool_plan(request)
+    ``response_format``'s, or the tool call grammar when ``plan`` (the request's ``tool_plan``) lets calls come
+    (``server.tools.grammar``; when it does not compile, each tool's ``parameters`` is checked to give a 400 naming
+    the bad one). Call it off the event loop."""
     if plan is None:
         grammar = response_grammar(request, engine.config.number_bounds)
         check_grammar(engine, grammar, "response_format.json_schema.schema")
@@ -235,8 +233,34 @@ def output_grammar(engine: Engine, request: GenerationFields) -> Grammar | None:
 
 
 def tool_plan(request: GenerationFields) -> tools.ToolPlan | None:
-    """The tool calls a chat request allows (``server.tools.resolve``); None for completions."""
+    """The tool calls a chat request allows (``server.tools.resolve``: 400 for tool fields that cannot work
+    together); None for completions."""
     return tools.resolve(request) if isinstance(request, ChatCompletionRequest) else None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A generation request decided once: its prompts' ids, its tool plan (None: no calls can come) and one
+    ``GenerationPlan`` per choice, the grammar compiled and checked."""
+
+    prompts: list[list[int]]
+    plan: tools.ToolPlan | None
+    generations: list[GenerationPlan]
+
+
+PromptsOf = Callable[[TextCodec, Any, "tools.ToolPlan | None"], list[list[int]]]
+
+
+def prepare(engine: Engine, request: GenerationFields, prompts_of: PromptsOf, prompt_param: str) -> Prepared:
+    """Everything about a generation request that needs the tokenizer or the grammar compiler, in one call off the
+    event loop: the tool plan (resolved once), the prompts (``prompts_of``: ``chat_prompts`` or
+    ``completion_prompts``), the prediction's ids, the grammar (``output_grammar``) and the choices' plans
+    (``plan_choices``). 400s name the field, as each step does."""
+    plan = tool_plan(request)
+    prompts = prompts_of(engine.codec, request, plan)
+    prediction = prediction_ids(engine.codec, request) if getattr(request, "prediction", None) else None
+    grammar = output_grammar(engine, request, plan)
+    return Prepared(prompts, plan, plan_choices(engine, request, prompts, prompt_param, prediction, grammar))
 
 
 def check_grammar(engine: Engine, grammar: Grammar | None, param: str) -> None:
@@ -331,11 +355,15 @@ def template_options(codec: TextCodec, request: ChatCompletionRequest | Tokenize
     return ChatTemplateOptions(request.add_generation_prompt, request.continue_final_message, dict(variables))
 
 
-def chat_prompt(codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+def chat_prompt(
+    codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest, plan: tools.ToolPlan | None = None
+) -> list[int]:
     """Render the conversation with the chat template (as its template fields say), tools and tool messages as
-    ``server.tools.render`` says, and tokenize it."""
+    ``server.tools.render`` says under ``plan`` (the request's tool plan; resolved here when not given), and
+    tokenize it."""
     options = template_options(codec, request)
-    messages, tool_list = tools.render(request.messages or [], tools.resolve(request), codec.native_tools)
+    plan = plan if plan is not None else tools.resolve(request)
+    messages, tool_list = tools.render(request.messages or [], plan, codec.native_tools)
     try:
         return codec.encode_chat(messages, options, tool_list)
     except TemplateError as exc:
@@ -362,10 +390,13 @@ def detokenize(codec: TextCodec, request: DetokenizeRequest) -> str:
     return codec.decode(request.tokens)
 
 
-def completion_prompts(codec: TextCodec, request: CompletionRequest) -> list[list[int]]:
+def completion_prompts(
+    codec: TextCodec, request: CompletionRequest, plan: tools.ToolPlan | None = None
+) -> list[list[int]]:
     """The token ids of each prompt (``CompletionRequest.prompt_list``: strings tokenized, token ids checked
     against the vocabulary); 400 for an empty list or an empty prompt in it, naming ``prompt``, or
-    ``prompt[i]`` for the i-th prompt of a list of prompts (as validation errors name it)."""
+    ``prompt[i]`` for the i-th prompt of a list of prompts (as validation errors name it). ``plan`` is unused
+    (completions call no tools: the signature is ``prepare``'s)."""
     prompts = request.prompt_list()
     if not prompts:
         raise BadRequestError("prompt must not be an empty list", param="prompt")
@@ -386,9 +417,11 @@ def completion_prompts(codec: TextCodec, request: CompletionRequest) -> list[lis
     return encoded
 
 
-def chat_prompts(codec: TextCodec, request: ChatCompletionRequest) -> list[list[int]]:
-    """The conversation as the request's one prompt (``chat_prompt``)."""
-    return [chat_prompt(codec, request)]
+def chat_prompts(
+    codec: TextCodec, request: ChatCompletionRequest, plan: tools.ToolPlan | None = None
+) -> list[list[int]]:
+    """The conversation as the request's one prompt (``chat_prompt`` under ``plan``)."""
+    return [chat_prompt(codec, request, plan)]
 
 
 @dataclass(frozen=True)
@@ -847,17 +880,28 @@ class CompletionRenderer(_Identity):
         return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)], step=step)
 
 
-def renderer_for(
-    request: GenerationFields, model: str, codec: TextCodec, prompts: Sequence[Sequence[int]],
+def prepare_rendered(
+    engine: Engine, request: GenerationFields, prompts_of: PromptsOf, prompt_param: str, model: str,
     fingerprint: str | None = None,
+) -> tuple[Prepared, Renderer]:
+    """``prepare`` and the request's renderer (``renderer_for``), in one call: one hop off the event loop."""
+    prepared = prepare(engine, request, prompts_of, prompt_param)
+    return prepared, renderer_for(request, model, engine.codec, prepared, fingerprint)
+
+
+def renderer_for(
+    request: GenerationFields, model: str, codec: TextCodec, prepared: Prepared, fingerprint: str | None = None,
 ) -> Renderer:
-    """The request's renderer: chat or completion, its ``n``, and (completions with ``echo``) its prompts."""
+    """The request's renderer: chat (reading replies for calls under the prepared tool plan) or completion, its
+    ``n``, and (completions with ``echo``) its prompts."""
     options = dict(include_usage=request.include_usage, include_steps=request.include_steps,
                    token_text=codec.token_text, fingerprint=fingerprint, n=request.n or 1)
     if isinstance(request, CompletionRequest):
-        echo = echo_prompts(codec, request, prompts) if request.echo else None
+        echo = echo_prompts(codec, request, prepared.prompts) if request.echo else None
         return CompletionRenderer(model, echo=echo, **options)
-    return ChatRenderer(model, **options)
+    renderer = ChatRenderer(model, **options)
+    renderer.use_tools(prepared.plan)
+    return renderer
 
 
 def _summaries(choices: Sequence[tuple[str, Output]]) -> list[Summary]:
