@@ -32,20 +32,18 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
 from decoding import BatchPolicy, Decoder, SamplingParams, StopCriteria, configure_threads
 from server import responses, serving
 from server.auth import KeyChecker, load_api_keys
-from server.body import decode_json
+from server.body import decode_json, parse_body
 from server.config import ServerConfig
 from server.errors import (
-    BadRequestError,
     ModelNotFoundError,
     PayloadTooLargeError,
     ServiceUnavailableError,
-    from_validation_errors,
     install_error_handlers,
 )
 from server.metrics import Metrics
@@ -62,8 +60,9 @@ from server.protocol import (
     TokenizerInfo,
     protocol_field_names,
 )
+from server.rendering import Renderer
 from server.scheduler import Handle, Scheduler
-from server.serving import Engine, Renderer
+from server.serving import Engine
 from server.text import TextCodec, read_chat_template
 from server.worker import Worker
 
@@ -257,12 +256,7 @@ async def read_json(request: Request, limit: int) -> Any:
 
 def parse(model: type[ParsedRequest], body: Any) -> ParsedRequest:
     """Validate ``body`` against a protocol model; 400 naming the first bad field."""
-    if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors(), FIELD_NAMES) from exc
+    return parse_body(model, body, FIELD_NAMES)
 
 
 def disconnect_watcher(request: Request) -> Callable[[], Any]:

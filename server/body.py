@@ -4,15 +4,21 @@ Contract: ``decode_json(body)`` accepts exactly UTF-8 JSON (a leading UTF-8 byte
 allows) and raises ``BadRequestError`` for anything else: bytes that are not UTF-8 (UTF-16 included), invalid JSON,
 the non-standard constants ``NaN``, ``Infinity`` and ``-Infinity``, nesting deeper than the parser can follow, and
 strings holding a lone surrogate (``"\\ud800"`` is valid JSON syntax but no Unicode text; the tokenizer cannot
-encode it). It never raises anything else, so a hostile body can only ever cost a 400.
+encode it). It never raises anything else, so a hostile body can only ever cost a 400. ``parse_body(model, data,
+field_names)`` validates a decoded body against a protocol model: 400 naming the first bad field.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, NoReturn
+from collections.abc import Collection
+from typing import Any, NoReturn, TypeVar
 
-from server.errors import BadRequestError
+from pydantic import BaseModel, ValidationError
+
+from server.errors import BadRequestError, from_validation_errors
+
+Parsed = TypeVar("Parsed", bound=BaseModel)
 
 PARSE_PREFIX = "We could not parse the JSON body of your request"
 
@@ -82,3 +88,14 @@ def _has_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def parse_body(model: type[Parsed], data: Any, field_names: Collection[str]) -> Parsed:
+    """Validate ``data`` (a decoded body) against a protocol model; 400 naming the first bad field
+    (``from_validation_errors`` over the endpoint's ``field_names``)."""
+    if not isinstance(data, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors(), field_names) from exc

@@ -32,11 +32,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
 from decoding import InvalidParameterError, TokenLogprob
 from server import serving, tools
-from server.errors import APIError, BadRequestError, NotFoundError, from_validation_errors, to_api_error
+from server.body import parse_body
+from server.errors import APIError, BadRequestError, NotFoundError, to_api_error
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -51,6 +50,7 @@ from server.protocol import (
     Tool,
     ToolCall,
 )
+from server.rendering import decoding_of, usage_of
 from server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -89,12 +89,7 @@ TOOL_PARAM = re.compile(r"^tools\[(\d+)\]\.function\.")
 
 def parse_request(body: Any) -> ResponseRequest:
     """Validate a ``/v1/responses`` body; 400 naming the first bad field (``input[2].type``)."""
-    if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    try:
-        return ResponseRequest.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors(), FIELD_NAMES) from exc
+    return parse_body(ResponseRequest, body, FIELD_NAMES)
 
 
 def responses_param(param: str | None) -> str | None:
@@ -284,7 +279,7 @@ def output_messages(items: Sequence[OutputItem]) -> list[ChatMessage]:
 
 
 class ResponsesRenderer:
-    """``serving.Renderer`` for one response (one choice): the whole ``response`` object, or its stream events
+    """``server.rendering.Renderer`` for one response (one choice): the whole ``response`` object, or its stream events
     (module contract), the reply read for tool calls under ``plan`` (``server.tools``) so that a stream's items
     equal the whole response's. The last item is ``incomplete`` when max_output_tokens cut the reply. A finished
     response goes to ``store`` (None: not stored) with ``conversation`` and its output as chat messages."""
@@ -327,7 +322,7 @@ class ResponsesRenderer:
 
     def _finished(self, summaries: Sequence[Summary]) -> dict[str, Any]:
         """The final response (stored when asked), as JSON data."""
-        usage = serving.usage_of(summaries)
+        usage = usage_of(summaries)
         incomplete = self._reason == "length"
         response = self.shell.model_copy(update={
             "status": "incomplete" if incomplete else "completed",
@@ -335,7 +330,7 @@ class ResponsesRenderer:
             "output": self._items,
             "usage": ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                                    total_tokens=usage.total_tokens),
-            "decoding": serving.decoding_of(summaries),
+            "decoding": decoding_of(summaries),
         })
         data = dump(response)
         if self._store is not None:

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.real_model
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def test_an_agent_calls_a_tool_and_answers_with_its_result(server):
+def weather_caller(server, model_class: type) -> tuple[Agent, list[str]]:
+    """An agent on ``model_class`` (the chat or the Responses model) against ``server`` that must call its one tool,
+    ``get_weather``, and stops on its result; and the list of cities the tool was asked about."""
     set_tracing_disabled(True)  # nothing leaves the machine
     asked: list[str] = []
 
@@ -39,10 +41,15 @@ def test_an_agent_calls_a_tool_and_answers_with_its_result(server):
         name="weather",
         instructions="Answer questions about the weather. Call get_weather first, then answer in one sentence.",
         tools=[get_weather],
-        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model=model_class(model=MODEL, openai_client=client),
         model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48),
         tool_use_behavior="stop_on_first_tool",
     )
+    return caller, asked
+
+
+def test_an_agent_calls_a_tool_and_answers_with_its_result(server):
+    caller, asked = weather_caller(server, OpenAIChatCompletionsModel)
     called = Runner.run_sync(caller, "What is the weather in Paris?", max_turns=2)
     assert asked and all(isinstance(city, str) and city for city in asked)
     assert called.final_output == f"Sunny, 21 degrees Celsius in {asked[0]}."
@@ -59,24 +66,7 @@ def test_an_agent_calls_a_tool_and_answers_with_its_result(server):
 
 def test_an_agent_on_the_responses_api_calls_a_tool_and_answers(server):
     """The Agents SDK's default model class, ``OpenAIResponsesModel``: the same loop over ``/v1/responses``."""
-    set_tracing_disabled(True)
-    asked: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
-        asked.append(city)
-        return f"Sunny, 21 degrees Celsius in {city}."
-
-    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    caller = Agent(
-        name="weather",
-        instructions="Answer questions about the weather. Call get_weather first, then answer in one sentence.",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48),
-        tool_use_behavior="stop_on_first_tool",
-    )
+    caller, asked = weather_caller(server, OpenAIResponsesModel)
     called = Runner.run_sync(caller, "What is the weather in Paris?", max_turns=2)
     assert asked and all(isinstance(city, str) and city for city in asked)
     assert called.final_output == f"Sunny, 21 degrees Celsius in {asked[0]}."
