@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -67,9 +68,9 @@ from bench.report import (
 from bench.settings import Resolved, describe, preset_digest, resolve
 from decoding.decoder import QUANTIZE, WEIGHT_LAYOUTS, Decoder, check_linear_options, configure_threads, prepare_linears
 from decoding.errors import DecodingError
-from decoding.loading import LoadedModel, load_model
+from decoding.loading import LoadedModel, default_gguf, load_model
 from decoding.memory import NGramMemory
-from decoding.params import LookaheadConfig
+from decoding.params import DEFAULT_MODEL, LookaheadConfig
 
 SERVER_DEFAULT = "default: the server's"
 
@@ -128,6 +129,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="our methods' linears (decoding.linears; auto: packed on a float32 CPU); generate runs "
                         f"on nn.Linear ({SERVER_DEFAULT})")
     parser.add_argument("--threads", type=int, help=f"torch intra-op threads, 0: torch's default ({SERVER_DEFAULT})")
+    parser.add_argument("--gguf", type=Path, metavar="FILE.gguf",
+                        help="the GGUF file the llama_cpp method runs (default: the default model's)")
 
 
 def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
@@ -250,7 +253,8 @@ def measure_prompts(
     config = lookahead_config(args)
     env = environment(loaded, args.threads, linears)
     print(header(env, benchmark_lines(source, len(prompts), args.max_tokens, methods, config)), flush=True)
-    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy, memory)
+    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy, memory,
+                           gguf_file(args) if "llama_cpp" in methods else None, args.threads or os.cpu_count() or 1)
     eos = Decoder(loaded).eos_token_ids()
     settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
     progress = print_progress(len(prompts) * len(methods))
@@ -282,6 +286,16 @@ def run_decode_benchmark(
         "runs": [asdict(run) for run in runs],
         "summary": {"methods": [asdict(summary) for summary in summaries]},
     }
+
+
+def gguf_file(args: argparse.Namespace) -> Path:
+    """The GGUF file the ``llama_cpp`` method runs: ``--gguf``, else the default model's (raises ``ValueError``
+    for another model without ``--gguf``)."""
+    if getattr(args, "gguf", None) is not None:
+        return args.gguf
+    if args.model in (None, DEFAULT_MODEL, "default"):
+        return default_gguf()
+    raise ValueError(f"the llama_cpp method needs --gguf FILE for model {args.model!r}")
 
 
 def transformers_twin(args: argparse.Namespace, linears: str) -> PreTrainedModel | None:

@@ -12,7 +12,8 @@ returns ``StepCost`` rows. Nothing here prints; ``bench.report`` does the arithm
 Methods: ``greedy`` (our reference loop), ``lookahead`` (our generator, stepped through
 ``decoding.step_batch`` with the server's ``BatchPolicy`` when one is given: the server's code path; a lone
 stream is never limited by the policy's budgets), ``generate`` and ``prompt_lookup`` (transformers'
-``model.generate``, plain and with prompt-lookup decoding).
+``model.generate``, plain and with prompt-lookup decoding), ``llama_cpp`` (llama.cpp on the model's GGUF file,
+``bench.llama_cpp``: an optional extra).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from bench.llama_cpp import llama_cpp_runner
 from decoding.batch import BatchPolicy, step_batch
 from decoding.engine import DecodeStream, Step, context_length, generate_autoregressive
 from decoding.errors import InvalidParameterError
@@ -36,7 +39,7 @@ from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.static import StaticStep, build_static_step
 
-METHODS = ("greedy", "lookahead", "generate", "prompt_lookup", "generate_compiled")
+METHODS = ("greedy", "lookahead", "generate", "prompt_lookup", "generate_compiled", "llama_cpp")
 DEFAULT_METHODS = "greedy,lookahead,generate"
 STEP_COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
 WARMUP_TOKENS = 16
@@ -208,11 +211,14 @@ def make_runners(
     transformers_model: PreTrainedModel | None = None,
     policy: BatchPolicy | None = None,
     memory: NGramMemory | None = None,
+    gguf_path: Path | None = None,
+    threads: int = 1,
 ) -> dict[str, Runner]:
     """Map each method name (see ``METHODS``) to its runner, in the given order. ``transformers_model``, when
     given, is the model ``generate`` and ``prompt_lookup`` run on (the others run on the benchmark's model);
     ``policy`` and ``memory``, when given, are the ``BatchPolicy`` lookahead steps under and the n-gram memory
-    all its decodes share (see ``decode_lookahead``)."""
+    all its decodes share (see ``decode_lookahead``). ``llama_cpp`` runs llama.cpp on ``gguf_path`` with
+    ``threads`` threads (``bench.llama_cpp``); asking for it without a GGUF file raises ``ValueError``."""
     transformers_methods: dict[str, Runner] = {
         "generate": decode_generate,
         "prompt_lookup": partial(decode_generate, prompt_lookup_tokens=prompt_lookup_tokens),
@@ -225,6 +231,10 @@ def make_runners(
         "lookahead": partial(decode_lookahead, config=lookahead, policy=policy, memory=memory),
         **transformers_methods,
     }
+    if "llama_cpp" in methods:
+        if gguf_path is None:
+            raise ValueError("the llama_cpp method needs the model's GGUF file (--gguf PATH)")
+        table["llama_cpp"] = llama_cpp_runner(gguf_path, threads)
     return {name: table[name] for name in methods}
 
 

