@@ -7,7 +7,10 @@ decoding and prefill alike, temperature 0, no repetition penalty) and ignores th
 prompt's batches of ``n_batch`` tokens plus one per generated token that was fed back. Each decode starts from an
 empty KV cache (``Llama.reset``), so the prompt's prefill is timed like ours. ``available()`` says whether the
 optional extra is installed (``pip install -e '.[llama-cpp]'``, a source build of llama.cpp: a few minutes);
-``make test`` does not need it.
+``make test`` does not need it. On a VM that exposes AMX but does not let a process use it (the 2-core Xeon here),
+llama.cpp's native build crashes in its first forward; build it without AMX:
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+-DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" pip install -e '.[llama-cpp]'``.
 
 llama.cpp computes with its own quantized arithmetic (it quantizes activations to 8 bits for the dot products),
 so its greedy text can differ from ours after a few dozen tokens; the report's "identical to greedy" column says
