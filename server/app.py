@@ -36,7 +36,8 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
 from decoding import BatchPolicy, Decoder, SamplingParams, StopCriteria, configure_threads
-from server import responses, serving
+from server import chat, responses, serving, tokenization
+from server import completions as completion
 from server.auth import KeyChecker, load_api_keys
 from server.body import decode_json, parse_body
 from server.config import ServerConfig
@@ -48,6 +49,7 @@ from server.errors import (
 )
 from server.metrics import Metrics
 from server.openapi import install_openapi
+from server.plans import Renderer
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,7 +62,6 @@ from server.protocol import (
     TokenizerInfo,
     protocol_field_names,
 )
-from server.rendering import Renderer
 from server.scheduler import Handle, Scheduler
 from server.serving import Engine
 from server.text import TextCodec, read_chat_template
@@ -281,34 +282,22 @@ async def respond(request: Request, handles: list[Handle], renderer: Renderer, s
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
-async def generate(
-    request: Request,
-    request_type: type[ChatCompletionRequest] | type[CompletionRequest],
-    prompts_of: serving.PromptsOf,
-    prompt_param: str,
-) -> Response:
-    """Parse, check, plan, submit and answer one generation request (chat or completion alike), every choice
-    of every prompt."""
-    runtime = runtime_of(request)
-    body = parse(request_type, await read_json(request, runtime.config.max_request_bytes))
-    model = serving.check_model(runtime.config, body.model)
-    serving.check_supported(body)
-    prompt_count = len(body.prompt_list()) if isinstance(body, CompletionRequest) else 1
-    serving.check_choices(runtime.config, body.n, prompt_count)
-    engine = runtime.require_engine()
-    prepared, renderer = await asyncio.to_thread(  # tokenizing and compiling a grammar must not stall the loop
-        serving.prepare_rendered, engine, body, prompts_of, prompt_param, model, runtime.fingerprint)
-    return await respond(request, serving.start_many(engine, prepared.generations), renderer, bool(body.stream))
-
-
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await generate(request, ChatCompletionRequest, serving.chat_prompts, "messages")
+    """A chat completion, whole or streamed (``server.chat``)."""
+    runtime = runtime_of(request)
+    body = parse(ChatCompletionRequest, await read_json(request, runtime.config.max_request_bytes))
+    handles, renderer = await chat.submit(runtime, body)
+    return await respond(request, handles, renderer, bool(body.stream))
 
 
 @router.post("/completions")
 async def completions(request: Request) -> Response:
-    return await generate(request, CompletionRequest, serving.completion_prompts, "prompt")
+    """A text completion, whole or streamed (``server.completions``)."""
+    runtime = runtime_of(request)
+    body = parse(CompletionRequest, await read_json(request, runtime.config.max_request_bytes))
+    handles, renderer = await completion.submit(runtime, body)
+    return await respond(request, handles, renderer, bool(body.stream))
 
 
 @router.post("/responses")
@@ -358,7 +347,7 @@ async def tool_body(request: Request, body_type: type[TokenizeRequest] | type[De
 async def tokenize(request: Request) -> dict[str, Any]:
     """vLLM's ``/tokenize``: a prompt or messages to the ids a completion or chat would decode from."""
     body, engine = await tool_body(request, TokenizeRequest)
-    ids = await asyncio.to_thread(serving.tokenize_prompt, engine.codec, body)
+    ids = await asyncio.to_thread(tokenization.tokenize, engine.codec, body)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.decoder.context_length).model_dump()
 
 
@@ -373,7 +362,7 @@ async def tokenizer_info(request: Request) -> dict[str, Any]:
 async def detokenize(request: Request) -> dict[str, Any]:
     """vLLM's ``/detokenize``: token ids to text."""
     body, engine = await tool_body(request, DetokenizeRequest)
-    return DetokenizeResponse(prompt=await asyncio.to_thread(serving.detokenize, engine.codec, body)).model_dump()
+    return DetokenizeResponse(prompt=await asyncio.to_thread(tokenization.detokenize, engine.codec, body)).model_dump()
 
 
 async def health(request: Request) -> JSONResponse:

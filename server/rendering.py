@@ -14,12 +14,13 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from decoding import (
     TokenLogprob,
 )
 from server import tools
+from server.plans import Output, Summary
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -43,7 +44,6 @@ from server.protocol import (
     chunk_json,
 )
 from server.text import TextCodec
-from server.worker import Output, Summary
 
 LOWEST_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity; OpenAI's floor)
 
@@ -107,28 +107,6 @@ def step_of(output: Output) -> StepInfo:
     """The ``step`` extension object of the chunk that carries ``output``'s text."""
     counts = output.counts
     return StepInfo(tokens=counts.tokens, accepted=counts.accepted, offered=counts.offered)
-
-
-class Renderer(Protocol):
-    """Builds one endpoint's response and chunks; ``step`` objects are dropped unless ``include_steps``;
-    ``logprobs`` (None: not asked for) are the tokens behind the text; ``index`` is the choice's."""
-
-    include_usage: bool
-
-    def response(self, choices: Sequence[tuple[str, Output]]) -> dict[str, Any]: ...
-
-    def opening(self, index: int) -> str | None: ...
-
-    def pending_echo(self, index: int) -> bool: ...
-
-    def content(
-        self, index: int, text: str, step: StepInfo | None = None,
-        logprobs: Sequence[TokenLogprob] | None = None, prompt_logprobs: Sequence[TokenLogprob] | None = None,
-    ) -> str | list[str]: ...
-
-    def finish(self, index: int, reason: str, step: StepInfo | None = None) -> str | list[str]: ...
-
-    def usage(self, summaries: Sequence[Summary]) -> str: ...
 
 
 class _Identity:

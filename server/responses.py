@@ -1,9 +1,9 @@
 """OpenAI's Responses API, ``POST /v1/responses`` and ``GET /v1/responses/{id}``, over the chat path.
 
 Contract: ``parse_request`` validates a body (400 naming the field, ``server.responses_protocol``); ``submit``
-translates it into a ``ChatCompletionRequest`` (``chat_request``) and runs exactly chat's path
-(``server.serving``: model check, tool checks, prompt, grammar, plans, admission) with a ``ResponsesRenderer``,
-so whatever chat does (tool calls through ``server.tools``, structured output, lookahead, seeds) a response does
+translates it into a ``ChatCompletionRequest`` (``chat_request``) and runs exactly chat's path (``server.chat``:
+model check, tool checks, prompt, grammar, plans; ``server.serving``: admission) with a ``ResponsesRenderer``, so
+whatever chat does (tool calls through ``server.tools``, structured output, lookahead, seeds) a response does
 the same way. A 400 from that path names the Responses field (``responses_param``). The answer is OpenAI's
 ``response`` object (``ResponsesRenderer.response`` through ``serving.complete``), or with ``stream: true`` its
 events (``events``: ``serving.stream``'s payloads as named SSE events with increasing ``sequence_number``):
@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from decoding import InvalidParameterError, TokenLogprob
-from server import serving, tools
+from server import chat, serving, tools
 from server.body import parse_body
 from server.errors import APIError, BadRequestError, NotFoundError, to_api_error
+from server.plans import Output, Summary
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -71,7 +72,6 @@ from server.responses_protocol import (
     joined,
 )
 from server.scheduler import Handle
-from server.worker import Output, Summary
 
 if TYPE_CHECKING:
     from server.app import Runtime
@@ -102,9 +102,9 @@ def responses_param(param: str | None) -> str | None:
     """
     if param is None:
         return None
-    for chat, responses in CHAT_PARAMS:
-        if param == chat or param.startswith((f"{chat}.", f"{chat}[")):
-            return responses
+    for chat_name, responses_name in CHAT_PARAMS:
+        if param == chat_name or param.startswith((f"{chat_name}.", f"{chat_name}[")):
+            return responses_name
     return TOOL_PARAM.sub(r"tools[\1].", param)
 
 
@@ -259,13 +259,13 @@ async def submit(runtime: Runtime, request: ResponseRequest) -> tuple[list[Handl
     previous = store.conversation(request.previous_response_id) if request.previous_response_id else ()
     conversation = [*previous, *input_messages(request.input)]
     try:
-        chat = chat_request(request, conversation)
-        serving.check_supported(chat)
+        chat_body = chat_request(request, conversation)
+        chat.check(runtime.config, chat_body)
         engine = runtime.require_engine()
-        prepared = await asyncio.to_thread(serving.prepare, engine, chat, serving.chat_prompts, "input")
-        renderer = ResponsesRenderer(shell(request, model), prepared.plan, conversation,
+        planned = await asyncio.to_thread(chat.plan, engine, chat_body, "input")
+        renderer = ResponsesRenderer(shell(request, model), planned.tools, conversation,
                                      store if request.store else None)
-        return serving.start_many(engine, prepared.generations), renderer
+        return serving.start_many(engine, planned.generations), renderer
     except (BadRequestError, InvalidParameterError) as error:
         raise renamed(error) from error
 

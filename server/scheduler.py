@@ -20,8 +20,9 @@ from dataclasses import replace
 from decoding import TokenLogprob
 from server.errors import QueueFullError, ServiceUnavailableError
 from server.metrics import Metrics
+from server.plans import GenerationPlan, Output
 from server.text import TextStream
-from server.worker import GenerationPlan, Job, Output, Worker
+from server.worker import Job, Worker
 
 logger = logging.getLogger("server.scheduler")
 

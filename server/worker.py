@@ -34,6 +34,7 @@ from typing import Protocol
 
 from decoding import LookaheadConfig, SamplingParams, Step, StepCounts, StopCriteria, TokenLogprob
 from server.metrics import Metrics
+from server.plans import GenerationPlan, Output, Summary
 from server.text import TextStream
 
 logger = logging.getLogger("server.worker")
@@ -68,51 +69,6 @@ class EngineLike(Protocol):
     def step(self) -> list[tuple[Hashable, Step | BaseException]]: ...
 
     def cancel(self, request_id: Hashable) -> None: ...
-
-
-@dataclass(frozen=True)
-class GenerationPlan:
-    """Everything the decoder needs for one request, in its own types, plus the stop strings (``prediction``:
-    the predicted output's token ids, None when the request sent none)."""
-
-    prompt_ids: list[int]
-    stop: StopCriteria
-    sampling: SamplingParams
-    lookahead: LookaheadConfig | None
-    stop_strings: tuple[str, ...]
-    prediction: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Summary:
-    """A finished request: the ``usage`` and ``decoding`` numbers (``counts`` sums all its steps;
-    ``prediction_tokens``: its prediction's length, None without one; ``seed``: the seed its sampled tokens were
-    drawn with, None when greedy)."""
-
-    prompt_tokens: int
-    counts: StepCounts
-    lookahead: LookaheadConfig | None
-    prediction_tokens: int | None = None
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class Output:
-    """Text produced by one step; the last output of a request has ``finish_reason`` and ``summary``.
-
-    ``counts`` covers the steps since the previous output: normally one step's, more when a step's text was
-    held back (an incomplete character, a possible stop-string prefix, EOS), so outputs add up to the totals.
-    ``logprobs`` (None unless the request asked for them) are those same tokens' logprobs, in order.
-    ``prompt_logprobs`` (only on a job's first output, and only when the request asked for them): the logprobs
-    of prompt tokens 1..P-1 (token 0 has none).
-    """
-
-    text: str
-    finish_reason: str | None = None
-    summary: Summary | None = None
-    counts: StepCounts = StepCounts()
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(eq=False)

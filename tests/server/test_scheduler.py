@@ -15,9 +15,10 @@ from typing import Any
 
 from decoding import SamplingParams, StopCriteria
 from server.metrics import Metrics
+from server.plans import GenerationPlan, Output
 from server.scheduler import Scheduler
 from server.text import TextStream
-from server.worker import GenerationPlan, Output, Worker
+from server.worker import Worker
 from tests.server.conftest import make_config
 from tests.server.helpers import (
     Script,

@@ -1,0 +1,68 @@
+"""The request path's shape: each endpoint module alone looks at its request type, and a route only delegates.
+
+``isinstance`` on a request type (``REQUEST_TYPES``) belongs to that type's endpoint module; anywhere else it is a
+switch on the endpoint that the endpoint's own module should hold. A route handler in ``server/app.py`` parses,
+delegates and answers in at most ``ROUTE_LINES`` lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SERVER = Path(__file__).resolve().parents[2] / "server"
+REQUEST_TYPES = {  # request model -> the one module that may switch on it
+    "ChatCompletionRequest": "chat.py",
+    "CompletionRequest": "completions.py",
+    "TokenizeRequest": "tokenization.py",
+    "DetokenizeRequest": "tokenization.py",
+    "ResponseRequest": "responses.py",
+    "GenerationFields": "",  # the shared base: no module switches on it
+}
+ROUTE_LINES = 10
+ROUTE_DECORATORS = {"get", "post", "put", "delete", "patch"}
+
+
+def request_type_checks(source: str) -> list[tuple[int, str]]:
+    """(line, type name) of each ``isinstance(..., T)`` (or a tuple of types) naming a request type in ``source``.
+
+    >>> request_type_checks("isinstance(r, (str, CompletionRequest))\\nisinstance(r, protocol.TokenizeRequest)")
+    [(1, 'CompletionRequest'), (2, 'TokenizeRequest')]
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for kind in kinds:
+                name = kind.id if isinstance(kind, ast.Name) else getattr(kind, "attr", None)
+                if name in REQUEST_TYPES:
+                    found.append((node.lineno, name))
+    return sorted(found)
+
+
+def test_the_check_finds_a_switch_on_a_request_type():
+    assert request_type_checks("def f(r):\n    return isinstance(r, ChatCompletionRequest)\n") == [
+        (2, "ChatCompletionRequest")]
+    assert request_type_checks("isinstance(r, ChatMessage)") == []
+
+
+def test_only_an_endpoint_module_switches_on_its_request_type():
+    offenders = {}
+    for path in sorted(SERVER.rglob("*.py")):
+        checks = [(line, name) for line, name in request_type_checks(path.read_text())
+                  if REQUEST_TYPES[name] != str(path.relative_to(SERVER))]
+        if checks:
+            offenders[str(path.relative_to(SERVER))] = checks
+    assert offenders == {}
+
+
+def test_route_handlers_only_delegate():
+    routes = {}
+    for node in ast.walk(ast.parse((SERVER / "app.py").read_text())):
+        if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef) and any(
+            isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", None) in ROUTE_DECORATORS
+            for decorator in node.decorator_list
+        ):
+            routes[node.name] = node.end_lineno - node.lineno + 1
+    assert len(routes) >= 8, routes  # the walk sees the routes
+    assert {name: lines for name, lines in routes.items() if lines > ROUTE_LINES} == {}
