@@ -6,10 +6,11 @@ request's type. ``check_model`` and ``check_choices`` (on the event loop) check 
 request's sequences against the server; ``output_grammar`` compiles and checks the grammar a request's output must
 match (once: the decode's constraint reuses it); ``plan_choices`` builds one ``GenerationPlan`` per choice from the
 fields every endpoint shares (``GenerationFields``) over the config: the context window and the ``max_tokens``
-rule, stop strings, sampling, logit bias, lookahead (``resolve_lookahead``: within ``lookahead_bounds``), seeds.
-``start_many`` has the decoder validate its decoding parameters (``validate``, the one check of their ranges: a 400
-naming the parameter) and admits a request's choices to the scheduler, whose worker runs them in the decoder's
-``batch_engine``. ``complete`` waits for the whole text, cancelling if the client disconnects; ``stream`` yields
+rule, stop strings, sampling, logit bias, lookahead (``resolve_lookahead``: within ``lookahead_bounds``), seeds,
+and has the decoder validate them there (``validate``, the one check of their ranges, off the event loop: a 400
+naming the parameter). ``start_many`` admits a request's planned choices to the scheduler, whose worker runs them
+in the decoder's ``batch_engine`` (whose ``add`` re-checks them: the decoder's own guard, no grammar compiled
+again). ``complete`` waits for the whole text, cancelling if the client disconnects; ``stream`` yields
 the SSE data of OpenAI's chunk sequence through the request's renderer (``server.rendering``): a role chunk (chat
 only), one chunk per step that produced text, a finish chunk, the usage chunk when asked, ``[DONE]``; with
 ``stream_steps`` the content and finish chunks carry a ``step`` object (``step_of``). With logprobs asked for,
@@ -295,9 +296,9 @@ def plan(engine: Engine, request: GenerationFields, asked: Asked, prompt_ids: li
 
 
 def plan_choices(engine: Engine, request: GenerationFields, asked: Asked) -> list[GenerationPlan]:
-    """One plan per choice (``plan``), in choice order (prompt by prompt, ``n`` each); choice j of a prompt
-    decodes with ``derived_seed(seed, j)``. A sampled request without a seed gets one drawn here, at admission
-    (``decoding.draw_seed``), so its ``decoding.seed`` replays it."""
+    """One plan per choice (``plan``, checked by the decoder: ``validate``), in choice order (prompt by prompt,
+    ``n`` each); choice j of a prompt decodes with ``derived_seed(seed, j)``. A sampled request without a seed
+    gets one drawn here, before admission (``decoding.draw_seed``), so its ``decoding.seed`` replays it."""
     n = request.n or 1
     choices = []
     seed = None
@@ -306,7 +307,7 @@ def plan_choices(engine: Engine, request: GenerationFields, asked: Asked) -> lis
         sampling = generation.sampling
         if seed is None:
             seed = sampling.seed if sampling.seed is not None or sampling.greedy else draw_seed()
-        choices += [replace(generation, sampling=replace(sampling, seed=derived_seed(seed, j)))
+        choices += [validate(engine, replace(generation, sampling=replace(sampling, seed=derived_seed(seed, j))))
                     for j in range(n)]
     return choices
 
@@ -340,24 +341,29 @@ def resolve_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> 
 
 
 def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, force: bool = False) -> Handle:
-    """Validate with the decoder (400 on bad parameters) and submit to the scheduler (429 / 503 when refused)."""
+    """Submit one planned generation to the scheduler (429 / 503 when refused)."""
     return start_many(engine, [generation], tracked, force)[0]
 
 
 def start_many(
     engine: Engine, generations: Sequence[GenerationPlan], tracked: bool = True, force: bool = False
 ) -> list[Handle]:
-    """``start`` for a request's choices: every one validated first, then all admitted or none."""
-    for generation in generations:
-        try:
-            engine.decoder.validate(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
-        except InvalidParameterError:
-            raise
-        except Exception as exc:
-            logger.exception("the decoder refused a request")
-            raise InternalError("The server had an error while processing your request.") from exc
+    """``start`` for a request's choices (planned, so validated, by ``plan_choices``): all admitted or none."""
     texts = [TextStream(engine.codec.decode, generation.stop_strings) for generation in generations]
     return engine.scheduler.submit_many(list(zip(generations, texts, strict=True)), tracked=tracked, force=force)
+
+
+def validate(engine: Engine, generation: GenerationPlan) -> GenerationPlan:
+    """``generation`` once the decoder has checked its parameters (``Decoder.validate``: 400 naming the field);
+    anything else the decoder raises is logged and becomes a 500."""
+    try:
+        engine.decoder.validate(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
+    except InvalidParameterError:
+        raise
+    except Exception as exc:
+        logger.exception("the decoder refused a request")
+        raise InternalError("The server had an error while processing your request.") from exc
+    return generation
 
 
 async def merged(handles: Sequence[Handle]) -> AsyncIterator[tuple[int, Output]]:

@@ -2,13 +2,20 @@
 
 ``isinstance`` on a request type (``REQUEST_TYPES``) belongs to that type's endpoint module; anywhere else it is a
 switch on the endpoint that the endpoint's own module should hold. A route handler in ``server/app.py`` parses,
-delegates and answers in at most ``ROUTE_LINES`` lines.
+delegates and answers in at most ``ROUTE_LINES`` lines. A request's decoding parameters are validated once, where
+it is planned, off the event loop (the engine's ``add`` keeps the decoder's own guard, on the worker thread).
 """
 
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
+
+import pytest
+
+from tests.server.conftest import make_config
+from tests.server.helpers import Script, ScriptedDecoder, chat_body, running_app, token_steps
 
 SERVER = Path(__file__).resolve().parents[2] / "server"
 REQUEST_TYPES = {  # request model -> the one module that may switch on it
@@ -66,3 +73,20 @@ def test_route_handlers_only_delegate():
             routes[node.name] = node.end_lineno - node.lineno + 1
     assert len(routes) >= 8, routes  # the walk sees the routes
     assert {name: lines for name, lines in routes.items() if lines > ROUTE_LINES} == {}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", chat_body("hi", n=2, max_tokens=4)),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 4}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 4}),
+])
+async def test_a_request_is_validated_once_where_it_is_planned_off_the_event_loop(tokenizer, path, body):
+    decoder = ScriptedDecoder(tokenizer, lambda prompt: Script(token_steps(tokenizer, [" one", " two"])))
+    async with running_app(make_config(), decoder) as (_, client):
+        loop_thread = threading.current_thread().name
+        response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    choices = 4 if body.get("n") and "prompt" in body else body.get("n", 1)
+    planned = [name for name in decoder.validated_on if name != "decode-worker"]
+    assert len(planned) == choices and loop_thread not in planned  # once per choice, in the planning thread
+    assert decoder.validated_on.count("decode-worker") == choices  # the engine's own guard at add
