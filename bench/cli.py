@@ -7,7 +7,8 @@ EOS). It prints the settings it runs and where each came from, then a per-prompt
 identical to greedy), and optionally writes JSON ``{"config": {...}, "runs": [RunRecord...], "summary":
 {...}}``. ``--step-cost`` instead times one forward pass of k new tokens over a KV cache of ``--context``
 tokens. ``python -m bench heldout`` (``bench.heldout``) compares lookahead with the greedy loop and prompt lookup
-on the held-out split of a prompt set.
+on the held-out split of a prompt set; ``python -m bench tune`` (``bench.tuning``) measures this device and writes
+a config file the server runs with ``--config``.
 
 Defaults are the server's (``bench.settings``): every lookahead step setting (W, N, G, lazy window,
 break-even, copy length), the batch policy and how the model is loaded (model, dtype, quantize, weight layout,
@@ -341,7 +342,8 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory``,
-    ``anatomy`` or ``gpu`` as the first argument runs that module of ``bench`` with the rest."""
+    ``anatomy``, ``gpu`` or ``tune`` (``bench.tuning``) as the first argument runs that module of ``bench`` with
+    the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
@@ -359,6 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import gpu
 
         return gpu.main(argv[1:])
+    if argv[:1] == ["tune"]:
+        from bench import tuning
+
+        return tuning.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:

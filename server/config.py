@@ -126,7 +126,7 @@ class BatchSettings(BaseModel):
         "off: every step eager",
     )
     step_cost: list[tuple[int, float]] | None = Field(
-        None, description="[[tokens, relative cost], ...] of one forward, as measured by `lookahead-server tune`; "
+        None, description="[[tokens, relative cost], ...] of one forward, as measured by `python -m bench tune`; "
         "null: decoding's built-in CPU curve",
     )
 
