@@ -29,6 +29,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
@@ -36,6 +37,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from decoding.params import MAX_TOP_LOGPROBS
+from server.config import REQUEST_LOOKAHEAD
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and json_schema) names
@@ -201,18 +203,19 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class LookaheadRequest(StrictModel):
-    """Extension: per-request lookahead settings; each field falls back to the server's configured default.
+LookaheadRequest = create_model(  # the knobs a request may set are the config's REQUEST_LOOKAHEAD, declared there
+    "LookaheadRequest",
+    __base__=StrictModel,
+    __doc__="""Extension: per-request lookahead settings; each field falls back to the server's configured default
+    (``enabled``, and the integers of ``server.config.REQUEST_LOOKAHEAD``: W, N and G).
 
     ``shared_memory: false`` opts the request out of the server-wide n-gram memory: it neither draws candidates
     from it nor adds its completion to it.
-    """
-
-    enabled: bool | None = None
-    window_size: int | None = None
-    ngram_size: int | None = None
-    guess_set_size: int | None = None
-    shared_memory: bool | None = None
+    """,
+    enabled=(bool | None, None),
+    **{name: (int | None, None) for name in REQUEST_LOOKAHEAD},
+    shared_memory=(bool | None, None),
+)
 
 
 class GenerationFields(StrictModel):

@@ -198,12 +198,11 @@ def check_grammar(engine: Engine, grammar: Grammar | None, param: str) -> None:
 def resolve_lookahead(request: LookaheadRequest | None, settings: LookaheadSettings) -> LookaheadConfig | None:
     """The request's lookahead settings over the configured defaults; ``None`` means autoregressive.
 
-    The server-wide step policy (``lazy_window``, ``break_even``, capped at N-1, ``copy_length``,
-    ``copy_min_match``, ``copy_candidates``, ``copy_stretch``, ``window_chains``) comes from the config;
-    ``shared_memory`` (the server-wide n-gram memory, on unless the request sends false) from the request.
-
-    Each value must lie in ``lookahead_bounds``: the decoder's minimum, the configured maximum (400 naming
-    ``lookahead.<field>`` otherwise).
+    The knobs a request may set (``server.config.REQUEST_LOOKAHEAD``: W, N, G) come from the request when it sends
+    them, each within ``lookahead_bounds`` (the decoder's minimum, the configured maximum; 400 naming
+    ``lookahead.<field>`` otherwise); every other step setting (``LOOKAHEAD_STEP_FIELDS``: the lazy window,
+    ``break_even`` capped at N-1, the copy steps...) from the config (``decoder_lookahead``); ``shared_memory``
+    (the server-wide n-gram memory, on unless the request sends false) from the request.
     """
     request = request or LookaheadRequest()
     values: dict[str, int] = {}

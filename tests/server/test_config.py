@@ -312,3 +312,13 @@ def test_the_shared_memory_opt_out_reaches_each_requests_lookahead_config():
     assert resolve_lookahead(None, settings).shared_memory is True
     assert resolve_lookahead(LookaheadRequest(shared_memory=True), settings).shared_memory is True
     assert resolve_lookahead(LookaheadRequest(shared_memory=False), settings).shared_memory is False
+
+
+def test_a_request_sets_exactly_the_request_lookahead_knobs_each_with_a_maximum():
+    """``LookaheadRequest`` and ``lookahead_bounds`` follow from ``REQUEST_LOOKAHEAD`` (one declaration)."""
+    from server.config import REQUEST_LOOKAHEAD, LookaheadSettings, lookahead_bounds
+    from server.protocol import LookaheadRequest
+
+    assert set(LookaheadRequest.model_fields) == {"enabled", "shared_memory", *REQUEST_LOOKAHEAD}
+    assert set(lookahead_bounds(LookaheadSettings())) == set(REQUEST_LOOKAHEAD)
+    assert all(f"max_{name}" in LookaheadSettings.model_fields for name in REQUEST_LOOKAHEAD)
