@@ -10,12 +10,13 @@ with biases in [-100, 100], ``min_p`` in [0, 1], ``repetition_penalty`` > 0), ``
 only accepted at their neutral value (no suffix), logprobs with at most 20 alternatives (chat's
 ``top_logprobs`` only with ``logprobs: true``, said in its description), the served model names and the configured
 lookahead maxima (``lookahead`` extension), non-empty prompts in OpenAI's four forms (token ids below the
-vocabulary size once the model is loaded), completions' ``max_tokens`` 0 only with ``echo: true``, content
-required except in ``assistant`` messages, text content parts only, ``continue_final_message``
+vocabulary size once the model is loaded), completions' ``max_tokens`` 0 only with ``echo: true``, text content
+parts only, ``continue_final_message``
 only with ``add_generation_prompt`` false, ``/tokenize`` bodies with one of ``prompt`` and ``messages``. What no
 schema can say (``prompt + max_tokens`` within the model's context, a text that tokenizes to nothing, the variables
 a chat template reads, ``best_of`` equal to ``n``, prompts times ``n`` within the server's capacity) stays a 400 at
-run time.
+run time. Chat messages are pydantic's schema of ``server.protocol.ChatMessage``, one object per role (content
+required except in ``assistant`` messages, ``tool_call_id`` in ``tool`` messages).
 """
 
 from __future__ import annotations
@@ -178,32 +179,6 @@ ZERO_MAX_TOKENS_NEEDS_ECHO = {
 }
 
 
-def chat_message_schema(pydantic_schema: dict[str, Any]) -> dict[str, Any]:
-    """``ChatMessage`` split by role: content is required (not null) except in ``assistant`` messages, which may
-    carry ``tool_calls``; ``tool`` messages need ``tool_call_id``."""
-    properties = pydantic_schema["properties"]
-    content = {"anyOf": [branch for branch in properties["content"]["anyOf"] if branch != {"type": "null"}]}
-    speaker = {
-        "type": "object",
-        "properties": {"role": {"type": "string", "enum": ["system", "developer", "user"]}, "content": content,
-                       "name": properties["name"]},
-        "required": ["role", "content"],
-    }
-    assistant = {
-        "type": "object",
-        "properties": {"role": {"type": "string", "const": "assistant"}, "content": nullable(content),
-                       "name": properties["name"], "tool_calls": properties["tool_calls"]},
-        "required": ["role"],
-    }
-    tool = {
-        "type": "object",
-        "properties": {"role": {"type": "string", "const": "tool"}, "content": content,
-                       "tool_call_id": {"type": "string", "minLength": 1}},
-        "required": ["role", "content", "tool_call_id"],
-    }
-    return {"title": "ChatMessage", "description": pydantic_schema["description"], "anyOf": [speaker, assistant, tool]}
-
-
 TOOL = {
     "type": "object",
     "required": ["type", "function"],
@@ -266,7 +241,7 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
         "TokenizeRequest": {
             "model": shared["model"],
             "prompt": {"type": "string"},
-            "messages": {"type": "array", "items": ref("ChatMessage"), "minItems": 1},
+            "messages": {"type": "array", "items": ref_items("ChatCompletionRequest", "messages"), "minItems": 1},
             "chat_template_kwargs": TEMPLATE_KWARGS,
         },
         "DetokenizeRequest": {
@@ -324,8 +299,14 @@ def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> di
     schemas["TextContentPart"]["properties"]["type"] = {"type": "string", "const": "text"}
     schemas["Prediction"]["properties"]["type"] = {"type": "string", "const": "content"}
     schemas["LookaheadRequest"] = lookahead_schema(config)
-    schemas["ChatMessage"] = chat_message_schema(schemas["ChatMessage"])
     return schemas
+
+
+def ref_items(model: str, field: str) -> dict[str, Any]:
+    """The item schema of a list field of a request model, as pydantic derives it (chat messages: one per role)."""
+    from server import protocol
+
+    return getattr(protocol, model).model_json_schema(ref_template=REF)["properties"][field]["items"]
 
 
 def ref(name: str) -> dict[str, str]:

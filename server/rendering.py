@@ -22,7 +22,6 @@ from decoding import (
 from server import tools
 from server.plans import Output, Summary
 from server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -38,6 +37,7 @@ from server.protocol import (
     DecodingInfo,
     DeltaMessage,
     DeltaToolCall,
+    ReplyMessage,
     StepInfo,
     TopLogprob,
     Usage,
@@ -168,10 +168,10 @@ class ChatRenderer(_Identity):
 
     def _message(self, text: str, last: Output) -> ChatChoice:
         """One whole choice (its tool calls read when ``use_tools`` gave a plan)."""
-        message, reason = AssistantMessage(content=text), last.finish_reason
+        message, reason = ReplyMessage(content=text), last.finish_reason
         if self._plan is not None:
             content, calls = tools.reply(self._plan, text)
-            message = AssistantMessage(content=content, tool_calls=calls)
+            message = ReplyMessage(content=content, tool_calls=calls)
             reason = tools.finish_reason(reason, len(calls or []))
         return ChatChoice(message=message, logprobs=self._logprobs(last.logprobs), finish_reason=reason)
 

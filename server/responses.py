@@ -50,6 +50,7 @@ from server.protocol import (
     StepInfo,
     Tool,
     ToolCall,
+    chat_message,
 )
 from server.rendering import decoding_of, usage_of
 from server.responses_protocol import (
@@ -172,7 +173,7 @@ def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:
     [('assistant', ['c1', 'c2'], None), ('tool', [], 'c1')]
     """
     if isinstance(items, str):
-        return [ChatMessage(role="user", content=items)]
+        return [chat_message("user", content=items)]
     messages: list[ChatMessage] = []
     for item in items:
         if isinstance(item, FunctionCallItem):
@@ -181,11 +182,11 @@ def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:
                 last = messages[-1]
                 messages[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
             else:
-                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                messages.append(chat_message("assistant", content=None, tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append(ChatMessage(role="tool", content=joined(item.output), tool_call_id=item.call_id))
+            messages.append(chat_message("tool", content=joined(item.output), tool_call_id=item.call_id))
         else:
-            messages.append(ChatMessage(role=item.role, content=joined(item.content)))
+            messages.append(chat_message(item.role, content=joined(item.content)))
     return messages
 
 
@@ -219,7 +220,7 @@ def chat_request(request: ResponseRequest, conversation: Sequence[ChatMessage]) 
     chat tools (``strict_of``), ``tool_choice`` and ``text.format`` in chat's shape, ``max_output_tokens`` as
     ``max_tokens``, the sampling fields and extensions as they are; always one choice. 400 naming ``input`` when
     there is no message at all."""
-    messages = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
+    messages = [chat_message("system", content=request.instructions)] if request.instructions else []
     messages += conversation
     if not messages:
         raise BadRequestError("input has no items: send at least one message", param="input")
@@ -275,7 +276,7 @@ def output_messages(items: Sequence[OutputItem]) -> list[ChatMessage]:
     text = "".join(part.text for item in items if isinstance(item, OutputMessage) for part in item.content)
     calls = [ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
              for item in items if isinstance(item, OutputFunctionCall)]
-    return [ChatMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)]
+    return [chat_message("assistant", content=text if text or not calls else None, tool_calls=calls or None)]
 
 
 class ResponsesRenderer:

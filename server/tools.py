@@ -103,11 +103,8 @@ def _choice_text(choice: Any) -> str:
 
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:
-    """400 for a ``tool`` message without ``tool_call_id`` and for ``tool_calls`` outside assistant messages."""
+    """400 for ``tool_calls`` outside assistant messages (a ``tool`` message's ``tool_call_id`` is its type's)."""
     for index, message in enumerate(messages):
-        if message.role == "tool" and not message.tool_call_id:
-            raise BadRequestError("a tool message needs the tool_call_id of the call it answers",
-                                  param=f"messages[{index}].tool_call_id")
         if message.tool_calls and message.role != "assistant":
             raise BadRequestError("only assistant messages carry tool_calls", param=f"messages[{index}].tool_calls")
 
