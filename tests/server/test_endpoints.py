@@ -90,3 +90,26 @@ async def test_a_request_is_validated_once_where_it_is_planned_off_the_event_loo
     planned = [name for name in decoder.validated_on if name != "decode-worker"]
     assert len(planned) == choices and loop_thread not in planned  # once per choice, in the planning thread
     assert decoder.validated_on.count("decode-worker") == choices  # the engine's own guard at add
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+async def test_a_typed_body_is_read_as_json_whatever_its_content_type(tokenizer, content_type):
+    """``curl -d`` sends a form content type: the body is still JSON to the server, as before typed bodies."""
+    decoder = ScriptedDecoder(tokenizer, lambda prompt: Script(token_steps(tokenizer, [" one"])))
+    headers = {"content-type": content_type} if content_type else {}
+    async with running_app(make_config(), decoder) as (_, client):
+        response = await client.post("/v1/completions", content=b'{"prompt": "a", "max_tokens": 2}', headers=headers)
+        not_object = await client.post("/v1/completions", content=b'[1]', headers=headers)
+    assert response.status_code == 200, response.text
+    assert not_object.status_code == 400 and not_object.json()["error"]["message"] == (
+        "The request body must be a JSON object.")
+
+
+async def test_a_typed_body_is_read_only_once_the_request_is_authorized(tokenizer):
+    """A client without the key learns nothing about its body: 401 before 413 or a 400."""
+    async with running_app(make_config(api_key="k", max_request_bytes=1024), ScriptedDecoder(tokenizer, None)) as (
+            _, client):
+        large = await client.post("/v1/chat/completions", content=b"{" + b" " * 2000 + b"}")
+        broken = await client.post("/tokenize", content=b"{")
+        keyed = await client.post("/tokenize", content=b"{", headers={"authorization": "Bearer k"})
+    assert (large.status_code, broken.status_code, keyed.status_code) == (401, 401, 400)
