@@ -350,11 +350,13 @@ class ChatTemplateFields(StrictModel):
 class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: bool | None = Field(None, description="Return each generated token's logprob (the raw model's, before "
+                                  "temperature / top-k / top-p) in choices[].logprobs.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="Most likely alternatives per token; needs logprobs: true.")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per reply; true: 1 to 8.")
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
 
@@ -368,9 +370,13 @@ class CompletionRequest(GenerationFields):
     checked in ``server.serving``); ``best_of`` is accepted when null or equal to ``n``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0)
-    echo: bool | None = None
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate; 0 only with echo (the prompt alone).")
+    echo: bool | None = Field(None, description="Prepend each prompt to its choices' text.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="Return each token's logprob and this many alternatives (legacy shape: tokens, token_logprobs, "
+        "top_logprobs, text_offset); with echo, the prompt's tokens first (the first one's logprob null).",
+    )
     best_of: int | None = None
     suffix: str | None = None
     prediction: Prediction | None = None
