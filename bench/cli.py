@@ -7,7 +7,8 @@ EOS). It prints the settings it runs and where each came from, then a per-prompt
 identical to greedy), and optionally writes JSON ``{"config": {...}, "runs": [RunRecord...], "summary":
 {...}}``. ``--step-cost`` instead times one forward pass of k new tokens over a KV cache of ``--context``
 tokens. ``python -m bench heldout`` (``bench.heldout``) compares lookahead with the greedy loop and prompt lookup
-on the held-out split of a prompt set.
+on the held-out split of a prompt set; ``python -m bench tune`` (``bench.tuning``) measures this device and writes
+a config file the server runs with ``--config``.
 
 Defaults are the server's (``bench.settings``): every lookahead step setting (W, N, G, lazy window,
 break-even, copy length), the batch policy and how the model is loaded (model, dtype, quantize, weight layout,
@@ -71,6 +72,7 @@ from decoding.errors import DecodingError
 from decoding.loading import LoadedModel, default_gguf, load_model
 from decoding.memory import NGramMemory
 from decoding.params import DEFAULT_MODEL, LookaheadConfig
+from server.config import LOOKAHEAD_STEP_FIELDS, config_flags
 
 SERVER_DEFAULT = "default: the server's"
 
@@ -99,24 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
-    """The lookahead step flags (``lookahead_config`` reads them); those the server configures default to None."""
-    parser.add_argument("--window-size", type=int, help=f"W ({SERVER_DEFAULT})")
-    parser.add_argument("--ngram-size", type=int, help=f"N ({SERVER_DEFAULT})")
-    parser.add_argument("--guess-set-size", type=int, help=f"G ({SERVER_DEFAULT})")
+    """The lookahead step flags (``lookahead_config`` reads them): one per step setting the server configures
+    (``server.config.LOOKAHEAD_STEP_FIELDS``, named, typed and described as the server's flags), each defaulting
+    to None (the server's value, filled by ``bench.settings``), and the pool switches only the benchmark has."""
+    for flag in config_flags():
+        name = flag.key.removeprefix("lookahead.")
+        if flag.key.startswith("lookahead.") and name in LOOKAHEAD_STEP_FIELDS:
+            action = argparse.BooleanOptionalAction if flag.kind is bool else None
+            parser.add_argument(flag.name, dest=name, action=action, type=None if action else flag.kind,
+                                help=f"{flag.help} ({SERVER_DEFAULT})")
     parser.add_argument("--no-prompt-pool", action="store_true", help="do not seed the pool from the prompt")
     parser.add_argument("--no-output-pool", action="store_true", help="do not add n-grams of the output to the pool")
     parser.add_argument("--no-align-window", action="store_true", help="always shift the window by one column")
-    parser.add_argument("--lazy-window", action=argparse.BooleanOptionalAction,
-                        help=f"plain one-token steps when no candidate exists ({SERVER_DEFAULT})")
-    parser.add_argument("--break-even", type=float, help=f"fall back to one-token steps below this ({SERVER_DEFAULT})")
-    parser.add_argument("--copy-length", type=int, help=f"copy steps of up to this many tokens ({SERVER_DEFAULT})")
-    parser.add_argument("--copy-min-match", type=int,
-                        help=f"context tokens a copy step needs to match ({SERVER_DEFAULT})")
-    parser.add_argument("--copy-candidates", type=int, help=f"continuations a copy step verifies ({SERVER_DEFAULT})")
-    parser.add_argument("--copy-stretch", type=int,
-                        help=f"whole copies stretch the next best copy up to this many times ({SERVER_DEFAULT})")
-    parser.add_argument("--window-chains", action=argparse.BooleanOptionalAction,
-                        help=f"also verify the window's own columns ({SERVER_DEFAULT})")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -136,19 +132,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
     """The ``LookaheadConfig`` the (resolved) flags describe, validated (raises ``InvalidParameterError``)."""
     config = LookaheadConfig(
-        window_size=args.window_size,
-        ngram_size=args.ngram_size,
-        guess_set_size=args.guess_set_size,
+        **{name: getattr(args, name) for name in LOOKAHEAD_STEP_FIELDS},
         prompt_pool=not args.no_prompt_pool,
         output_pool=not args.no_output_pool,
         align_window=not args.no_align_window,
-        lazy_window=args.lazy_window,
-        break_even=args.break_even,
-        copy_length=args.copy_length,
-        copy_min_match=args.copy_min_match,
-        copy_candidates=args.copy_candidates,
-        copy_stretch=args.copy_stretch,
-        window_chains=args.window_chains,
     )
     config.validate()
     return config
@@ -355,7 +342,8 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory``,
-    ``anatomy`` or ``gpu`` as the first argument runs that module of ``bench`` with the rest."""
+    ``anatomy``, ``gpu`` or ``tune`` (``bench.tuning``) as the first argument runs that module of ``bench`` with
+    the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
@@ -373,6 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import gpu
 
         return gpu.main(argv[1:])
+    if argv[:1] == ["tune"]:
+        from bench import tuning
+
+        return tuning.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:

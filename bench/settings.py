@@ -23,12 +23,9 @@ from dataclasses import dataclass
 
 from decoding.batch import BatchPolicy
 from decoding.loading import resolve_device
-from server.config import ServerConfig, load_config
+from server.config import LOOKAHEAD_STEP_FIELDS, ServerConfig, load_config
 
-LOOKAHEAD_FIELDS = (
-    "window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length", "copy_min_match",
-    "copy_candidates", "copy_stretch", "window_chains"
-)
+LOOKAHEAD_FIELDS = LOOKAHEAD_STEP_FIELDS  # the server's lookahead step settings, each a benchmark flag
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
 DECODING_SECTIONS = ("lookahead", "batch", *MODEL_FIELDS)  # what of a preset decides how a benchmark decodes
 SERVER_MEMORY_TOKENS = ServerConfig().lookahead.memory_tokens  # the server's shared n-gram memory, by default

@@ -3,8 +3,11 @@
 Contract: ``create_app(config, decoder=None, load_decoder=None)`` returns an ASGI app whose lifespan starts the
 worker thread and, in the background, loads the decoder (unless one is injected), publishes the config
 metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and again while draining. Routes
-only parse, authorize and delegate to ``server.serving``; prompts are tokenized off the event loop (in a
-thread), so a huge prompt never stalls other streams; every error goes through ``server.errors``.
+take typed bodies (protocol models FastAPI validates, read by ``server.body.json_body_route``: authorized first,
+then bounded and strict JSON) and delegate to their endpoint module (``server.chat``, ``server.completions``,
+``server.responses``, ``server.tokenization``); prompts are tokenized off the event loop (in a thread), so a huge
+prompt never stalls other streams; every error goes through ``server.errors`` (a validation error is a 400 naming
+the field, from one handler).
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` and
 ``GET /v1/responses/{id}`` (``server.responses``), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's, keyed like
@@ -26,28 +29,28 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
 from decoding import BatchPolicy, Decoder, SamplingParams, StopCriteria, configure_threads
-from server import responses, serving
+from server import chat, responses, serving, tokenization
+from server import completions as completion
 from server.auth import KeyChecker, load_api_keys
-from server.body import decode_json, parse_body
+from server.body import json_body_route
 from server.config import ServerConfig
 from server.errors import (
     ModelNotFoundError,
-    PayloadTooLargeError,
     ServiceUnavailableError,
     install_error_handlers,
 )
 from server.metrics import Metrics
 from server.openapi import install_openapi
+from server.plans import Renderer
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,19 +63,18 @@ from server.protocol import (
     TokenizerInfo,
     protocol_field_names,
 )
-from server.rendering import Renderer
+from server.responses_protocol import ResponseRequest
 from server.scheduler import Handle, Scheduler
 from server.serving import Engine
 from server.text import TextCodec, read_chat_template
 from server.worker import Worker
 
 logger = logging.getLogger("server.app")
-FIELD_NAMES = frozenset(protocol_field_names())
+FIELD_NAMES = frozenset(protocol_field_names()) | responses.FIELD_NAMES  # what a 400 may name
 SSE_PING_SECONDS = 15
 CORS_METHODS = ("GET", "POST", "OPTIONS")
 CORS_MAX_AGE_SECONDS = 600
 STATIC_DIR = Path(__file__).parent / "static"
-ParsedRequest = TypeVar("ParsedRequest", bound=BaseModel)
 
 
 def load_default_decoder(config: ServerConfig) -> serving.DecoderLike:
@@ -241,24 +243,6 @@ async def require_api_key(request: Request) -> None:
     runtime_of(request).keys.check(request.headers.get("authorization"))
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The JSON body; 413 beyond ``limit`` bytes, 400 when it is not UTF-8 JSON text (``server.body``)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"The request body exceeds {limit} bytes.")
-    body = bytearray()
-    async for chunk in request.stream():
-        body.extend(chunk)
-        if len(body) > limit:
-            raise PayloadTooLargeError(f"The request body exceeds {limit} bytes.")
-    return decode_json(bytes(body))
-
-
-def parse(model: type[ParsedRequest], body: Any) -> ParsedRequest:
-    """Validate ``body`` against a protocol model; 400 naming the first bad field."""
-    return parse_body(model, body, FIELD_NAMES)
-
-
 def disconnect_watcher(request: Request) -> Callable[[], Any]:
     """A coroutine function that returns when the client disconnects (the body has been read already)."""
 
@@ -278,45 +262,33 @@ async def respond(request: Request, handles: list[Handle], renderer: Renderer, s
     return JSONResponse(await serving.complete(handles, renderer, disconnect_watcher(request)))
 
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+def body_limit(request: Request) -> int:
+    """The most bytes a request body may have (``max_request_bytes``)."""
+    return runtime_of(request).config.max_request_bytes
 
 
-async def generate(
-    request: Request,
-    request_type: type[ChatCompletionRequest] | type[CompletionRequest],
-    prompts_of: serving.PromptsOf,
-    prompt_param: str,
-) -> Response:
-    """Parse, check, plan, submit and answer one generation request (chat or completion alike), every choice
-    of every prompt."""
-    runtime = runtime_of(request)
-    body = parse(request_type, await read_json(request, runtime.config.max_request_bytes))
-    model = serving.check_model(runtime.config, body.model)
-    serving.check_supported(body)
-    prompt_count = len(body.prompt_list()) if isinstance(body, CompletionRequest) else 1
-    serving.check_choices(runtime.config, body.n, prompt_count)
-    engine = runtime.require_engine()
-    prepared, renderer = await asyncio.to_thread(  # tokenizing and compiling a grammar must not stall the loop
-        serving.prepare_rendered, engine, body, prompts_of, prompt_param, model, runtime.fingerprint)
-    return await respond(request, serving.start_many(engine, prepared.generations), renderer, bool(body.stream))
+JSONBodyRoute = json_body_route(require_api_key, body_limit)
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute)
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await generate(request, ChatCompletionRequest, serving.chat_prompts, "messages")
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    """A chat completion, whole or streamed (``server.chat``)."""
+    handles, renderer = await chat.submit(runtime_of(request), body)
+    return await respond(request, handles, renderer, bool(body.stream))
 
 
 @router.post("/completions")
-async def completions(request: Request) -> Response:
-    return await generate(request, CompletionRequest, serving.completion_prompts, "prompt")
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    """A text completion, whole or streamed (``server.completions``)."""
+    handles, renderer = await completion.submit(runtime_of(request), body)
+    return await respond(request, handles, renderer, bool(body.stream))
 
 
 @router.post("/responses")
-async def create_response(request: Request) -> Response:
+async def create_response(request: Request, body: ResponseRequest) -> Response:
     """OpenAI's Responses API, decoded on the chat path (``server.responses``)."""
-    runtime = runtime_of(request)
-    body = responses.parse_request(await read_json(request, runtime.config.max_request_bytes))
-    handles, renderer = await responses.submit(runtime, body)
+    handles, renderer = await responses.submit(runtime_of(request), body)
     if body.stream:
         return EventSourceResponse(responses.events(handles, renderer), sep="\n", ping=SSE_PING_SECONDS)
     return JSONResponse(await serving.complete(handles, renderer, disconnect_watcher(request)))
@@ -343,22 +315,14 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     return ModelCard(id=model_id, created=runtime.created).model_dump(mode="json")
 
 
-tools = APIRouter(dependencies=[Depends(require_api_key)])
-
-
-async def tool_body(request: Request, body_type: type[TokenizeRequest] | type[DetokenizeRequest]) -> tuple[Any, Any]:
-    """The parsed body of a ``/tokenize`` or ``/detokenize`` request (its model checked) and the engine."""
-    runtime = runtime_of(request)
-    body = parse(body_type, await read_json(request, runtime.config.max_request_bytes))
-    serving.check_model(runtime.config, body.model)
-    return body, runtime.require_engine()
+tools = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute)
 
 
 @tools.post("/tokenize")
-async def tokenize(request: Request) -> dict[str, Any]:
+async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
     """vLLM's ``/tokenize``: a prompt or messages to the ids a completion or chat would decode from."""
-    body, engine = await tool_body(request, TokenizeRequest)
-    ids = await asyncio.to_thread(serving.tokenize_prompt, engine.codec, body)
+    engine = checked_engine(request, body.model)
+    ids = await asyncio.to_thread(tokenization.tokenize, engine.codec, body)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.decoder.context_length).model_dump()
 
 
@@ -370,10 +334,17 @@ async def tokenizer_info(request: Request) -> dict[str, Any]:
 
 
 @tools.post("/detokenize")
-async def detokenize(request: Request) -> dict[str, Any]:
+async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
     """vLLM's ``/detokenize``: token ids to text."""
-    body, engine = await tool_body(request, DetokenizeRequest)
-    return DetokenizeResponse(prompt=await asyncio.to_thread(serving.detokenize, engine.codec, body)).model_dump()
+    engine = checked_engine(request, body.model)
+    return DetokenizeResponse(prompt=await asyncio.to_thread(tokenization.detokenize, engine.codec, body)).model_dump()
+
+
+def checked_engine(request: Request, model: str | None) -> Engine:
+    """The engine for a ``/tokenize`` or ``/detokenize`` request whose ``model`` is checked (404 for another)."""
+    runtime = runtime_of(request)
+    serving.check_model(runtime.config, model)
+    return runtime.require_engine()
 
 
 async def health(request: Request) -> JSONResponse:

@@ -6,17 +6,26 @@ the non-standard constants ``NaN``, ``Infinity`` and ``-Infinity``, nesting deep
 strings holding a lone surrogate (``"\\ud800"`` is valid JSON syntax but no Unicode text; the tokenizer cannot
 encode it). It never raises anything else, so a hostile body can only ever cost a 400. ``parse_body(model, data,
 field_names)`` validates a decoded body against a protocol model: 400 naming the first bad field.
+
+``json_body_route(authorize, limit)`` is the route class of the routes whose handler takes a typed body (a
+protocol model parameter, which FastAPI validates and documents): before FastAPI reads the body, the request is
+authorized, then its body read within ``limit(request)`` bytes (``read_body``: 413 beyond; a 400 for anything
+``decode_json`` refuses and for a body that is no JSON object), whatever its content type; FastAPI then
+validates the decoded object, and its ``RequestValidationError`` reaches the one handler that turns it into
+OpenAI's 400 (``server.errors``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, NoReturn, TypeVar
 
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
-from server.errors import BadRequestError, from_validation_errors
+from server.errors import BadRequestError, PayloadTooLargeError, from_validation_errors
 
 Parsed = TypeVar("Parsed", bound=BaseModel)
 
@@ -99,3 +108,46 @@ def parse_body(model: type[Parsed], data: Any, field_names: Collection[str]) -> 
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors(), field_names) from exc
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes; 413 beyond ``limit`` bytes (the declared length is checked before reading)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"The request body exceeds {limit} bytes.")
+    body = bytearray()
+    async for chunk in request.stream():
+        body.extend(chunk)
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"The request body exceeds {limit} bytes.")
+    return bytes(body)
+
+
+JSON_HEADER = (b"content-type", b"application/json")
+
+
+def json_body_route(
+    authorize: Callable[[Request], Awaitable[None]], limit: Callable[[Request], int]
+) -> type[APIRoute]:
+    """The route class of typed-body routes (module contract); routes without a body are left as FastAPI's."""
+
+    class JSONBodyRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+            handler = super().get_route_handler()
+            if self.body_field is None:
+                return handler
+
+            async def read_then_handle(request: Request) -> Response:
+                await authorize(request)
+                raw = await read_body(request, limit(request))
+                data = decode_json(raw)
+                if not isinstance(data, dict):
+                    raise BadRequestError("The request body must be a JSON object.")
+                headers = [(key, value) for key, value in request.scope["headers"] if key != b"content-type"]
+                decoded = Request({**request.scope, "headers": [*headers, JSON_HEADER]}, request.receive)
+                decoded._body, decoded._json = raw, data  # what FastAPI reads: the body, decoded once
+                return await handler(decoded)
+
+            return read_then_handle
+
+    return JSONBodyRoute

@@ -12,92 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
 from server.chat_client import add_chat_flags, chat
-from server.config import (
-    ConfigError,
-    Resolved,
-    ServerConfig,
-    config_flags,
-    describe,
-    flag_overrides,
-    reference_markdown,
-    requested_device,
-    resolve,
-)
-from server.tuning import TUNED_WITH, add_tune_flags, tune_command
+from server.config import ConfigError, describe, reference_markdown
+from server.flags import add_config_flags, build_config, resolve_args
 
-API_KEY_ENV = "LOOKAHEAD_API_KEY"
 logger = logging.getLogger("server.cli")
-
-
-def add_config_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None = None) -> None:
-    """``--config`` and one flag per config value (``server.config.config_flags``), or only those in ``keys``.
-
-    Every default is None, so that only flags given on the command line override the layers below them.
-    """
-    parser.add_argument("--config", help="YAML config layered over the device preset: a path or a name in configs/")
-    wanted = None if keys is None else set(keys)
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for flag in config_flags():
-        if wanted is not None and flag.key not in wanted:
-            continue
-        section = flag.key.split(".")[0] if "." in flag.key else ""
-        if section not in groups:
-            groups[section] = parser.add_argument_group(SECTION_TITLES[section]) if section else parser
-        target = groups[section]
-        if flag.kind is bool:
-            target.add_argument(flag.name, dest=flag.dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=flag.help)
-        else:
-            metavar = None if flag.choices else flag.name.removeprefix("--").replace("-", "_").upper()
-            target.add_argument(flag.name, dest=flag.dest, type=flag.kind, choices=flag.choices, metavar=metavar,
-                                nargs="+" if flag.multiple else None, help=flag.help)
-
-
-SECTION_TITLES = {
-    "lookahead": "lookahead defaults (requests may override W/N/G within the maxima)",
-    "batch": "batching of the running requests' steps",
-}
-
-
-def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
-    """The config-shaped overrides given on the command line (``None`` = not given); the API key may come from
-    ``$LOOKAHEAD_API_KEY``."""
-    values = {flag.key: getattr(args, flag.dest) for flag in config_flags() if hasattr(args, flag.dest)}
-    if "api_key" in values and values["api_key"] is None:
-        values["api_key"] = os.environ.get(API_KEY_ENV) or None
-    return flag_overrides(values)
-
-
-def device_preset(device: str) -> str:
-    """``cpu`` or ``cuda``: the preset for a configured device (``auto`` asks torch, through decoding)."""
-    if device == "auto":
-        from decoding.loading import resolve_device
-
-        device = str(resolve_device("auto"))
-    return "cuda" if device.startswith("cuda") else "cpu"
-
-
-def resolve_args(args: argparse.Namespace) -> Resolved:
-    """The config and its sources: the preset of the device the file and flags ask for, then the file, flags."""
-    overrides = overrides_from(args)
-    preset = device_preset(requested_device(args.config, overrides))
-    return resolve(args.config, overrides, device_preset=preset)
-
-
-def build_config(args: argparse.Namespace) -> ServerConfig:
-    """``resolve_args(args).config``."""
-    return resolve_args(args).config
+MOVED_TUNE = "python -m bench tune"
 
 
 def add_show_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -195,25 +123,12 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``lookahead-server tune``: ``--config`` and the serve flags it tunes with, then the tuner's own."""
-    add_config_flags(parser, TUNED_WITH)
-    add_tune_flags(parser)
-
-
-def tune(args: argparse.Namespace) -> int:
-    """``lookahead-server tune``: the tuner (``server.tuning``) on the configuration ``serve`` would run."""
-    return tune_command(args, build_config)
-
-
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "serve": ("run the OpenAI-compatible server (the default command)", add_config_flags, serve),
     "config": ("print the configuration serve would run, and where each value comes from", add_show_config_flags,
                show_config),
     "chat": ("chat in the terminal with a running server (or --serve one), multi-token steps coloured",
              add_chat_flags, chat),
-    "tune": ("measure this device and write a config file of W/N/G and the step policy (serve it with --config)",
-             add_tuning_flags, tune),
 }
 
 
@@ -234,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lookahead-server`` and ``python -m server``."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["tune"]:
+        print(f"lookahead-server: the tuner moved: run `{MOVED_TUNE}` (same flags)", file=sys.stderr)
+        return 2
     if not args_list or (args_list[0] not in COMMANDS and args_list[0] not in ("-h", "--help")):
         args_list.insert(0, "serve")
     args = build_parser().parse_args(args_list)

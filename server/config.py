@@ -5,6 +5,12 @@ Contract:
   flags (``config_flags``), the reference page ``docs/configuration.md`` (``reference_markdown``), the OpenAPI
   limits and the per-request validation (``lookahead_bounds``) derive from it. The lookahead defaults and
   bounds come from ``decoding.params`` (``LookaheadConfig``, ``LOOKAHEAD_BOUNDS``), where the decoder checks them.
+- A lookahead knob is declared twice and exposed everywhere from there: a field of ``LookaheadConfig`` (with its
+  bounds) and of ``LookaheadSettings`` (with its meaning) is a step setting (``LOOKAHEAD_STEP_FIELDS``): the server
+  runs it (``decoder_lookahead``), the benchmark and the tuner take it as a flag (``bench.cli``, from
+  ``config_flags``) and the config reference lists it. Named in ``REQUEST_LOOKAHEAD`` with a ``max_<name>``
+  setting, a request may set it too (``server.protocol.LookaheadRequest``, the OpenAPI document, within
+  ``lookahead_bounds``).
 - Layers, later wins: field defaults < the device preset ``configs/<cpu|cuda>.yaml`` (always, for the resolved
   device) < the ``--config`` file < flags. Nothing else is read: what a device runs is its preset file.
   ``resolve`` returns the validated, immutable config and, for every value, the layer it came from.
@@ -49,6 +55,9 @@ def _maximum_field(name: str, default: int) -> Any:
     """The largest ``name`` a request may ask for, itself within the decoder's bounds."""
     low, high = LOOKAHEAD_BOUNDS[name]
     return Field(default, ge=low, le=high, description=f"largest {name} a request may ask for (larger -> 400)")
+
+
+REQUEST_LOOKAHEAD = ("window_size", "ngram_size", "guess_set_size")  # what a request may set, each within max_<name>
 
 
 class LookaheadSettings(BaseModel):
@@ -107,10 +116,16 @@ class LookaheadSettings(BaseModel):
 
     @model_validator(mode="after")
     def _defaults_within_maxima(self) -> LookaheadSettings:
-        for name in ("window_size", "ngram_size", "guess_set_size"):
+        for name in REQUEST_LOOKAHEAD:
             if getattr(self, name) > getattr(self, f"max_{name}"):
                 raise ValueError(f"lookahead.{name} = {getattr(self, name)} exceeds lookahead.max_{name}")
         return self
+
+
+# The lookahead step settings: the fields of the decoder's ``LookaheadConfig`` that ``LookaheadSettings`` also has
+# (module contract: a knob is declared once, there and here).
+_DECODER_FIELDS = {field.name for field in dataclasses.fields(LookaheadConfig)}
+LOOKAHEAD_STEP_FIELDS = tuple(name for name in LookaheadSettings.model_fields if name in _DECODER_FIELDS)
 
 
 class BatchSettings(BaseModel):
@@ -126,7 +141,7 @@ class BatchSettings(BaseModel):
         "off: every step eager",
     )
     step_cost: list[tuple[int, float]] | None = Field(
-        None, description="[[tokens, relative cost], ...] of one forward, as measured by `lookahead-server tune`; "
+        None, description="[[tokens, relative cost], ...] of one forward, as measured by `python -m bench tune`; "
         "null: decoding's built-in CPU curve",
     )
 
@@ -218,13 +233,13 @@ class ServerConfig(BaseModel):
 
 
 def lookahead_bounds(settings: LookaheadSettings) -> dict[str, tuple[int, int]]:
-    """What a request may ask for: W, N and G within the decoder's minimum and this server's maximum.
+    """What a request may ask for: each of ``REQUEST_LOOKAHEAD`` (W, N and G) within the decoder's minimum and this
+    server's maximum.
 
     >>> lookahead_bounds(LookaheadSettings())["ngram_size"]
     (2, 8)
     """
-    names = ("window_size", "ngram_size", "guess_set_size")
-    return {name: (LOOKAHEAD_BOUNDS[name][0], getattr(settings, f"max_{name}")) for name in names}
+    return {name: (LOOKAHEAD_BOUNDS[name][0], getattr(settings, f"max_{name}")) for name in REQUEST_LOOKAHEAD}
 
 
 def decoder_lookahead(settings: LookaheadSettings, **request: Any) -> LookaheadConfig:
@@ -236,8 +251,7 @@ def decoder_lookahead(settings: LookaheadSettings, **request: Any) -> LookaheadC
     >>> config.ngram_size, config.break_even
     (3, 2.0)
     """
-    shared = {field.name for field in dataclasses.fields(LookaheadConfig)} & set(LookaheadSettings.model_fields)
-    values = {name: getattr(settings, name) for name in shared} | request
+    values = {name: getattr(settings, name) for name in LOOKAHEAD_STEP_FIELDS} | request
     values["break_even"] = min(values["break_even"], float(values["ngram_size"] - 1))
     return LookaheadConfig(**values)
 

@@ -1,21 +1,20 @@
 """The OpenAPI document (``GET /openapi.json``): the real request and response bodies of every route.
 
-Contract: ``install_openapi(app, config)`` replaces FastAPI's generator with ``openapi_document``, built once.
-The routes parse their bodies themselves (so that every failure becomes an OpenAI envelope), which leaves FastAPI
-nothing to infer; this module fills in, per route, the request body (the ``server.protocol`` model's JSON schema),
-the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every error status the route can answer with
-``ErrorResponse``. The request schemas state what the server really accepts: the validators' limits (at most
-``max_stop_strings`` non-empty stop strings, an int64 seed, penalties in [-2, 2], ``logit_bias`` token id keys
-with biases in [-100, 100], ``min_p`` in [0, 1], ``repetition_penalty`` > 0), ``n`` up to ``max_n``, the options
-only accepted at their neutral value (no suffix), logprobs with at most 20 alternatives (chat's
-``top_logprobs`` only with ``logprobs: true``, said in its description), the served model names and the configured
-lookahead maxima (``lookahead`` extension), non-empty prompts in OpenAI's four forms (token ids below the
-vocabulary size once the model is loaded), completions' ``max_tokens`` 0 only with ``echo: true``, content
-required except in ``assistant`` messages, text content parts only, ``continue_final_message``
-only with ``add_generation_prompt`` false, ``/tokenize`` bodies with one of ``prompt`` and ``messages``. What no
-schema can say (``prompt + max_tokens`` within the model's context, a text that tokenizes to nothing, the variables
-a chat template reads, ``best_of`` equal to ``n``, prompts times ``n`` within the server's capacity) stays a 400 at
-run time.
+Contract: ``install_openapi(app, config)`` replaces FastAPI's generator with ``openapi_document``, built once the
+model is loaded. The document is FastAPI's, derived from the routes: each request body is the route's typed body
+(a ``server.protocol`` / ``server.responses_protocol`` model), and the component schemas are pydantic's of those
+models (bounds, required fields, descriptions, chat messages as one object per role). This module adds, in one
+place (``request_overrides``), what the models cannot say: what only the config knows (the served model names,
+``n`` and ``best_of`` up to ``max_n``, at most ``max_stop_strings`` stop strings, the lookahead maxima, token ids
+below the vocabulary size once the model is loaded), the rules a field's type does not
+state (non-empty stop strings and prompts in OpenAI's four forms, ``logit_bias`` token id keys with biases in
+[-100, 100], tool and ``response_format`` shapes with OpenAI's name pattern, no ``suffix``, completions'
+``max_tokens`` 0 only with ``echo: true``, ``continue_final_message`` only with ``add_generation_prompt`` false,
+``tool_choice`` required or named only with tools, ``/tokenize`` bodies with one of ``prompt`` and ``messages``,
+text content parts only), and per route the 200 (JSON, or ``text/event-stream`` for ``stream: true``) and every
+error status it can answer with ``ErrorResponse`` (never FastAPI's 422). What no schema can say (``prompt +
+max_tokens`` within the model's context, a text that tokenizes to nothing, the variables a chat template reads,
+``best_of`` equal to ``n``, prompts times ``n`` within the server's capacity) stays a 400 at run time.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from decoding.params import MAX_TOP_LOGPROBS
 from server.config import ServerConfig, lookahead_bounds
 from server.protocol import (
     ChatCompletion,
@@ -132,11 +130,8 @@ def generation_overrides(config: ServerConfig) -> dict[str, dict[str, Any]]:
             {"type": "string", "minLength": 1},
             {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": config.max_stop_strings},
         ]}),
-        "seed": nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
         "n": nullable({"type": "integer", "minimum": 1, "maximum": config.max_n,
                        "description": "Choices per prompt, decoded side by side; choice j samples with seed + j."}),
-        "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
-        "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "logit_bias": nullable({
             "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
@@ -176,32 +171,6 @@ ZERO_MAX_TOKENS_NEEDS_ECHO = {
     "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
     "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
 }
-
-
-def chat_message_schema(pydantic_schema: dict[str, Any]) -> dict[str, Any]:
-    """``ChatMessage`` split by role: content is required (not null) except in ``assistant`` messages, which may
-    carry ``tool_calls``; ``tool`` messages need ``tool_call_id``."""
-    properties = pydantic_schema["properties"]
-    content = {"anyOf": [branch for branch in properties["content"]["anyOf"] if branch != {"type": "null"}]}
-    speaker = {
-        "type": "object",
-        "properties": {"role": {"type": "string", "enum": ["system", "developer", "user"]}, "content": content,
-                       "name": properties["name"]},
-        "required": ["role", "content"],
-    }
-    assistant = {
-        "type": "object",
-        "properties": {"role": {"type": "string", "const": "assistant"}, "content": nullable(content),
-                       "name": properties["name"], "tool_calls": properties["tool_calls"]},
-        "required": ["role"],
-    }
-    tool = {
-        "type": "object",
-        "properties": {"role": {"type": "string", "const": "tool"}, "content": content,
-                       "tool_call_id": {"type": "string", "minLength": 1}},
-        "required": ["role", "content", "tool_call_id"],
-    }
-    return {"title": "ChatMessage", "description": pydantic_schema["description"], "anyOf": [speaker, assistant, tool]}
 
 
 TOOL = {
@@ -266,7 +235,7 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
         "TokenizeRequest": {
             "model": shared["model"],
             "prompt": {"type": "string"},
-            "messages": {"type": "array", "items": ref("ChatMessage"), "minItems": 1},
+            "messages": {"type": "array", "items": ref_items("ChatCompletionRequest", "messages"), "minItems": 1},
             "chat_template_kwargs": TEMPLATE_KWARGS,
         },
         "DetokenizeRequest": {
@@ -274,29 +243,16 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
         },
         "ChatCompletionRequest": {
             **shared,
-            "logprobs": nullable({"type": "boolean", "description": "Return each generated token's logprob "
-                                  "(the raw model's, before temperature / top-k / top-p) in choices[].logprobs."}),
-            "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
-                                      "description": "Most likely alternatives per token; needs logprobs: true."}),
             "chat_template_kwargs": TEMPLATE_KWARGS,
             "tools": nullable({"type": "array", "items": TOOL, "description": "Functions the model may call; "
                                "see docs/api.md for how they reach a template without tool support."}),
             "tool_choice": nullable(TOOL_CHOICE),
-            "parallel_tool_calls": {"type": "boolean", "default": True,
-                                    "description": "false: at most one call per reply; true: 1 to 8."},
             "response_format": nullable(RESPONSE_FORMAT),
         },
-        "ResponseRequest": {"model": shared["model"], "seed": shared["seed"]},
+        "ResponseRequest": {"model": shared["model"]},
         "CompletionRequest": {
             **shared,
             "prompt": prompt_schema(vocab_size),
-            "max_tokens": nullable({"type": "integer", "minimum": 0,
-                                    "description": "Tokens to generate; 0 only with echo (the prompt alone)."}),
-            "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
-                                  "description": "Return each token's logprob and this many alternatives (legacy "
-                                  "shape: tokens, token_logprobs, top_logprobs, text_offset); with echo, the "
-                                  "prompt's tokens first (the first one's logprob null)."}),
-            "echo": nullable({"type": "boolean", "description": "Prepend each prompt to its choices' text."}),
             "best_of": nullable({"type": "integer", "minimum": 1, "maximum": config.max_n,
                                  "description": "Only null or equal to n (choices are not ranked)."}),
             "suffix": nullable({"type": "string", "maxLength": 0}),
@@ -324,8 +280,14 @@ def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> di
     schemas["TextContentPart"]["properties"]["type"] = {"type": "string", "const": "text"}
     schemas["Prediction"]["properties"]["type"] = {"type": "string", "const": "content"}
     schemas["LookaheadRequest"] = lookahead_schema(config)
-    schemas["ChatMessage"] = chat_message_schema(schemas["ChatMessage"])
     return schemas
+
+
+def ref_items(model: str, field: str) -> dict[str, Any]:
+    """The item schema of a list field of a request model, as pydantic derives it (chat messages: one per role)."""
+    from server import protocol
+
+    return getattr(protocol, model).model_json_schema(ref_template=REF)["properties"][field]["items"]
 
 
 def ref(name: str) -> dict[str, str]:
@@ -347,10 +309,9 @@ def error_responses(statuses: tuple[str, ...]) -> dict[str, Any]:
     return responses
 
 
-def generation_operation(request: str, response: str, auth: tuple[str, ...]) -> dict[str, Any]:
-    """The request body and responses of one POST generation route."""
+def generation_operation(response: str, auth: tuple[str, ...]) -> dict[str, Any]:
+    """The responses of one POST generation route (its request body is FastAPI's, from the route's typed body)."""
     return {
-        "requestBody": {"required": True, "content": json_content(request)},
         "responses": {
             "200": {
                 "description": f"A {response} object, or with stream: true its chunks as server-sent events.",
@@ -361,10 +322,9 @@ def generation_operation(request: str, response: str, auth: tuple[str, ...]) -> 
     }
 
 
-def tool_operation(request: str, response: str, auth: tuple[str, ...]) -> dict[str, Any]:
-    """The request body and responses of ``/tokenize`` or ``/detokenize`` (no queue: never 429)."""
+def tool_operation(response: str, auth: tuple[str, ...]) -> dict[str, Any]:
+    """The responses of ``/tokenize`` or ``/detokenize`` (no queue: never 429; the body is FastAPI's)."""
     return {
-        "requestBody": {"required": True, "content": json_content(request)},
         "responses": {
             "200": {"description": f"A {response} object.", "content": json_content(response)},
             **error_responses(("400", *auth, "404", "413", *SERVICE_STATUSES)),
@@ -378,15 +338,15 @@ def operations(config: ServerConfig, protected: bool) -> dict[tuple[str, str], d
     guard_health = ("401",) if protected and config.protect_health else ()
     guard_metrics = ("401",) if protected and config.protect_metrics else ()
     return {
-        ("/v1/chat/completions", "post"): generation_operation("ChatCompletionRequest", "ChatCompletion", auth),
-        ("/v1/completions", "post"): generation_operation("CompletionRequest", "Completion", auth),
-        ("/v1/responses", "post"): generation_operation("ResponseRequest", "ResponseObject", auth),
+        ("/v1/chat/completions", "post"): generation_operation("ChatCompletion", auth),
+        ("/v1/completions", "post"): generation_operation("Completion", auth),
+        ("/v1/responses", "post"): generation_operation("ResponseObject", auth),
         ("/v1/responses/{response_id}", "get"): {
             "responses": {"200": {"description": "A stored response.", "content": json_content("ResponseObject")},
                           **error_responses((*auth, "404"))},
         },
-        ("/tokenize", "post"): tool_operation("TokenizeRequest", "TokenizeResponse", auth),
-        ("/detokenize", "post"): tool_operation("DetokenizeRequest", "DetokenizeResponse", auth),
+        ("/tokenize", "post"): tool_operation("TokenizeResponse", auth),
+        ("/detokenize", "post"): tool_operation("DetokenizeResponse", auth),
         ("/tokenizer_info", "get"): {
             "responses": {"200": {"description": "The tokenizer.", "content": json_content("TokenizerInfo")},
                           **error_responses((*auth, *SERVICE_STATUSES))},

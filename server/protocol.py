@@ -17,25 +17,34 @@ and completions' ``prediction`` (``Prediction``) give ``usage.completion_tokens_
 item; ``CompletionRequest.prompt_list``); with several prompts and ``n`` each prompt has ``n`` choices,
 ``index = prompt_index * n + j``. With ``echo`` a choice's text (and legacy logprobs) start with its prompt's,
 the first prompt token's logprob and top alternatives null (``CompletionLogprobs``).
+A chat message (``ChatMessage``) is a union by ``role``: ``SystemMessage``, ``DeveloperMessage`` (treated as
+system), ``UserMessage``, ``AssistantMessage`` (content may be null; ``tool_calls``) and ``ToolMessage``
+(``tool_call_id`` required); a message of another role is a 400 naming ``messages[i].role``; ``chat_message``
+builds one. The OpenAPI document takes their schema as pydantic derives it.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from decoding.params import MAX_TOP_LOGPROBS
+from server.config import REQUEST_LOOKAHEAD
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and json_schema) names
@@ -90,25 +99,18 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
-class ChatMessage(StrictModel):
-    """One message. ``developer`` is treated as ``system``; ``content`` may be null only for ``assistant``.
+MessageContent = str | list[TextContentPart]
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
-    ``tool`` messages carry a tool's result: ``content`` and ``tool_call_id`` (the id of the call it answers;
-    its absence is a 400 naming ``messages[i].tool_call_id``, checked in ``server.tools``); ``assistant``
-    messages may carry the ``tool_calls`` the model made (their content then may be null).
-    """
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+class _Message(StrictModel):
+    """What every chat message has: ``content`` (a string or text parts) and an optional ``name``. ``tool_calls``
+    and ``tool_call_id`` read None on the roles that cannot carry them (sent anyway: a 400 in ``server.tools``)."""
+
+    content: MessageContent
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _content_present(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        return self
+    tool_calls: SkipJsonSchema[list[ToolCall] | None] = None
+    tool_call_id: SkipJsonSchema[str | None] = None
 
     def text(self) -> str:
         """The content as one string (text parts joined without separator, as OpenAI does)."""
@@ -117,6 +119,73 @@ class ChatMessage(StrictModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class DeveloperMessage(_Message):
+    """Treated as ``system``."""
+
+    role: Literal["developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    """An earlier reply: ``content`` may be null when it made ``tool_calls``."""
+
+    role: Literal["assistant"]
+    content: MessageContent | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(_Message):
+    """A tool's result: ``tool_call_id`` is the id of the call it answers."""
+
+    role: Literal["tool"]
+    tool_call_id: str = Field(min_length=1)
+
+
+class Message(StrictModel):
+    """Where a message of no known role goes, so that the error names ``role`` (never valid here)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+
+
+def _role_tag(value: Any) -> str:
+    """The union member a message validates as: its role's, else ``Message``'s (tags are no field names, so
+    an error's ``param`` reads ``messages[0].content``)."""
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    return f"{role} message" if role in ROLES else "unknown role"
+
+
+ChatMessage = Annotated[  # one message, typed by its role
+    Annotated[SystemMessage, Tag("system message")]
+    | Annotated[DeveloperMessage, Tag("developer message")]
+    | Annotated[UserMessage, Tag("user message")]
+    | Annotated[AssistantMessage, Tag("assistant message")]
+    | Annotated[ToolMessage, Tag("tool message")]
+    | SkipJsonSchema[Annotated[Message, Tag("unknown role")]],
+    Discriminator(_role_tag),
+]
+MESSAGE_TYPES = {"system": SystemMessage, "developer": DeveloperMessage, "user": UserMessage,
+                 "assistant": AssistantMessage, "tool": ToolMessage}
+
+
+AnyMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+def chat_message(role: str, **fields: Any) -> AnyMessage:
+    """A chat message of ``role`` (validated as a request's would be).
+
+    >>> chat_message("tool", content="42", tool_call_id="c1").tool_call_id
+    'c1'
+    """
+    return MESSAGE_TYPES[role].model_validate({"role": role, **fields})
 
 
 class Prediction(StrictModel):
@@ -201,18 +270,19 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class LookaheadRequest(StrictModel):
-    """Extension: per-request lookahead settings; each field falls back to the server's configured default.
+LookaheadRequest = create_model(  # the knobs a request may set are the config's REQUEST_LOOKAHEAD, declared there
+    "LookaheadRequest",
+    __base__=StrictModel,
+    __doc__="""Extension: per-request lookahead settings; each field falls back to the server's configured default
+    (``enabled``, and the integers of ``server.config.REQUEST_LOOKAHEAD``: W, N and G).
 
     ``shared_memory: false`` opts the request out of the server-wide n-gram memory: it neither draws candidates
     from it nor adds its completion to it.
-    """
-
-    enabled: bool | None = None
-    window_size: int | None = None
-    ngram_size: int | None = None
-    guess_set_size: int | None = None
-    shared_memory: bool | None = None
+    """,
+    enabled=(bool | None, None),
+    **{name: (int | None, None) for name in REQUEST_LOOKAHEAD},
+    shared_memory=(bool | None, None),
+)
 
 
 class GenerationFields(StrictModel):
@@ -280,11 +350,13 @@ class ChatTemplateFields(StrictModel):
 class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: bool | None = Field(None, description="Return each generated token's logprob (the raw model's, before "
+                                  "temperature / top-k / top-p) in choices[].logprobs.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="Most likely alternatives per token; needs logprobs: true.")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per reply; true: 1 to 8.")
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
 
@@ -298,9 +370,13 @@ class CompletionRequest(GenerationFields):
     checked in ``server.serving``); ``best_of`` is accepted when null or equal to ``n``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0)
-    echo: bool | None = None
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate; 0 only with echo (the prompt alone).")
+    echo: bool | None = Field(None, description="Prepend each prompt to its choices' text.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="Return each token's logprob and this many alternatives (legacy shape: tokens, token_logprobs, "
+        "top_logprobs, text_offset); with echo, the prompt's tokens first (the first one's logprob null).",
+    )
     best_of: int | None = None
     suffix: str | None = None
     prediction: Prediction | None = None
@@ -460,7 +536,7 @@ class ResponseToolCall(BaseModel):
     function: ResponseFunctionCall
 
 
-class AssistantMessage(BaseModel):
+class ReplyMessage(BaseModel):
     """The reply: ``content`` is null when the reply is only tool calls; ``tool_calls`` is absent without
     calls."""
 
@@ -475,7 +551,7 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(BaseModel):
     index: int = 0
-    message: AssistantMessage
+    message: ReplyMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason
 
@@ -610,8 +686,8 @@ def _dumps(data: dict[str, Any]) -> str:
 def protocol_field_names() -> set[str]:
     """Every request field name, nested ones included (to render validation error locations)."""
     names: set[str] = set()
-    for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextContentPart, StreamOptions,
-                  LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat,
-                  Tool, FunctionDefinition, NamedToolChoice, NamedFunction, ToolCall, FunctionCall):
+    for model in (ChatCompletionRequest, CompletionRequest, AssistantMessage, ToolMessage, TextContentPart,
+                  StreamOptions, LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest, ResponseFormat,
+                  JsonSchemaFormat, Tool, FunctionDefinition, NamedToolChoice, NamedFunction, ToolCall, FunctionCall):
         names.update(field.alias or name for name, field in model.model_fields.items())
     return names

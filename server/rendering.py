@@ -14,14 +14,14 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from decoding import (
     TokenLogprob,
 )
 from server import tools
+from server.plans import Output, Summary
 from server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -37,13 +37,13 @@ from server.protocol import (
     DecodingInfo,
     DeltaMessage,
     DeltaToolCall,
+    ReplyMessage,
     StepInfo,
     TopLogprob,
     Usage,
     chunk_json,
 )
 from server.text import TextCodec
-from server.worker import Output, Summary
 
 LOWEST_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity; OpenAI's floor)
 
@@ -109,28 +109,6 @@ def step_of(output: Output) -> StepInfo:
     return StepInfo(tokens=counts.tokens, accepted=counts.accepted, offered=counts.offered)
 
 
-class Renderer(Protocol):
-    """Builds one endpoint's response and chunks; ``step`` objects are dropped unless ``include_steps``;
-    ``logprobs`` (None: not asked for) are the tokens behind the text; ``index`` is the choice's."""
-
-    include_usage: bool
-
-    def response(self, choices: Sequence[tuple[str, Output]]) -> dict[str, Any]: ...
-
-    def opening(self, index: int) -> str | None: ...
-
-    def pending_echo(self, index: int) -> bool: ...
-
-    def content(
-        self, index: int, text: str, step: StepInfo | None = None,
-        logprobs: Sequence[TokenLogprob] | None = None, prompt_logprobs: Sequence[TokenLogprob] | None = None,
-    ) -> str | list[str]: ...
-
-    def finish(self, index: int, reason: str, step: StepInfo | None = None) -> str | list[str]: ...
-
-    def usage(self, summaries: Sequence[Summary]) -> str: ...
-
-
 class _Identity:
     """The id, creation time and model name shared by every chunk of one response; ``token_text`` names a token
     id in logprobs (``TextCodec.token_text``; its decimal id when not given); ``n`` choices per prompt."""
@@ -190,10 +168,10 @@ class ChatRenderer(_Identity):
 
     def _message(self, text: str, last: Output) -> ChatChoice:
         """One whole choice (its tool calls read when ``use_tools`` gave a plan)."""
-        message, reason = AssistantMessage(content=text), last.finish_reason
+        message, reason = ReplyMessage(content=text), last.finish_reason
         if self._plan is not None:
             content, calls = tools.reply(self._plan, text)
-            message = AssistantMessage(content=content, tool_calls=calls)
+            message = ReplyMessage(content=content, tool_calls=calls)
             reason = tools.finish_reason(reason, len(calls or []))
         return ChatChoice(message=message, logprobs=self._logprobs(last.logprobs), finish_reason=reason)
 

@@ -1,9 +1,9 @@
 """OpenAI's Responses API, ``POST /v1/responses`` and ``GET /v1/responses/{id}``, over the chat path.
 
 Contract: ``parse_request`` validates a body (400 naming the field, ``server.responses_protocol``); ``submit``
-translates it into a ``ChatCompletionRequest`` (``chat_request``) and runs exactly chat's path
-(``server.serving``: model check, tool checks, prompt, grammar, plans, admission) with a ``ResponsesRenderer``,
-so whatever chat does (tool calls through ``server.tools``, structured output, lookahead, seeds) a response does
+translates it into a ``ChatCompletionRequest`` (``chat_request``) and runs exactly chat's path (``server.chat``:
+model check, tool checks, prompt, grammar, plans; ``server.serving``: admission) with a ``ResponsesRenderer``, so
+whatever chat does (tool calls through ``server.tools``, structured output, lookahead, seeds) a response does
 the same way. A 400 from that path names the Responses field (``responses_param``). The answer is OpenAI's
 ``response`` object (``ResponsesRenderer.response`` through ``serving.complete``), or with ``stream: true`` its
 events (``events``: ``serving.stream``'s payloads as named SSE events with increasing ``sequence_number``):
@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from decoding import InvalidParameterError, TokenLogprob
-from server import serving, tools
+from server import chat, serving, tools
 from server.body import parse_body
 from server.errors import APIError, BadRequestError, NotFoundError, to_api_error
+from server.plans import Output, Summary
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -49,6 +50,7 @@ from server.protocol import (
     StepInfo,
     Tool,
     ToolCall,
+    chat_message,
 )
 from server.rendering import decoding_of, usage_of
 from server.responses_protocol import (
@@ -71,7 +73,6 @@ from server.responses_protocol import (
     joined,
 )
 from server.scheduler import Handle
-from server.worker import Output, Summary
 
 if TYPE_CHECKING:
     from server.app import Runtime
@@ -102,9 +103,9 @@ def responses_param(param: str | None) -> str | None:
     """
     if param is None:
         return None
-    for chat, responses in CHAT_PARAMS:
-        if param == chat or param.startswith((f"{chat}.", f"{chat}[")):
-            return responses
+    for chat_name, responses_name in CHAT_PARAMS:
+        if param == chat_name or param.startswith((f"{chat_name}.", f"{chat_name}[")):
+            return responses_name
     return TOOL_PARAM.sub(r"tools[\1].", param)
 
 
@@ -172,7 +173,7 @@ def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:
     [('assistant', ['c1', 'c2'], None), ('tool', [], 'c1')]
     """
     if isinstance(items, str):
-        return [ChatMessage(role="user", content=items)]
+        return [chat_message("user", content=items)]
     messages: list[ChatMessage] = []
     for item in items:
         if isinstance(item, FunctionCallItem):
@@ -181,11 +182,11 @@ def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:
                 last = messages[-1]
                 messages[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
             else:
-                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                messages.append(chat_message("assistant", content=None, tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append(ChatMessage(role="tool", content=joined(item.output), tool_call_id=item.call_id))
+            messages.append(chat_message("tool", content=joined(item.output), tool_call_id=item.call_id))
         else:
-            messages.append(ChatMessage(role=item.role, content=joined(item.content)))
+            messages.append(chat_message(item.role, content=joined(item.content)))
     return messages
 
 
@@ -219,7 +220,7 @@ def chat_request(request: ResponseRequest, conversation: Sequence[ChatMessage]) 
     chat tools (``strict_of``), ``tool_choice`` and ``text.format`` in chat's shape, ``max_output_tokens`` as
     ``max_tokens``, the sampling fields and extensions as they are; always one choice. 400 naming ``input`` when
     there is no message at all."""
-    messages = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
+    messages = [chat_message("system", content=request.instructions)] if request.instructions else []
     messages += conversation
     if not messages:
         raise BadRequestError("input has no items: send at least one message", param="input")
@@ -259,13 +260,13 @@ async def submit(runtime: Runtime, request: ResponseRequest) -> tuple[list[Handl
     previous = store.conversation(request.previous_response_id) if request.previous_response_id else ()
     conversation = [*previous, *input_messages(request.input)]
     try:
-        chat = chat_request(request, conversation)
-        serving.check_supported(chat)
+        chat_body = chat_request(request, conversation)
+        chat.check(runtime.config, chat_body)
         engine = runtime.require_engine()
-        prepared = await asyncio.to_thread(serving.prepare, engine, chat, serving.chat_prompts, "input")
-        renderer = ResponsesRenderer(shell(request, model), prepared.plan, conversation,
+        planned = await asyncio.to_thread(chat.plan, engine, chat_body, "input")
+        renderer = ResponsesRenderer(shell(request, model), planned.tools, conversation,
                                      store if request.store else None)
-        return serving.start_many(engine, prepared.generations), renderer
+        return serving.start_many(engine, planned.generations), renderer
     except (BadRequestError, InvalidParameterError) as error:
         raise renamed(error) from error
 
@@ -275,7 +276,7 @@ def output_messages(items: Sequence[OutputItem]) -> list[ChatMessage]:
     text = "".join(part.text for item in items if isinstance(item, OutputMessage) for part in item.content)
     calls = [ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
              for item in items if isinstance(item, OutputFunctionCall)]
-    return [ChatMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)]
+    return [chat_message("assistant", content=text if text or not calls else None, tool_calls=calls or None)]
 
 
 class ResponsesRenderer:

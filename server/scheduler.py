@@ -3,7 +3,9 @@
 Contract: ``Scheduler.submit`` runs on the event loop; it refuses work while draining (503) or when the
 running slots plus the bounded waiting queue are full (429 with ``Retry-After``), else hands a ``Job`` to the
 ``Worker`` and returns a ``Handle``. ``submit_many`` admits the sequences of one request (its prompts times
-``n``) all or none: each is a job of its own and takes its own place in the slots and the queue. The worker
+``n``) all or none: each is a job of its own and takes its own place in the slots and the queue; the worker's
+registry checks the capacity and queues them in one step (``Worker.submit_many``), so the scheduler keeps no
+count of its own. The worker
 reports into the handle's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``; exceptions travel the same
 way and are raised by the handle. ``Handle.cancel`` (client disconnect) stops the job at its next step, or at
 once while it waits. ``drain`` stops admission, lets in-flight work finish for a grace period, then cancels
@@ -20,8 +22,9 @@ from dataclasses import replace
 from decoding import TokenLogprob
 from server.errors import QueueFullError, ServiceUnavailableError
 from server.metrics import Metrics
+from server.plans import GenerationPlan, Output
 from server.text import TextStream
-from server.worker import GenerationPlan, Job, Output, Worker
+from server.worker import Job, Worker
 
 logger = logging.getLogger("server.scheduler")
 
@@ -104,16 +107,19 @@ class Scheduler:
         finds a place among the running slots and the waiting queue."""
         if not force and not self.accepting:
             raise ServiceUnavailableError("The server is shutting down; retry on another instance.", reason="draining")
-        if not force and self.worker.running + self.worker.waiting + len(generations) > self.capacity:
+        loop = asyncio.get_running_loop()
+        handles = [self._handle(plan, text, tracked, loop) for plan, text in generations]
+        if not self.worker.submit_many([handle.job for handle in handles], None if force else self.capacity):
             raise QueueFullError(
                 f"The server is at capacity ({self.worker.max_running} running, {self.max_queue} waiting); "
                 "retry after a short wait."
             )
-        return [self._enqueue(plan, text, tracked) for plan, text in generations]
+        return handles
 
-    def _enqueue(self, plan: GenerationPlan, text: TextStream, tracked: bool) -> Handle:
-        """Hand one admitted generation to the worker; its outputs come back through the handle's queue."""
-        loop = asyncio.get_running_loop()
+    def _handle(
+        self, plan: GenerationPlan, text: TextStream, tracked: bool, loop: asyncio.AbstractEventLoop
+    ) -> Handle:
+        """One generation's job and handle: the worker reports into the handle's queue, from its thread."""
         queue: asyncio.Queue = asyncio.Queue()
 
         def post(item: Output | BaseException) -> None:
@@ -122,10 +128,7 @@ class Scheduler:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        job = Job(plan, text, post, self.metrics if tracked else None)
-        handle = Handle(job, queue, self)
-        self.worker.submit(job)
-        return handle
+        return Handle(Job(plan, text, post, self.metrics if tracked else None), queue, self)
 
     async def drain(self, grace_seconds: float) -> None:
         """Stop admitting; wait up to ``grace_seconds`` for in-flight work, then cancel the rest."""

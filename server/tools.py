@@ -41,7 +41,6 @@ from server.protocol import (
     FunctionDefinition,
     ResponseFunctionCall,
     ResponseToolCall,
-    TokenizeRequest,
 )
 from server.schemas import closed_schema
 
@@ -70,14 +69,12 @@ class ToolPlan:
         return "tool_calls" if self.parallel else "tool_call"
 
 
-def resolve(request: ChatCompletionRequest | TokenizeRequest) -> ToolPlan | None:
+def resolve(request: ChatCompletionRequest) -> ToolPlan | None:
     """The request's ``ToolPlan``, or None when no call can come (``none``, or ``auto`` without tools); 400 for a
     ``required`` or named choice without tools (``tool_choice``), a name no tool has (``tool_choice``), two tools
     with one name (``tools[i].function.name``), ``response_format`` with calls possible, and bad tool messages
     (``check_messages``)."""
-    check_messages(request.messages or [])
-    if not isinstance(request, ChatCompletionRequest):
-        return None
+    check_messages(request.messages)
     functions = tuple(tool.function for tool in request.tools or [])
     seen: set[str] = set()
     for index, function in enumerate(functions):
@@ -106,11 +103,8 @@ def _choice_text(choice: Any) -> str:
 
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:
-    """400 for a ``tool`` message without ``tool_call_id`` and for ``tool_calls`` outside assistant messages."""
+    """400 for ``tool_calls`` outside assistant messages (a ``tool`` message's ``tool_call_id`` is its type's)."""
     for index, message in enumerate(messages):
-        if message.role == "tool" and not message.tool_call_id:
-            raise BadRequestError("a tool message needs the tool_call_id of the call it answers",
-                                  param=f"messages[{index}].tool_call_id")
         if message.tool_calls and message.role != "assistant":
             raise BadRequestError("only assistant messages carry tool_calls", param=f"messages[{index}].tool_calls")
 

@@ -2,8 +2,11 @@
 
 Contract: ``Worker`` owns the device and drives one engine (``EngineLike``: ``decoding.BatchEngine`` in
 production; the server's tests plug in a stand-in with the same interface, so they drive the same loop). Jobs
-arrive through ``submit`` (any thread) and wait in a FIFO until one of ``max_running`` slots is free; the
-worker then adds them to the engine (continuous batching: jobs join and leave between iterations). Each
+arrive through ``submit_many`` (any thread) and wait in a FIFO until one of ``max_running`` slots is free; the
+worker then adds them to the engine (continuous batching: jobs join and leave between iterations). The worker
+owns the one registry of requests, waiting and running: admission checks it and queues under one lock
+(``submit_many``'s ``limit``: the scheduler's capacity), and the engine is keyed by the ``Job`` objects
+themselves, so its results come back as jobs (no second table of ids). Each
 iteration: jobs whose cancel flag is set end (``abort``) and leave the engine (freeing their cache), newly
 admitted jobs join it, and one ``engine.step()`` advances every running job (one batched forward in
 production). Each job's steps become text in its own ``TextStream`` here, on this thread (detokenization and
@@ -23,7 +26,6 @@ n-gram memory of earlier completions only proposes guesses (it can change a job'
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -34,6 +36,7 @@ from typing import Protocol
 
 from decoding import LookaheadConfig, SamplingParams, Step, StepCounts, StopCriteria, TokenLogprob
 from server.metrics import Metrics
+from server.plans import GenerationPlan, Output, Summary
 from server.text import TextStream
 
 logger = logging.getLogger("server.worker")
@@ -70,51 +73,6 @@ class EngineLike(Protocol):
     def cancel(self, request_id: Hashable) -> None: ...
 
 
-@dataclass(frozen=True)
-class GenerationPlan:
-    """Everything the decoder needs for one request, in its own types, plus the stop strings (``prediction``:
-    the predicted output's token ids, None when the request sent none)."""
-
-    prompt_ids: list[int]
-    stop: StopCriteria
-    sampling: SamplingParams
-    lookahead: LookaheadConfig | None
-    stop_strings: tuple[str, ...]
-    prediction: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Summary:
-    """A finished request: the ``usage`` and ``decoding`` numbers (``counts`` sums all its steps;
-    ``prediction_tokens``: its prediction's length, None without one; ``seed``: the seed its sampled tokens were
-    drawn with, None when greedy)."""
-
-    prompt_tokens: int
-    counts: StepCounts
-    lookahead: LookaheadConfig | None
-    prediction_tokens: int | None = None
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class Output:
-    """Text produced by one step; the last output of a request has ``finish_reason`` and ``summary``.
-
-    ``counts`` covers the steps since the previous output: normally one step's, more when a step's text was
-    held back (an incomplete character, a possible stop-string prefix, EOS), so outputs add up to the totals.
-    ``logprobs`` (None unless the request asked for them) are those same tokens' logprobs, in order.
-    ``prompt_logprobs`` (only on a job's first output, and only when the request asked for them): the logprobs
-    of prompt tokens 1..P-1 (token 0 has none).
-    """
-
-    text: str
-    finish_reason: str | None = None
-    summary: Summary | None = None
-    counts: StepCounts = StepCounts()
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-
-
 @dataclass(eq=False)
 class Job:
     """One request as the worker sees it. ``post`` must be safe to call from the worker thread."""
@@ -124,7 +82,6 @@ class Job:
     post: Callable[[Output | BaseException], None]
     metrics: Metrics | None = None  # None: not counted (the warm-up request)
     arrived: float = field(default_factory=time.perf_counter)
-    request_id: int = -1  # set by the worker when it adds the job to the engine
     totals: StepCounts = StepCounts()
     reported: StepCounts = StepCounts()  # the totals as of the last posted output
     pending_logprobs: list[TokenLogprob] | None = None  # kept tokens' logprobs not yet posted (None: not asked)
@@ -172,7 +129,6 @@ class Worker:
         self._condition = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
-        self._ids = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -225,10 +181,18 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         """Queue a job; it starts when a running slot is free."""
+        self.submit_many([job])
+
+    def submit_many(self, jobs: Sequence[Job], limit: int | None = None) -> bool:
+        """Queue ``jobs`` all or none: False (nothing queued) when the running and waiting jobs plus these would
+        pass ``limit`` (None: no limit). The check and the queueing are one step under the registry's lock."""
         with self._condition:
-            self._waiting.append(job)
+            if limit is not None and self.running + len(self._waiting) + len(jobs) > limit:
+                return False
+            self._waiting.extend(jobs)
             self._publish_queue()
             self._condition.notify_all()
+        return True
 
     def cancel(self, job: Job, error: BaseException | None = None) -> None:
         """Cancel ``job``: at once if it is still waiting, else before its next step."""
@@ -290,7 +254,7 @@ class Worker:
         if self.engine.has_work:
             self._step(running)
         for job in running:
-            if not job.done and job.request_id not in self.engine:
+            if not job.done and job not in self.engine:
                 self._finish(job, "error", error=GenerationEnded("the engine dropped a request without a finish"))
 
     def _begin(self, job: Job) -> None:
@@ -298,10 +262,9 @@ class Worker:
         job.started = job.last_step = time.perf_counter()
         if job.metrics is not None:
             job.metrics.request_started(len(job.plan.prompt_ids), job.started - job.arrived)
-        job.request_id = next(self._ids)
         plan = job.plan
         try:
-            self.engine.add(job.request_id, plan.prompt_ids, plan.stop, plan.sampling, plan.lookahead, plan.prediction)
+            self.engine.add(job, plan.prompt_ids, plan.stop, plan.sampling, plan.lookahead, plan.prediction)
         except Exception as exc:
             logger.exception("generation failed")
             self._finish(job, "error", error=exc)
@@ -319,10 +282,8 @@ class Worker:
         if self.metrics is not None and stepped:
             path = getattr(self.engine, "last_forward", None) or "eager"  # engines without a static step: eager
             self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped), path)
-        by_id = {job.request_id: job for job in jobs}
-        for request_id, result in results:
-            job = by_id.get(request_id)
-            if job is None or job.done:
+        for job, result in results:
+            if job.done:
                 continue
             if isinstance(result, BaseException):
                 logger.error("generation failed", exc_info=result)
@@ -375,7 +336,7 @@ class Worker:
             self._publish_queue()
         if job.started is not None and self.engine is not None:
             try:
-                self.engine.cancel(job.request_id)
+                self.engine.cancel(job)
             except Exception:
                 logger.exception("removing a request from the engine failed")
         if job.metrics is not None:  # counted before the client can see its response

@@ -99,3 +99,30 @@ def test_step_cost_runs_the_sizes_given_by_ks(tmp_path: Path, capsys: pytest.Cap
     with pytest.raises(SystemExit):
         cli.main([*argv, "--ks", "1,0"])
     assert "--ks" in capsys.readouterr().err
+
+
+def test_every_server_step_setting_is_a_flag_and_reaches_the_decoder() -> None:
+    """A lookahead knob is declared in ``decoding.params`` and ``server.config`` only: the benchmark's flags and
+    its ``LookaheadConfig`` follow from ``LOOKAHEAD_STEP_FIELDS``, so a new step setting needs no edit here."""
+    from dataclasses import fields
+
+    from decoding.params import LookaheadConfig
+    from server.config import LOOKAHEAD_STEP_FIELDS, LookaheadSettings
+
+    assert set(LOOKAHEAD_STEP_FIELDS) == {field.name for field in fields(LookaheadConfig)} & set(
+        LookaheadSettings.model_fields)
+    assert {"window_size", "break_even", "copy_length", "lazy_window", "window_chains"} <= set(LOOKAHEAD_STEP_FIELDS)
+    parser = cli.build_parser()
+    defaults = vars(parser.parse_args([]))
+    assert all(defaults[name] is None for name in LOOKAHEAD_STEP_FIELDS)  # each one the server's unless flagged
+    config = LookaheadSettings()
+    argv = []
+    for name in LOOKAHEAD_STEP_FIELDS:
+        value = getattr(config, name)
+        flag = "--" + name.replace("_", "-")
+        argv += [flag if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(value)]
+    args = parser.parse_args(argv)
+    args.no_prompt_pool = args.no_output_pool = args.no_align_window = False
+    decoder = cli.lookahead_config(args)
+    assert {name: getattr(decoder, name) for name in LOOKAHEAD_STEP_FIELDS} == {
+        name: getattr(config, name) for name in LOOKAHEAD_STEP_FIELDS}

@@ -18,7 +18,7 @@ def test_the_tuner_sees_only_tune_split_prompts(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     fake_prompt_sets(tmp_path)
     expected = ["HumanEval/0", "HumanEval/1", "HumanEval/2", "chat/0", "chat/1", "chat/2"]
-    assert [p.id for p in tune_prompts(3)] == expected  # what `lookahead-server tune` has always taken
+    assert [p.id for p in tune_prompts(3)] == expected  # what the tuner (`python -m bench tune`) has always taken
     heldout = {p.id for name in DATASETS for p in load_split(name, "heldout")}
     for per_set in (1, 6, 20, 1000):  # past the end of a tune split, it stops there
         ids = [p.id for p in tune_prompts(per_set)]

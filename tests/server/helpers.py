@@ -98,6 +98,7 @@ class ScriptedDecoder:
     saved_memory: list[str] = field(default_factory=list)  # the files save_memory was called with, in order
     lookaheads: list[Any] = field(default_factory=list)  # the LookaheadConfig of each request added, in order
     validated: list[tuple[Any, Any]] = field(default_factory=list)  # (StopCriteria, SamplingParams) validated
+    validated_on: list[str] = field(default_factory=list)  # the name of the thread of each validation, in order
 
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({self.tokenizer.eos_token_id})
@@ -106,6 +107,7 @@ class ScriptedDecoder:
         if self.raise_on_validate is not None:
             raise self.raise_on_validate
         self.validated.append((stop, sampling))
+        self.validated_on.append(threading.current_thread().name)
         stop.validate()  # the real decoder's parameter checks (InvalidParameterError naming the field)
         sampling.validate()
 

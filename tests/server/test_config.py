@@ -7,7 +7,7 @@ import pytest
 import server.app
 from decoding import ModelLoadError
 from decoding.params import LOOKAHEAD_BOUNDS, LookaheadConfig
-from server import cli
+from server import cli, flags
 from server.config import (
     CONFIG_DIR,
     ConfigError,
@@ -106,7 +106,7 @@ def test_every_scalar_value_has_a_flag_and_every_flag_a_value():
 
 
 def test_a_flag_reaches_its_key_with_the_fields_bounds(monkeypatch):
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
     config = cli.build_config(parse(["serve", "--break-even", "0.5", "--copy-length", "4", "--no-lazy-window"]))
     assert (config.lookahead.break_even, config.lookahead.copy_length, config.lookahead.lazy_window) == (0.5, 4, False)
     with pytest.raises(ConfigError, match="lookahead.copy_length"):
@@ -114,8 +114,8 @@ def test_a_flag_reaches_its_key_with_the_fields_bounds(monkeypatch):
 
 
 def test_the_config_command_prints_what_serve_runs_and_where_it_came_from(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
-    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
+    monkeypatch.delenv(flags.API_KEY_ENV, raising=False)
     assert cli.main(["config", "--window-size", "2", "--api-key", "sekrit"]) == 0
     out = capsys.readouterr().out
     assert "sekrit" not in out and "# api_key: <hidden>" in out
@@ -174,8 +174,8 @@ def parse(argv):
 
 
 def test_cli_flags_override_config(monkeypatch):
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
-    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
+    monkeypatch.delenv(flags.API_KEY_ENV, raising=False)
     args = parse(["serve", "--config", "cuda", "--port", "8123", "--window-size", "7", "--no-lookahead",
                   "--max-running", "2", "--served-model-name", "smol", "--prefill-chunk", "32"])
     config = cli.build_config(args)
@@ -187,8 +187,8 @@ def test_cli_flags_override_config(monkeypatch):
 
 
 def test_cli_api_key_from_environment(monkeypatch):
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
-    monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
+    monkeypatch.setenv(flags.API_KEY_ENV, "from-env")
     assert cli.build_config(parse(["serve"])).api_key == "from-env"
     assert cli.build_config(parse(["serve", "--api-key", "flag"])).api_key == "flag"
 
@@ -212,8 +212,8 @@ def test_cli_bad_config_exits_2(capsys):
 
 
 def test_device_preset_names():
-    assert cli.device_preset("cuda:1") == "cuda"
-    assert cli.device_preset("cpu") == "cpu"
+    assert flags.device_preset("cuda:1") == "cuda"
+    assert flags.device_preset("cpu") == "cpu"
 
 
 def test_read_yaml_of_an_empty_file(tmp_path):
@@ -245,7 +245,7 @@ def test_the_shipped_cpu_preset_batches_with_its_measured_curve():
     ],
 )
 def test_linear_flags_reach_the_config(monkeypatch, flag, field, value, default, bad):
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
     assert getattr(cli.build_config(parse(["serve", flag, value])), field) == value
     assert getattr(cli.build_config(parse(["serve"])), field) == default
     with pytest.raises(SystemExit):
@@ -253,13 +253,13 @@ def test_linear_flags_reach_the_config(monkeypatch, flag, field, value, default,
 
 
 def test_int8_with_the_packed_layout_is_refused(monkeypatch):
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
     with pytest.raises(ConfigError, match="own weight layout"):
         cli.build_config(parse(["serve", "--quantize", "int8", "--weight-layout", "packed"]))
 
 
 def test_serve_loads_the_model_with_the_configured_linears(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
     seen = []
 
     def refuse(config):
@@ -312,3 +312,13 @@ def test_the_shared_memory_opt_out_reaches_each_requests_lookahead_config():
     assert resolve_lookahead(None, settings).shared_memory is True
     assert resolve_lookahead(LookaheadRequest(shared_memory=True), settings).shared_memory is True
     assert resolve_lookahead(LookaheadRequest(shared_memory=False), settings).shared_memory is False
+
+
+def test_a_request_sets_exactly_the_request_lookahead_knobs_each_with_a_maximum():
+    """``LookaheadRequest`` and ``lookahead_bounds`` follow from ``REQUEST_LOOKAHEAD`` (one declaration)."""
+    from server.config import REQUEST_LOOKAHEAD, LookaheadSettings, lookahead_bounds
+    from server.protocol import LookaheadRequest
+
+    assert set(LookaheadRequest.model_fields) == {"enabled", "shared_memory", *REQUEST_LOOKAHEAD}
+    assert set(lookahead_bounds(LookaheadSettings())) == set(REQUEST_LOOKAHEAD)
+    assert all(f"max_{name}" in LookaheadSettings.model_fields for name in REQUEST_LOOKAHEAD)

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from server.errors import APIError
-from server.protocol import ChatMessage, NamedToolChoice
+from server.protocol import NamedToolChoice, chat_message
 from server.responses import ResponseStore, chat_request, input_messages, parse_request
 from tests.server.conftest import make_config
 from tests.server.helpers import Script, ScriptedDecoder, running_app, sse_events, token_steps
@@ -48,7 +48,7 @@ def test_a_request_becomes_the_chat_request_it_decodes_as():
         "reasoning": {"effort": "low"}, "include": ["message.output_text.logprobs"], "truncation": "auto",
         "service_tier": "auto", "user": "u",  # ignored, as the Agents SDK sends some of them
     })
-    earlier = [ChatMessage(role="user", content="Hello")]
+    earlier = [chat_message("user", content="Hello")]
     chat = chat_request(request, [*earlier, *input_messages(request.input)])
     assert [(m.role, m.text()) for m in chat.messages] == [
         ("system", "Be brief."), ("user", "Hello"), ("user", "Weather in Paris?"), ("assistant", "Checking."),
@@ -111,7 +111,7 @@ def test_an_input_without_messages_is_a_400_naming_input():
 def test_the_store_evicts_the_least_recently_stored_and_0_stores_nothing():
     store = ResponseStore(2)
     for name in ("a", "b", "c"):
-        store.put({"id": name}, [ChatMessage(role="user", content=name)])
+        store.put({"id": name}, [chat_message("user", content=name)])
     assert len(store) == 2 and store.get("c") == {"id": "c"} and store.conversation("b")[0].text() == "b"
     with pytest.raises(APIError) as raised:
         store.conversation("a")

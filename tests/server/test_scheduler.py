@@ -15,9 +15,10 @@ from typing import Any
 
 from decoding import SamplingParams, StopCriteria
 from server.metrics import Metrics
+from server.plans import GenerationPlan, Output
 from server.scheduler import Scheduler
 from server.text import TextStream
-from server.worker import GenerationPlan, Output, Worker
+from server.worker import Job, Worker
 from tests.server.conftest import make_config
 from tests.server.helpers import (
     Script,
@@ -300,3 +301,19 @@ async def test_a_long_prompt_encode_does_not_stall_other_streams(tokenizer):
         assert events[-1] == "[DONE]"
         assert "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1]) == "".join(WORDS)
         assert (await held).status_code == 200
+
+
+def test_the_worker_registry_admits_a_request_all_or_none_within_its_limit():
+    """Admission checks and queues under the registry's one lock: a request whose sequences would pass the
+    limit is refused whole, nothing of it queued; without a limit (the warm-up) it always goes in."""
+    plan = GenerationPlan(prompt_ids=[1], stop=StopCriteria(1, frozenset()), sampling=SamplingParams(),
+                          lookahead=None, stop_strings=())
+    worker = Worker(max_running=1)  # not started: jobs stay queued
+
+    def jobs(count: int) -> list[Job]:
+        return [Job(plan, TextStream(str), lambda item: None) for _ in range(count)]
+
+    assert worker.submit_many(jobs(2), limit=3) and worker.waiting == 2
+    assert not worker.submit_many(jobs(2), limit=3) and worker.waiting == 2  # 4 > 3: none of the two
+    assert worker.submit_many(jobs(1), limit=3) and worker.waiting == 3
+    assert worker.submit_many(jobs(5), limit=None) and worker.waiting == 8

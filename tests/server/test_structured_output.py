@@ -77,7 +77,8 @@ EXTRA_KEY = '{"city": "Paris", "country": "France", "population_millions": 2.1, 
 
 
 def request_grammar(response_format: dict) -> Grammar:
-    return response_grammar(ChatCompletionRequest.model_validate(chat_body(ASK, response_format=response_format)))
+    return response_grammar(ChatCompletionRequest.model_validate(chat_body(ASK, response_format=response_format))
+                            .response_format)
 
 
 def allowed_prefix(decoder, grammar: Grammar, text: str) -> str:

@@ -1,7 +1,8 @@
-"""``lookahead-server tune``: measure this device, choose W/N/G and the step policy, write a config file.
+"""``python -m bench tune``: measure this device, choose W/N/G and the step policy, write a config file.
 
-Contract: ``tune_command(args)`` resolves the configuration exactly as ``serve`` would (device preset,
-``--config``, flags: the model, device, dtype, threads, linears and copy steps it tunes with are the server's),
+Contract: ``main(argv)`` (``tune_command(args)``) resolves the configuration exactly as ``lookahead-server serve``
+would (``server.flags``: device preset, ``--config``, flags; the model, device, dtype, threads, linears and copy
+steps it tunes with are the server's),
 loads the model, takes a few HumanEval and chat prompts, runs ``bench.tune.tune`` and writes a config file
 of the chosen lookahead settings and the measured step-cost curve to ``--output`` (default
 ``tuned-<device>.yaml`` in the current directory). Nothing is applied behind the user's back: the server runs
@@ -14,20 +15,33 @@ import argparse
 import datetime
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from server.config import ConfigError, ServerConfig
+from bench.datasets import encode_prompt
+from bench.tune import monotone, tune, tune_prompts
+from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
+from server.config import ConfigError
+from server.flags import add_config_flags, build_config
+
+PROG = "python -m bench tune"
 
 # The config values that decide what is tuned: the model and how it runs, and the copy steps the tuner keeps.
 TUNED_WITH = ("model", "device", "dtype", "quantize", "weight_layout", "threads", "lookahead.copy_length")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """``--config`` and the serve flags the tuner runs with (``TUNED_WITH``), then the tuner's own."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_config_flags(parser, TUNED_WITH)
+    add_tune_flags(parser)
+    return parser
+
+
 def add_tune_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``lookahead-server tune`` of its own (the CLI adds ``--config`` and the serve flags in
-    ``TUNED_WITH`` before them)."""
+    """The tuner's own flags."""
     parser.add_argument("--prompts-per-set", type=int, default=3, help="HumanEval and chat prompts each (3)")
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per prompt (96)")
     parser.add_argument("--output", help="config file to write (default tuned-<device>.yaml, current directory)")
@@ -39,7 +53,7 @@ def preset_text(result, device: str, model: str) -> str:
     best = result.best
     chosen = next(candidate for candidate in result.candidates if candidate.config == best)
     header = [
-        f"# Written by `lookahead-server tune` on {datetime.date.today()} ({platform.machine()}, {device}, {model}).",
+        f"# Written by `{PROG}` on {datetime.date.today()} ({platform.machine()}, {device}, {model}).",
         f"# Measured: {result.measured_speedup:.2f}x the greedy loop over {result.tokens} tokens "
         f"({chosen.tokens_per_step:.2f} tokens/step; predicted {chosen.predicted_speedup:.2f}x); "
         f"output identical to greedy on {result.identical} of {result.prompts} prompts"
@@ -62,31 +76,32 @@ def preset_text(result, device: str, model: str) -> str:
         }
     }
     if len(result.step_cost) >= 2:  # the batching policy prices lookahead tokens with this device's curve
-        from bench.tune import monotone  # the curve the tuner predicted with (noise dips pooled away)
-
-        ms = monotone([cost.ms_last_logits for cost in result.step_cost])
+        ms = monotone(  # the curve the tuner predicted with (noise dips pooled away)
+[cost.ms_last_logits for cost in result.step_cost])
         points = zip(result.step_cost, ms, strict=True)
         body["batch"] = {"step_cost": [[cost.k, round(value / ms[0], 3)] for cost, value in points]}
     return "\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 
-def tune_command(args: argparse.Namespace, build_config: Callable[[argparse.Namespace], ServerConfig]) -> int:
-    """Run the tuner with the server's configuration (``build_config(args)``, the CLI's, as ``serve`` resolves it)
-    and write the config file; 0 on success."""
-    from bench.datasets import encode_prompt
-    from bench.tune import tune, tune_prompts
-    from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m bench tune``; the exit status."""
+    return tune_command(build_parser().parse_args(argv))
+
+
+def tune_command(args: argparse.Namespace) -> int:
+    """Run the tuner with the server's configuration (``server.flags.build_config``, as ``serve`` resolves it)
+    and write the config file; 0 on success, 2 for a bad configuration, 1 when the model cannot load."""
 
     try:
         config = build_config(args)
     except ConfigError as exc:
-        print(f"lookahead-server tune: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     configure_threads(config.threads)
     try:
         decoder = Decoder.load(config.model, config.device, config.dtype, config.quantize, config.weight_layout)
     except (ModelLoadError, InvalidParameterError) as exc:
-        print(f"lookahead-server tune: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     specs = tune_prompts(args.prompts_per_set)
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in specs]

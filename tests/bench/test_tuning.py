@@ -1,16 +1,17 @@
-"""``lookahead-server tune``: the config file it writes, and how the server runs it (``--config``)."""
+"""``python -m bench tune``: the config file it writes, and how the server runs it (``--config``)."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
+from bench import tuning
 from bench.measure import StepCost
 from bench.tune import Candidate, TuneResult
+from bench.tuning import preset_text
 from decoding.params import LookaheadConfig
-from server import cli
+from server import cli, flags
 from server.config import load_config
-from server.tuning import preset_text
 
 
 def result() -> TuneResult:
@@ -32,7 +33,7 @@ def test_preset_text_is_a_valid_layer_with_what_was_measured():
 
 def test_a_tuned_file_is_served_by_naming_it(tmp_path, monkeypatch):
     """The tuner's file changes nothing until ``--config`` names it; then it layers over the device preset."""
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
     path = tmp_path / "tuned-cpu.yaml"
     path.write_text(preset_text(result(), "cpu", "m"))
     assert "--config <this file> (layered over configs/cpu.yaml)" in path.read_text()
@@ -48,10 +49,17 @@ def test_a_tuned_file_is_served_by_naming_it(tmp_path, monkeypatch):
 
 def test_tune_takes_the_servers_configuration(monkeypatch):
     """The tuner runs the model, device and copy steps that serve would, flags included."""
-    monkeypatch.setattr(cli, "device_preset", lambda device: "cpu")
-    args = cli.build_parser().parse_args(["tune", "--copy-length", "8", "--dtype", "float32"])
-    config = cli.build_config(args)
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
+    args = tuning.build_parser().parse_args(["--copy-length", "8", "--dtype", "float32"])
+    config = flags.build_config(args)
     assert (config.lookahead.copy_length, config.dtype, config.threads) == (8, "float32", 1)
     assert config.weight_layout == load_config(device_preset="cpu").weight_layout
     with pytest.raises(SystemExit):  # serve-only flags are not tune's
-        cli.build_parser().parse_args(["tune", "--port", "1"])
+        tuning.build_parser().parse_args(["--port", "1"])
+
+
+def test_the_server_command_points_to_the_moved_tuner(capsys):
+    """``lookahead-server tune`` is no command any more: it says where the tuner went (the server imports no
+    ``bench``)."""
+    assert cli.main(["tune", "--max-tokens", "8"]) == 2
+    assert "python -m bench tune" in capsys.readouterr().err

@@ -1,0 +1,81 @@
+"""The server's configuration as command-line flags, shared by ``lookahead-server`` and ``python -m bench tune``.
+
+Contract: ``add_config_flags(parser, keys)`` adds ``--config`` and one flag per config value
+(``server.config.config_flags``), or only those in ``keys``, every default None so that only flags given on the
+command line override the layers below them; ``build_config(args)`` (``resolve_args(args).config``) resolves the
+configuration exactly as ``serve`` does: the preset of the device the file and flags ask for, then the file, then
+the flags (the API key may come from ``$LOOKAHEAD_API_KEY``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from server.config import Resolved, ServerConfig, config_flags, flag_overrides, requested_device, resolve
+
+API_KEY_ENV = "LOOKAHEAD_API_KEY"
+
+
+def add_config_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None = None) -> None:
+    """``--config`` and one flag per config value (``server.config.config_flags``), or only those in ``keys``.
+
+    Every default is None, so that only flags given on the command line override the layers below them.
+    """
+    parser.add_argument("--config", help="YAML config layered over the device preset: a path or a name in configs/")
+    wanted = None if keys is None else set(keys)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flag in config_flags():
+        if wanted is not None and flag.key not in wanted:
+            continue
+        section = flag.key.split(".")[0] if "." in flag.key else ""
+        if section not in groups:
+            groups[section] = parser.add_argument_group(SECTION_TITLES[section]) if section else parser
+        target = groups[section]
+        if flag.kind is bool:
+            target.add_argument(flag.name, dest=flag.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=flag.help)
+        else:
+            metavar = None if flag.choices else flag.name.removeprefix("--").replace("-", "_").upper()
+            target.add_argument(flag.name, dest=flag.dest, type=flag.kind, choices=flag.choices, metavar=metavar,
+                                nargs="+" if flag.multiple else None, help=flag.help)
+
+
+SECTION_TITLES = {
+    "lookahead": "lookahead defaults (requests may override W/N/G within the maxima)",
+    "batch": "batching of the running requests' steps",
+}
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The config-shaped overrides given on the command line (``None`` = not given); the API key may come from
+    ``$LOOKAHEAD_API_KEY``."""
+    values = {flag.key: getattr(args, flag.dest) for flag in config_flags() if hasattr(args, flag.dest)}
+    if "api_key" in values and values["api_key"] is None:
+        values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    return flag_overrides(values)
+
+
+def device_preset(device: str) -> str:
+    """``cpu`` or ``cuda``: the preset for a configured device (``auto`` asks torch, through decoding)."""
+    if device == "auto":
+        from decoding.loading import resolve_device
+
+        device = str(resolve_device("auto"))
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def resolve_args(args: argparse.Namespace) -> Resolved:
+    """The config and its sources: the preset of the device the file and flags ask for, then the file, flags."""
+    overrides = overrides_from(args)
+    preset = device_preset(requested_device(args.config, overrides))
+    return resolve(args.config, overrides, device_preset=preset)
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    """``resolve_args(args).config``."""
+    return resolve_args(args).config
+
+
