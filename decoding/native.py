@@ -6,9 +6,9 @@ x86-64 CPU with AVX2, FMA and F16C, no C++ compiler (``$CXX`` or ``g++``), a fai
 ``LOOKAHEAD_NATIVE=0`` in the environment. Callers fall back to torch's kernels on None; nothing else changes.
 The shared library is built once per source version into ``<cache>/native/`` (``decoding.loading.cache_root``):
 each source compiled twice, with ``-O3 -mavx2 -mfma -mf16c`` and again with ``-mavx512f -DPANEL_WIDE`` added,
-and linked into one library (about 4 s; a compiler that cannot build the AVX-512 object gives a library of the AVX2 entry
-alone), reused by every later process; a concurrent build by another process is harmless (each writes its own
-file and renames it into place). The result is cached per process.
+and linked into one library (about 10 s; a compiler that cannot build the AVX-512 objects gives a library of the
+AVX2 entries alone), reused by every later process; a concurrent build by another process is harmless (each
+writes its own file and renames it into place). The result is cached per process.
 
 On a CPU with AVX-512 (``avx512f``) the kernel packs weights in panels of 16 columns and runs the 512-bit
 entry; elsewhere, or with ``LOOKAHEAD_NATIVE=avx2``, panels of 8 and the AVX2 entry. Both run every output
