@@ -29,7 +29,7 @@ LOOKAHEAD_FIELDS = (
     "window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length", "copy_min_match",
     "copy_candidates", "copy_stretch", "window_chains"
 )
-MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
+MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "weights", "threads")
 DECODING_SECTIONS = ("lookahead", "batch", *MODEL_FIELDS)  # what of a preset decides how a benchmark decodes
 SERVER_MEMORY_TOKENS = ServerConfig().lookahead.memory_tokens  # the server's shared n-gram memory, by default
 FLAG = "flag"

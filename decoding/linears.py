@@ -118,6 +118,18 @@ def kernel_linear(linear: nn.Linear, make_kernel: KernelFactory) -> KernelLinear
     return KernelLinear(make_kernel(*_weights([linear])), linear.in_features, linear.out_features)
 
 
+def install_fused(
+    module: nn.Module, names: Sequence[str], kernel: Kernel, in_features: int, out_features: Sequence[int]
+) -> None:
+    """Set ``module``'s children ``names`` to ``FusedLinear``s sharing ``kernel``, which computes their outputs
+    (``out_features`` each, in this order) side by side."""
+    fused = _FusedGemm(kernel, in_features, len(names))
+    start = 0
+    for name, width in zip(names, out_features, strict=True):
+        setattr(module, name, FusedLinear(fused, start, start + width))
+        start += width
+
+
 def _fuse_siblings(module: nn.Module, make_kernel: KernelFactory) -> None:
     """Replace each complete group of ``FUSED_GROUPS`` among ``module``'s children by ``FusedLinear``s."""
     children = dict(module.named_children())
@@ -127,11 +139,8 @@ def _fuse_siblings(module: nn.Module, make_kernel: KernelFactory) -> None:
             continue
         if len({linear.in_features for linear in linears}) != 1:
             continue
-        fused = _FusedGemm(make_kernel(*_weights(linears)), linears[0].in_features, len(linears))
-        start = 0
-        for name, linear in zip(names, linears, strict=True):
-            setattr(module, name, FusedLinear(fused, start, start + linear.out_features))
-            start += linear.out_features
+        kernel = make_kernel(*_weights(linears))
+        install_fused(module, names, kernel, linears[0].in_features, [linear.out_features for linear in linears])
 
 
 def _replace_below(module: nn.Module, make_kernel: KernelFactory) -> None:

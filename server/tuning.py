@@ -22,7 +22,7 @@ import yaml
 from server.config import ConfigError, ServerConfig
 
 # The config values that decide what is tuned: the model and how it runs, and the copy steps the tuner keeps.
-TUNED_WITH = ("model", "device", "dtype", "quantize", "weight_layout", "threads", "lookahead.copy_length")
+TUNED_WITH = ("model", "device", "dtype", "quantize", "weight_layout", "weights", "threads", "lookahead.copy_length")
 
 
 def add_tune_flags(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +84,8 @@ def tune_command(args: argparse.Namespace, build_config: Callable[[argparse.Name
         return 2
     configure_threads(config.threads)
     try:
-        decoder = Decoder.load(config.model, config.device, config.dtype, config.quantize, config.weight_layout)
+        decoder = Decoder.load(config.model, config.device, config.dtype, config.quantize, config.weight_layout,
+                               config.weights)
     except (ModelLoadError, InvalidParameterError) as exc:
         print(f"lookahead-server tune: {exc}", file=sys.stderr)
         return 1
