@@ -352,7 +352,7 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory``,
-    ``anatomy`` or ``gpu`` as the first argument runs that module of ``bench`` with the rest."""
+    ``anatomy``, ``gpu`` or ``weights`` as the first argument runs that module of ``bench`` with the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
@@ -370,6 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import gpu
 
         return gpu.main(argv[1:])
+    if argv[:1] == ["weights"]:
+        from bench import weights
+
+        return weights.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:
