@@ -15,8 +15,8 @@
 // weight streams from memory once per call for every 128 rows (rows are taken 128 at a time).
 //
 // The file is compiled twice into the panel kernel's library, as panel_gemm.cpp is: ``quant_gemm`` (AVX2) and,
-// with -DPANEL_WIDE -mavx512f, ``quant_gemm_wide``. A tile keeps R x P block sums and R x P accumulators in
-// named registers (macros, as panel_gemm.cpp does).
+// with -DPANEL_WIDE -mavx512f, ``quant_gemm_wide``. A tile keeps R x P block sums in
+// named registers (macros, as panel_gemm.cpp does); the accumulators wait in y between blocks.
 #include <immintrin.h>
 #include <cstdint>
 #include <vector>
@@ -31,8 +31,8 @@ constexpr int64_t CHUNK_ROWS = 128;  // rows per pass over the weight
 using Vec = __m512;
 using Ints = __m512i;
 constexpr int64_t LANES = 16;
-constexpr int BAND_ROWS = 8;  // a band's tile: 8 rows x 1 panel, 16 accumulators and sums of 32 registers
-constexpr int BAND_PANELS = 1;
+constexpr int BAND_ROWS = 8;  // a band's tile: 8 rows x 3 panels, 24 block sums of 32 registers
+constexpr int BAND_PANELS = 3;
 constexpr int64_t K_BLOCKS = 4;  // blocks of 32 k per band pass: 4 x 320 bytes of Q4_1 stay in L1
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -51,8 +51,8 @@ constexpr int64_t K_BLOCKS = 4;  // blocks of 32 k per band pass: 4 x 320 bytes 
 using Vec = __m256;
 using Ints = __m256i;
 constexpr int64_t LANES = 8;
-constexpr int BAND_ROWS = 6;  // a band's tile: 6 rows x 1 panel, 12 accumulators and sums of 16 registers
-constexpr int BAND_PANELS = 1;
+constexpr int BAND_ROWS = 6;  // a band's tile: 6 rows x 2 panels, 12 block sums of 16 registers
+constexpr int BAND_PANELS = 2;
 constexpr int64_t K_BLOCKS = 4;
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -76,34 +76,48 @@ struct Format {
     static constexpr int64_t BLOCK_BYTES = SCALE_BYTES + QUANT_BYTES;
 };
 
-// Panels per tile for R rows when they all fit one tile (R <= FEW_ROWS): as many as the registers hold
-// (R x P sums and R x P accumulators, P weights).
+// Panels per tile for R rows when they all fit one tile (R <= 8): R x P block sums in registers, each an FMA chain
+// of its own, enough of them (8+ on AVX-512's two FMA units of latency 4) to keep the units busy, plus P weights.
 constexpr int few_panels(int rows) {
 #ifdef PANEL_WIDE
-    return rows <= 3 ? 4 : rows == 4 ? 3 : rows <= 6 ? 2 : 1;
+    return rows <= 2 ? 8 : rows == 3 ? 6 : rows <= 6 ? 4 : 3;
 #else
-    return rows == 1 ? 4 : rows <= 3 ? 2 : 1;
+    return rows == 1 ? 6 : rows == 2 ? 4 : rows == 3 ? 3 : rows <= 6 ? 2 : 1;
 #endif
 }
 
-#define PANELS(r, OP) OP(r, 0) OP(r, 1) OP(r, 2) OP(r, 3)
+#define PANELS(r, OP) OP(r, 0) OP(r, 1) OP(r, 2) OP(r, 3) OP(r, 4) OP(r, 5) OP(r, 6) OP(r, 7)
+#define EACH_PANEL(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
 #define ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
-#define DECLARE(r, p) Vec a##r##p = VZERO(); Vec s##r##p = VZERO();
+#define DECLARE(r, p) Vec s##r##p = VZERO();
 #define DECLARE_ROW(r) PANELS(r, DECLARE)
-#define LOAD(r, p) if constexpr (P > p) a##r##p = VLOAD(y + (row0 + r) * N + (panel0 + p) * LANES);
-#define LOAD_ROW(r) if constexpr (R > r) { PANELS(r, LOAD) }
 #define RESET(r, p) if constexpr (P > p) s##r##p = VZERO();
 #define RESET_ROW(r) if constexpr (R > r) { PANELS(r, RESET) }
 #define FMA(r, p) if constexpr (P > p) s##r##p = VFMA(xk, w##p, s##r##p);
 #define FMA_ROW(r) if constexpr (R > r) { const Vec xk = VSET1(xs[r]); PANELS(r, FMA) }
+#define QUANTS(p) const uint8_t* q##p = BLOCK_OF(p) + F::SCALE_BYTES;
+#define WIDE_BYTES(p) const Vec w##p = P > p ? TO_FLOAT(SIGNED_BYTES(q##p + i * LANES)) : VZERO();
+#define NIBBLE_BYTES(p) const Ints e##p = P > p ? UNSIGNED_BYTES(q##p + j * LANES) : e0;
+#define LOWS(p) const Vec w##p = P > p ? LOW_NIBBLES(e##p) : VZERO();
+#define HIGHS(p) const Vec w##p = P > p ? HIGH_NIBBLES(e##p) : VZERO();
+// acc = fma(s, d, acc), then acc = fma(sum of the row's x over the block, m, acc), the accumulator in y (zero at the
+// first block): a float32 stored and loaded back is the same value, so each element is one chain over the blocks.
 #define SCALE(r, p)                                                                                      \
-    if constexpr (P > p) {                                                                               \
-        a##r##p = VFMA(s##r##p, d##p, a##r##p);                                                          \
-        if constexpr (KIND != Q8_0) a##r##p = VFMA(VSET1(ts[r]), m##p, a##r##p);                         \
+    if constexpr (R > r) {                                                                               \
+        float* out = y + (row0 + r) * N + (panel0 + p) * LANES;                                          \
+        Vec acc = VFMA(s##r##p, d, b == 0 ? VZERO() : VLOAD(out));                                       \
+        if constexpr (KIND != Q8_0) acc = VFMA(VSET1(ts[r]), m, acc);                                    \
+        VSTORE(out, acc);                                                                                \
     }
-#define SCALE_ROW(r) if constexpr (R > r) { PANELS(r, SCALE) }
-#define STORE(r, p) if constexpr (P > p) VSTORE(y + (row0 + r) * N + (panel0 + p) * LANES, a##r##p);
-#define STORE_ROW(r) if constexpr (R > r) { PANELS(r, STORE) }
+#define SCALE_PANEL(p)                                                                                   \
+    if constexpr (P > p) {                                                                               \
+        const Vec d = HALVES(BLOCK_OF(p));                                                               \
+        Vec m = d;                                                                                       \
+        if constexpr (KIND == Q4_0) m = VMUL(d, VSET1(-8.0f));                                           \
+        if constexpr (KIND == Q4_1) m = HALVES(BLOCK_OF(p) + 2 * LANES);                                 \
+        ROWS_OF_PANEL(p)                                                                                 \
+    }
+#define ROWS_OF_PANEL(p) SCALE(0, p) SCALE(1, p) SCALE(2, p) SCALE(3, p) SCALE(4, p) SCALE(5, p) SCALE(6, p) SCALE(7, p)
 #define BLOCK_OF(p) (P > p ? base + (p) * blocks * F::BLOCK_BYTES + b * F::BLOCK_BYTES : base + b * F::BLOCK_BYTES)
 
 // The rows of a call, transposed so that a tile finds its rows' values side by side: ``x`` [K][M] (M rows of the
@@ -115,66 +129,45 @@ struct Rows {
     int64_t K;
 };
 
-// Rows [row0, row0 + R) x panels [panel0, panel0 + P) over blocks [b0, b1). The accumulators start from zero at
-// b0 = 0 and from the partial sums stored in y otherwise (a float32 stored and loaded back is the same value).
+// Rows [row0, row0 + R) x panels [panel0, panel0 + P) over blocks [b0, b1), the accumulators in y (see SCALE).
 template <int KIND, int R, int P>
 void tile(const Rows& rows, const uint8_t* panels, int64_t N, int64_t row0, int64_t panel0, int64_t b0, int64_t b1,
           float* y) {
-    static_assert(R >= 1 && R <= 8 && P >= 1 && P <= 4, "tile shape");
+    static_assert(R >= 1 && R <= 8 && P >= 1 && P <= 8, "tile shape");
     using F = Format<KIND>;
     const int64_t blocks = rows.K / QK, M = rows.M;
     ROWS(DECLARE_ROW)
-    if (b0 > 0) { ROWS(LOAD_ROW) }
     const uint8_t* base = panels + panel0 * blocks * F::BLOCK_BYTES;
     for (int64_t b = b0; b < b1; ++b) {
         ROWS(RESET_ROW)
-        const uint8_t* q0 = BLOCK_OF(0) + F::SCALE_BYTES;
-        const uint8_t* q1 = BLOCK_OF(1) + F::SCALE_BYTES;
-        const uint8_t* q2 = BLOCK_OF(2) + F::SCALE_BYTES;
-        const uint8_t* q3 = BLOCK_OF(3) + F::SCALE_BYTES;
+        EACH_PANEL(QUANTS)
         const float* xb = rows.x + b * QK * M + row0;
         if constexpr (KIND == Q8_0) {
             for (int64_t i = 0; i < QK; ++i) {
                 const float* xs = xb + i * M;
-                const Vec w0 = TO_FLOAT(SIGNED_BYTES(q0 + i * LANES));
-                const Vec w1 = P > 1 ? TO_FLOAT(SIGNED_BYTES(q1 + i * LANES)) : w0;
-                const Vec w2 = P > 2 ? TO_FLOAT(SIGNED_BYTES(q2 + i * LANES)) : w0;
-                const Vec w3 = P > 3 ? TO_FLOAT(SIGNED_BYTES(q3 + i * LANES)) : w0;
+                EACH_PANEL(WIDE_BYTES)
                 ROWS(FMA_ROW)
             }
         } else {
             for (int64_t j = 0; j < QK / 2; ++j) {
                 const Ints e0 = UNSIGNED_BYTES(q0 + j * LANES);
-                const Ints e1 = P > 1 ? UNSIGNED_BYTES(q1 + j * LANES) : e0;
-                const Ints e2 = P > 2 ? UNSIGNED_BYTES(q2 + j * LANES) : e0;
-                const Ints e3 = P > 3 ? UNSIGNED_BYTES(q3 + j * LANES) : e0;
+                NIBBLE_BYTES(1) NIBBLE_BYTES(2) NIBBLE_BYTES(3) NIBBLE_BYTES(4) NIBBLE_BYTES(5) NIBBLE_BYTES(6)
+                NIBBLE_BYTES(7)
                 {
                     const float* xs = xb + 2 * j * M;
-                    const Vec w0 = LOW_NIBBLES(e0), w1 = LOW_NIBBLES(e1), w2 = LOW_NIBBLES(e2), w3 = LOW_NIBBLES(e3);
+                    EACH_PANEL(LOWS)
                     ROWS(FMA_ROW)
                 }
                 {
                     const float* xs = xb + (2 * j + 1) * M;
-                    const Vec w0 = HIGH_NIBBLES(e0), w1 = HIGH_NIBBLES(e1), w2 = HIGH_NIBBLES(e2),
-                              w3 = HIGH_NIBBLES(e3);
+                    EACH_PANEL(HIGHS)
                     ROWS(FMA_ROW)
                 }
             }
         }
-        const Vec d0 = HALVES(BLOCK_OF(0)), d1 = HALVES(BLOCK_OF(1)), d2 = HALVES(BLOCK_OF(2)),
-                  d3 = HALVES(BLOCK_OF(3));
-        Vec m0 = d0, m1 = d1, m2 = d2, m3 = d3;
-        if constexpr (KIND == Q4_0) {
-            const Vec eight = VSET1(-8.0f);
-            m0 = VMUL(d0, eight), m1 = VMUL(d1, eight), m2 = VMUL(d2, eight), m3 = VMUL(d3, eight);
-        } else if constexpr (KIND == Q4_1) {
-            m0 = HALVES(BLOCK_OF(0) + 2 * LANES), m1 = HALVES(BLOCK_OF(1) + 2 * LANES);
-            m2 = HALVES(BLOCK_OF(2) + 2 * LANES), m3 = HALVES(BLOCK_OF(3) + 2 * LANES);
-        }
         const float* ts = rows.sums + b * M + row0;
-        ROWS(SCALE_ROW)
+        EACH_PANEL(SCALE_PANEL)
     }
-    ROWS(STORE_ROW)
 }
 
 // R <= FEW_ROWS rows against every panel over the whole of K, P panels a tile: the weight streams once, bound by
