@@ -67,7 +67,15 @@ from bench.report import (
     total_rows,
 )
 from bench.settings import Resolved, describe, preset_digest, resolve
-from decoding.decoder import QUANTIZE, WEIGHT_LAYOUTS, Decoder, check_linear_options, configure_threads, prepare_linears
+from decoding.decoder import (
+    QUANTIZE,
+    WEIGHT_LAYOUTS,
+    WEIGHTS,
+    Decoder,
+    check_linear_options,
+    configure_threads,
+    load_prepared,
+)
 from decoding.errors import DecodingError
 from decoding.loading import LoadedModel, default_gguf, load_model
 from decoding.memory import NGramMemory
@@ -116,7 +124,7 @@ def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """How the model loads and runs: model, device, dtype, quantize, weight layout, threads."""
+    """How the model loads and runs: model, device, dtype, quantize, weight layout, weights, threads."""
     parser.add_argument("--model", help=f"default model name, local directory or hub id ({SERVER_DEFAULT})")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1... (picks the server preset)")
     parser.add_argument("--dtype", help=f"auto, float32, float16, bfloat16 ({SERVER_DEFAULT})")
@@ -124,6 +132,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS,
                         help="our methods' linears (decoding.linears; auto: packed on a float32 CPU); generate runs "
                         f"on nn.Linear ({SERVER_DEFAULT})")
+    parser.add_argument("--weights", choices=WEIGHTS,
+                        help=f"gguf: a GGUF model's quantized weights as they are; float32: de-quantized "
+                        f"({SERVER_DEFAULT})")
     parser.add_argument("--threads", type=int, help=f"torch intra-op threads, 0: torch's default ({SERVER_DEFAULT})")
     parser.add_argument("--gguf", type=Path, metavar="FILE.gguf",
                         help="the GGUF file the llama_cpp method runs (default: the default model's)")
@@ -286,9 +297,10 @@ def gguf_file(args: argparse.Namespace) -> Path:
 
 
 def transformers_twin(args: argparse.Namespace, linears: str) -> PreTrainedModel | None:
-    """A second copy of the model for ``generate`` and ``prompt_lookup`` when ours runs packed linears, so they
-    run as transformers users run them (``nn.Linear``); None (share ours) otherwise, or when neither is asked."""
-    if linears != "packed" or not {"generate", "prompt_lookup"} & set(parse_methods(args.methods)):
+    """A second copy of the model for ``generate`` and ``prompt_lookup`` when ours runs packed linears or GGUF
+    weights, so they run as transformers users run them (``nn.Linear``, float32 de-quantized weights); None (share
+    ours) otherwise, or when neither is asked."""
+    if linears not in ("packed", "gguf") or not {"generate", "prompt_lookup"} & set(parse_methods(args.methods)):
         return None
     return load_model(args.model, args.device, args.dtype).model
 
@@ -323,7 +335,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
         parse_methods(args.methods)
         resolved = resolve(args)
         lookahead_config(resolved.args)
-        check_linear_options(resolved.args.quantize, resolved.args.weight_layout)
+        check_linear_options(resolved.args.quantize, resolved.args.weight_layout, resolved.args.weights)
     except (ValueError, DecodingError) as error:  # ConfigError and InvalidParameterError are ValueErrors
         parser.error(str(error))
     return resolved
@@ -336,14 +348,13 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
     print(describe(resolved), flush=True)
     configure_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
-    loaded = load_model(args.model, args.device, args.dtype)
-    return loaded, prepare_linears(loaded.model, args.quantize, args.weight_layout)
+    return load_prepared(args.model, args.device, args.dtype, args.quantize, args.weight_layout, args.weights)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory``,
-    ``anatomy``, ``gpu`` or ``tune`` (``bench.tuning``) as the first argument runs that module of ``bench`` with
-    the rest."""
+    ``anatomy``, ``gpu``, ``weights`` or ``tune`` (``bench.tuning``) as the first argument runs that module of
+    ``bench`` with the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
@@ -365,6 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import tuning
 
         return tuning.main(argv[1:])
+    if argv[:1] == ["weights"]:
+        from bench import weights
+
+        return weights.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:

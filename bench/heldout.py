@@ -128,7 +128,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
         parse_heldout_methods(args.methods)
         resolved = resolve(args, args.preset)
         lookahead_config(resolved.args)
-        check_linear_options(resolved.args.quantize, resolved.args.weight_layout)
+        check_linear_options(resolved.args.quantize, resolved.args.weight_layout, resolved.args.weights)
     except (ValueError, DecodingError) as error:  # ConfigError and InvalidParameterError are ValueErrors
         parser.error(str(error))
     return resolved

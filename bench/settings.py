@@ -26,7 +26,7 @@ from decoding.loading import resolve_device
 from server.config import LOOKAHEAD_STEP_FIELDS, ServerConfig, load_config
 
 LOOKAHEAD_FIELDS = LOOKAHEAD_STEP_FIELDS  # the server's lookahead step settings, each a benchmark flag
-MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
+MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "weights", "threads")
 DECODING_SECTIONS = ("lookahead", "batch", *MODEL_FIELDS)  # what of a preset decides how a benchmark decodes
 SERVER_MEMORY_TOKENS = ServerConfig().lookahead.memory_tokens  # the server's shared n-gram memory, by default
 FLAG = "flag"

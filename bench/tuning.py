@@ -29,7 +29,7 @@ from server.flags import add_config_flags, build_config
 PROG = "python -m bench tune"
 
 # The config values that decide what is tuned: the model and how it runs, and the copy steps the tuner keeps.
-TUNED_WITH = ("model", "device", "dtype", "quantize", "weight_layout", "threads", "lookahead.copy_length")
+TUNED_WITH = ("model", "device", "dtype", "quantize", "weight_layout", "weights", "threads", "lookahead.copy_length")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +99,8 @@ def tune_command(args: argparse.Namespace) -> int:
         return 2
     configure_threads(config.threads)
     try:
-        decoder = Decoder.load(config.model, config.device, config.dtype, config.quantize, config.weight_layout)
+        decoder = Decoder.load(config.model, config.device, config.dtype, config.quantize, config.weight_layout,
+                               config.weights)
     except (ModelLoadError, InvalidParameterError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1

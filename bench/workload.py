@@ -123,7 +123,7 @@ def load_preset(device: str, preset: str | None = None) -> tuple[ServerConfig, L
     lookahead = decoder_lookahead(config.lookahead)
     configure_threads(model.threads)
     transformers.utils.logging.disable_progress_bar()
-    decoder = Decoder.load(model.model, device, model.dtype, model.quantize, model.weight_layout)
+    decoder = Decoder.load(model.model, device, model.dtype, model.quantize, model.weight_layout, model.weights)
     return config, lookahead, decoder
 
 

@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from decoding import native
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
+from decoding.gguf_model import load_gguf_model
 from decoding.grammar import Constraint, Grammar, GrammarCompiler
 from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
-from decoding.loading import LoadedModel, load_model
+from decoding.loading import LoadedModel, is_gguf_model, load_model, resolve_device, resolve_dtype
 from decoding.memory import MemoryFileError, NGramMemory, load_memory, save_memory, vocabulary_id
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
@@ -36,6 +38,7 @@ from decoding.static import StaticStep, build_static_step, warm_buckets
 QUANTIZE = ("none", "int8")
 log = logging.getLogger(__name__)
 WEIGHT_LAYOUTS = ("auto", "packed", "torch")
+WEIGHTS = ("auto", "gguf", "float32")
 
 
 def configure_threads(num_threads: int) -> None:
@@ -44,8 +47,13 @@ def configure_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-def check_linear_options(quantize: str, weight_layout: str) -> None:
-    """Raise ``InvalidParameterError`` on an unknown ``quantize`` or ``weight_layout``, or int8 with ``"packed"``."""
+def check_linear_options(quantize: str, weight_layout: str, weights: str = "auto") -> None:
+    """Raise ``InvalidParameterError`` on an unknown ``quantize``, ``weight_layout`` or ``weights``, on int8 with
+    ``"packed"``, and on ``weights="gguf"`` with int8 or the ``"torch"`` layout."""
+    if weights not in WEIGHTS:
+        raise InvalidParameterError("weights", f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights == "gguf" and (quantize != "none" or weight_layout == "torch"):
+        raise InvalidParameterError("weights", "GGUF weights run as they are: drop quantize / weight_layout torch")
     if quantize not in QUANTIZE:
         raise InvalidParameterError("quantize", f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     if weight_layout not in WEIGHT_LAYOUTS:
@@ -76,6 +84,54 @@ def prepare_linears(model: PreTrainedModel, quantize: str = "none", weight_layou
     return "torch"
 
 
+def gguf_refusal(
+    model: str, device: str, dtype: str, quantize: str = "none", weight_layout: str = "auto"
+) -> str | None:
+    """Why ``model`` cannot run from its GGUF weights as they are here (``decoding.gguf_model``); None when it can:
+    a GGUF model on the CPU in float32, no int8, not the ``"torch"`` layout, and the native kernel built."""
+    if not is_gguf_model(model):
+        return f"{model!r} is not a GGUF file"
+    torch_device = resolve_device(device)
+    if torch_device.type != "cpu" or resolve_dtype(dtype, torch_device) != torch.float32:
+        return "GGUF weights run on the CPU in float32"
+    if quantize != "none" or weight_layout == "torch":
+        return "GGUF weights run as they are, without quantize or weight_layout torch"
+    if native.panel_gemm() is None:
+        return "GGUF weights need the native kernel (an x86-64 CPU with AVX2, FMA and F16C, and a C++ compiler)"
+    return None
+
+
+def resolve_weights(weights: str, model: str, device: str, dtype: str, quantize: str = "none",
+                    weight_layout: str = "auto") -> str:
+    """``"gguf"`` or ``"float32"``: what ``weights`` (``auto``, ``gguf``, ``float32``) gives for this model and
+    setup; ``auto`` takes the GGUF weights wherever ``gguf_refusal`` has nothing against them. Raises
+    ``InvalidParameterError`` (``weights``) for ``gguf`` where they cannot run."""
+    check_linear_options(quantize, weight_layout, weights)
+    if weights == "float32":
+        return "float32"
+    refusal = gguf_refusal(model, device, dtype, quantize, weight_layout)
+    if refusal is not None and weights == "gguf":
+        raise InvalidParameterError("weights", refusal)
+    return "float32" if refusal is not None else "gguf"
+
+
+def load_prepared(
+    model: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    quantize: str = "none",
+    weight_layout: str = "auto",
+    weights: str = "auto",
+) -> tuple[LoadedModel, str]:
+    """``model`` loaded and what runs its linear layers: ``"gguf"`` (its GGUF weights as they are, where
+    ``resolve_weights`` says so), else as ``prepare_linears`` reports. Raises ``ModelLoadError``, or
+    ``InvalidParameterError`` on bad options before loading anything."""
+    if resolve_weights(weights, model, device, dtype, quantize, weight_layout) == "gguf":
+        return load_gguf_model(model, native.panel_gemm()), "gguf"
+    loaded = load_model(model, device, dtype)
+    return loaded, prepare_linears(loaded.model, quantize, weight_layout)
+
+
 @dataclass
 class Decoder:
     """A loaded model, what runs its linear layers (see ``prepare_linears``) and the decode entry point."""
@@ -85,14 +141,19 @@ class Decoder:
 
     @classmethod
     def load(
-        cls, model: str, device: str = "auto", dtype: str = "auto", quantize: str = "none", weight_layout: str = "auto"
+        cls,
+        model: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        quantize: str = "none",
+        weight_layout: str = "auto",
+        weights: str = "auto",
     ) -> Decoder:
-        """Load ``model`` (default model name, local directory or hub id) and prepare its linear layers
-        (``prepare_linears``); raises ``ModelLoadError``, or ``InvalidParameterError`` on bad ``quantize`` /
-        ``weight_layout`` before loading anything."""
-        check_linear_options(quantize, weight_layout)
-        loaded = load_model(model, device, dtype)
-        return cls(loaded, prepare_linears(loaded.model, quantize, weight_layout))
+        """Load ``model`` (default model name, local directory, GGUF file or hub id): from its GGUF weights as they
+        are where ``resolve_weights`` says so (``linears`` is then ``"gguf"``), else in ``dtype`` with its linear
+        layers prepared by ``prepare_linears``. Raises ``ModelLoadError``, or ``InvalidParameterError`` on bad
+        ``quantize`` / ``weight_layout`` / ``weights`` before loading anything."""
+        return cls(*load_prepared(model, device, dtype, quantize, weight_layout, weights))
 
     @property
     def tokenizer(self):

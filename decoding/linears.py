@@ -118,6 +118,18 @@ def kernel_linear(linear: nn.Linear, make_kernel: KernelFactory) -> KernelLinear
     return KernelLinear(make_kernel(*_weights([linear])), linear.in_features, linear.out_features)
 
 
+def install_fused(
+    module: nn.Module, names: Sequence[str], kernel: Kernel, in_features: int, out_features: Sequence[int]
+) -> None:
+    """Set ``module``'s children ``names`` to ``FusedLinear``s sharing ``kernel``, which computes their outputs
+    (``out_features`` each, in this order) side by side."""
+    fused = _FusedGemm(kernel, in_features, len(names))
+    start = 0
+    for name, width in zip(names, out_features, strict=True):
+        setattr(module, name, FusedLinear(fused, start, start + width))
+        start += width
+
+
 def _fuse_siblings(module: nn.Module, make_kernel: KernelFactory) -> None:
     """Replace each complete group of ``FUSED_GROUPS`` among ``module``'s children by ``FusedLinear``s."""
     children = dict(module.named_children())
@@ -127,11 +139,8 @@ def _fuse_siblings(module: nn.Module, make_kernel: KernelFactory) -> None:
             continue
         if len({linear.in_features for linear in linears}) != 1:
             continue
-        fused = _FusedGemm(make_kernel(*_weights(linears)), linears[0].in_features, len(linears))
-        start = 0
-        for name, linear in zip(names, linears, strict=True):
-            setattr(module, name, FusedLinear(fused, start, start + linear.out_features))
-            start += linear.out_features
+        kernel = make_kernel(*_weights(linears))
+        install_fused(module, names, kernel, linears[0].in_features, [linear.out_features for linear in linears])
 
 
 def _replace_below(module: nn.Module, make_kernel: KernelFactory) -> None:
@@ -172,40 +181,32 @@ def require_float32_cpu(model: PreTrainedModel, parameter: str, what: str) -> No
 
 
 class PackedFloat32:
-    """``rows @ W^T + b`` in float32 from two copies of ``W`` laid out for the CPU's two cases.
+    """``rows @ W^T + b`` in float32 from one copy of ``W`` laid out for the CPU.
 
-    - On one thread, any number of rows (decode steps and prefill chunks), where the native panel kernel runs
-      (``decoding.native``): ``W`` in column panels, streamed once whatever the number of rows. A whole forward
-      of 2 tokens cost 1.1x one token's on the machine it was measured on, 4 tokens 1.2x, 8 tokens 1.3x and 16
-      tokens 1.6x; 128 tokens 0.56x what oneDNN took inside the same forward (docs/design.md). A row's result
-      is the same bit for bit whatever other rows share the call, so a token's logits do not depend on the
-      size of the step (or prefill chunk) that computed it.
-    - Without the panel kernel, one row: ``row @ W^T`` with ``W^T`` stored contiguous, [K, N]. MKL's
-      matrix-vector product then streams the weight at about 20 GB/s on this CPU, against about 12 GB/s for
-      the [N, K] layout ``nn.Linear`` keeps.
-    - Several rows without the panel kernel, or several threads: oneDNN's matmul on a weight reordered once
-      into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``); each output row is a function of
-      its own input row alone, bit for bit.
+    - Where the native panel kernel runs (``decoding.native``): ``W`` in column panels only, every product on the
+      kernel whatever the number of rows or threads (the kernel runs on the calling thread), streamed once for
+      the call's rows. A whole forward of 2 tokens cost 1.1x one token's on the machine it was measured on, 4
+      tokens 1.2x, 8 tokens 1.3x and 16 tokens 1.6x, and a 128-token prefill chunk no more than oneDNN's
+      (docs/benchmarks.md, "One copy of the float32 weights"). A row's result is the same bit for bit whatever
+      other rows share the call, so a token's logits do not depend on the size of the step (or prefill chunk)
+      that computed it.
+    - Without the panel kernel: ``W`` in oneDNN's blocked layout only (``torch.ops.mkldnn._reorder_linear_weight``,
+      reordered once), oneDNN's matmul for every number of rows; each output row is a function of its own input
+      row alone, bit for bit, one row included.
 
-    The paths agree to float32 rounding (about 1e-6 relative), as a one-row and a many-row ``nn.Linear`` do.
-    Memory: two float32 copies of every weight.
+    Memory: one float32 copy of every weight.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.gemm = native.panel_gemm() if weight.shape[0] % native.PANEL == 0 else None
         self.panels = self.gemm.pack(weight) if self.gemm is not None else None
-        self.transposed = weight.t().contiguous() if self.gemm is None else None  # [K, N]
-        self.blocked = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.blocked = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.gemm is None else None
         self.bias = bias
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        count = rows.shape[0]
-        if self.gemm is not None and torch.get_num_threads() == 1:
-            out = self.gemm(rows, self.panels)
-        elif count == 1 and self.transposed is not None:
-            out = rows @ self.transposed
-        else:
+        if self.gemm is None:
             return torch.ops.mkldnn._linear_pointwise(rows, self.blocked, self.bias, "none", [], "")
+        out = self.gemm(rows, self.panels)
         return out if self.bias is None else out.add_(self.bias)
 
 

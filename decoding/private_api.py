@@ -130,14 +130,15 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "torch.ops.mkldnn._reorder_linear_weight",
         "decoding.linears",
-        "PackedFloat32 reorders each weight once into oneDNN's blocked layout (tests/decoding/test_linears.py)",
+        "PackedFloat32 without the panel kernel reorders each weight once into oneDNN's blocked layout "
+        "(tests/decoding/test_native.py)",
         exists("torch.ops.mkldnn._reorder_linear_weight"),
         _mkldnn,
     ),
     PrivateApi(
         "torch.ops.mkldnn._linear_pointwise",
         "decoding.linears",
-        "PackedFloat32's several-row product on the blocked weight (tests/decoding/test_linears.py)",
+        "PackedFloat32's product on the blocked weight without the panel kernel (tests/decoding/test_native.py)",
         exists("torch.ops.mkldnn._linear_pointwise"),
         _mkldnn,
     ),

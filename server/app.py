@@ -85,6 +85,7 @@ def load_default_decoder(config: ServerConfig) -> serving.DecoderLike:
         dtype=config.dtype,
         quantize=config.quantize,
         weight_layout=config.weight_layout,
+        weights=config.weights,
     )
 
 

@@ -188,6 +188,10 @@ class ServerConfig(BaseModel):
     weight_layout: Literal["auto", "packed", "torch"] = Field(
         "auto", description="packed: float32 linears laid out for the CPU's kernels (auto: on a float32 CPU)"
     )
+    weights: Literal["auto", "gguf", "float32"] = Field(
+        "auto", description="gguf: a GGUF model's quantized weights as they are, one copy (auto: for a GGUF model, "
+        "the default included, on the CPU in float32 where the native kernel builds); float32: de-quantized"
+    )
     threads: int = Field(1, ge=0, description="torch intra-op threads (0: torch's default)")
     max_running: int = Field(16, ge=1, description="requests decoding at once (their steps share each forward)")
     max_queue: int = Field(32, ge=0, description="requests waiting for a running slot; more -> 429")
@@ -219,6 +223,8 @@ class ServerConfig(BaseModel):
     def _one_weight_format(self) -> ServerConfig:
         if self.quantize == "int8" and self.weight_layout == "packed":
             raise ValueError("quantize int8 has its own weight layout: use weight_layout auto (or torch) with it")
+        if self.weights == "gguf" and (self.quantize != "none" or self.weight_layout == "torch"):
+            raise ValueError("weights gguf run as they are: use quantize none and weight_layout auto with them")
         return self
 
     @property

@@ -71,7 +71,7 @@ from server.worker import EngineLike
 
 logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding
-FINGERPRINTED = ("model", "dtype", "quantize", "weight_layout", "lookahead")  # what decides the outputs
+FINGERPRINTED = ("model", "dtype", "quantize", "weight_layout", "weights", "lookahead")  # what decides the outputs
 INT64 = 1 << 64
 
 

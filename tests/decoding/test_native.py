@@ -130,23 +130,25 @@ def test_no_compiler_falls_back(fresh, monkeypatch):
 
 
 @needs_kernel
-def test_packed_float32_runs_decode_steps_on_the_panel_kernel_with_one_thread(monkeypatch):
+def test_packed_float32_keeps_the_panels_alone_and_runs_every_product_on_them(monkeypatch):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 576), torch.randn(96)
     kernel = PackedFloat32(weight, bias)
-    assert kernel.gemm is not None
+    assert kernel.gemm is not None and kernel.blocked is None  # one copy of the weight
     rows = torch.randn(40, 576)
     assert torch.equal(kernel(rows), kernel.gemm(rows, kernel.panels) + bias)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # several threads: oneDNN's parallel GEMM instead
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # several threads: the same kernel, the same bits
+    assert torch.equal(kernel(rows), kernel.gemm(rows, kernel.panels) + bias)
     torch.testing.assert_close(kernel(rows), rows @ weight.t() + bias, rtol=1e-4, atol=1e-4)
 
 
-def test_packed_float32_without_the_kernel_keeps_the_torch_paths(monkeypatch):
+def test_packed_float32_without_the_kernel_keeps_onednns_blocked_copy_alone(monkeypatch):
     monkeypatch.setattr(native, "panel_gemm", lambda: None)
     torch.manual_seed(0)
     weight = torch.randn(96, 64)
     kernel = PackedFloat32(weight, None)
-    assert kernel.gemm is None and kernel.transposed is not None
-    for count in (1, 5):
-        rows = torch.randn(count, 64)
-        torch.testing.assert_close(kernel(rows), rows @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert kernel.gemm is None and kernel.panels is None and kernel.blocked is not None
+    rows = torch.randn(9, 64)
+    alone = torch.cat([kernel(rows[i : i + 1]) for i in range(len(rows))])
+    assert torch.equal(kernel(rows), alone)  # one row or several: each row's bits its own
+    torch.testing.assert_close(alone, rows @ weight.t(), rtol=1e-5, atol=1e-5)
