@@ -5,10 +5,11 @@ Contract: ``main(argv)`` takes the ``--split`` (default ``heldout``) of ``--data
 ``bench.datasets.load_split`` (the one definition of the splits), loads one model and, for each prompt, runs
 each of ``--methods`` in one process, interleaved in rotating order (``bench.measure.run_benchmark``): our greedy
 loop, lookahead stepped through ``step_batch`` under the preset's batch policy (the server's code path), and
-``model.generate`` with prompt lookup of ``--prompt-lookup-tokens`` (10) tokens; all greedy, the same
+``model.generate`` with prompt lookup of ``--prompt-lookup-tokens`` (10) tokens, and where asked llama.cpp on the
+same GGUF file (``llama_cpp``, ``bench.llama_cpp``); all greedy, the same
 ``--max-tokens`` (256 for HumanEval, 192 for the chat-like sets), stopping at EOS. It prints one row per prompt
 (``PromptComparison``: tokens, steps and tokens per step of lookahead and prompt lookup, each one's speed-up over
-the greedy loop, whether every method's output was the same) and the totals (per method: tokens per step,
+the greedy loop, whether lookahead's output was greedy's) and the totals (per method: tokens per step,
 overall and median speed-up vs greedy, identical outputs; and on how many prompts lookahead took no more steps
 than prompt lookup), and with ``--output`` writes JSON ``{"config", "runs", "prompts", "summary"}``.
 
@@ -51,7 +52,9 @@ from decoding.errors import DecodingError
 from decoding.loading import LoadedModel
 from decoding.memory import MemoryFileError, NGramMemory, load_memory
 
-HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup")
+HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup", "llama_cpp")
+DEFAULT_HELDOUT_METHODS = "greedy,lookahead,prompt_lookup"  # llama_cpp where asked: an optional extra
+SAME_WEIGHTS = ("greedy", "lookahead")  # the methods whose outputs must be identical (lookahead's guarantee)
 CODE_MAX_TOKENS = 256
 CHAT_MAX_TOKENS = 192
 PRESETS = ("cpu", "cuda")
@@ -89,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int,
                         help=f"new tokens per decode ({CODE_MAX_TOKENS} for humaneval, {CHAT_MAX_TOKENS} otherwise)")
     parser.add_argument("--preset", choices=PRESETS, help="whose lookahead settings and batch policy (this device's)")
-    parser.add_argument("--methods", default=",".join(HELDOUT_METHODS),
-                        help=f"comma list of {', '.join(HELDOUT_METHODS)} (lookahead required; default all)")
+    parser.add_argument("--methods", default=DEFAULT_HELDOUT_METHODS,
+                        help=f"comma list of {', '.join(HELDOUT_METHODS)} (lookahead required; default "
+                        f"{DEFAULT_HELDOUT_METHODS})")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
     parser.add_argument("--memory-tokens", type=int, default=0,
                         help="lookahead's decodes share a server-wide n-gram memory of this many tokens, as the "
@@ -110,7 +114,7 @@ def parse_heldout_methods(text: str) -> list[str]:
     """``--methods`` as a list: names among ``HELDOUT_METHODS``, lookahead among them; raises ``ValueError``."""
     methods = parse_methods(text)
     if not set(methods) <= set(HELDOUT_METHODS) or "lookahead" not in methods:
-        raise ValueError(f"--methods: lookahead and any of greedy, prompt_lookup (got {text!r})")
+        raise ValueError(f"--methods: lookahead and any of greedy, prompt_lookup, llama_cpp (got {text!r})")
     return methods
 
 
@@ -143,10 +147,14 @@ def _tokens_per_step(run: RunRecord | None) -> float | None:
 
 
 def compare_prompt(records: Mapping[str, RunRecord]) -> PromptComparison:
-    """The row of one prompt from its ``{method: record}``; the reference is greedy's output, else lookahead's."""
+    """The row of one prompt from its ``{method: record}``; the reference is greedy's output, else lookahead's, and
+    ``identical`` compares the methods that run the same weights (``SAME_WEIGHTS``): prompt lookup runs
+    transformers on de-quantized float32 weights and llama.cpp its own arithmetic, so their agreement is only
+    counted per method (``identical_to_greedy``)."""
     greedy, lookahead, lookup = records.get("greedy"), records["lookahead"], records.get("prompt_lookup")
     reference = greedy or lookahead
-    differences = [first_difference(reference.output_ids, run.output_ids) for run in records.values()]
+    same_weights = [records[name] for name in SAME_WEIGHTS if name in records]
+    differences = [first_difference(reference.output_ids, run.output_ids) for run in same_weights]
     differences = [index for index in differences if index is not None]
 
     def speedup(run: RunRecord | None) -> float | None:

@@ -74,7 +74,7 @@ def test_heldout_runs_the_held_out_prompts_side_by_side(tmp_path: Path, capsys: 
     payload = json.loads(out.read_text())
     assert [row["id"] for row in payload["prompts"]] == ["chat/16", "chat/17"]  # the held-out split, in order
     assert all(row["identical"] for row in payload["prompts"])  # float32: lookahead and prompt lookup are exact
-    assert sorted(run["method"] for run in payload["runs"]) == sorted(heldout.HELDOUT_METHODS * 2)
+    assert sorted(run["method"] for run in payload["runs"]) == sorted(heldout.DEFAULT_HELDOUT_METHODS.split(",") * 2)
     summary = {s["method"]: s for s in payload["summary"]["methods"]}
     assert summary["lookahead"]["identical_to_greedy"] == 2 and payload["summary"]["identical"] == 2
     assert payload["config"]["lookahead"]["window_size"] == 2
