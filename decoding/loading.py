@@ -130,7 +130,7 @@ def gguf_files(spec: str) -> tuple[Path, Path]:
     """The GGUF file of ``spec`` (``is_gguf_model``) and a directory with its config, generation config and
     tokenizer (see the module contract). Raises ``ModelLoadError``."""
     if spec in (DEFAULT_MODEL, "default"):
-        gguf_path = _fetch_default_gguf()
+        gguf_path = default_gguf()
         converted = cache_root() / "models" / DEFAULT_MODEL
         if (converted / "config.json").exists() and (converted / "tokenizer_config.json").exists():
             return gguf_path, converted
