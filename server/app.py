@@ -56,13 +56,12 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
     protocol_field_names,
 )
+from server.replies import ModelCard, ModelList
 from server.responses_protocol import ResponseRequest
 from server.scheduler import Handle, Scheduler
 from server.serving import Engine

@@ -29,18 +29,15 @@ from pydantic.json_schema import models_json_schema
 
 from server.config import ServerConfig, lookahead_bounds
 from server.protocol import (
-    ChatCompletion,
     ChatCompletionRequest,
-    Completion,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
 )
+from server.replies import ChatCompletion, Completion, ModelCard, ModelList
 from server.responses_protocol import ResponseObject, ResponseRequest
 
 REF = "#/components/schemas/{model}"

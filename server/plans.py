@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from decoding import Grammar, LookaheadConfig, SamplingParams, StepCounts, StopCriteria, TokenLogprob
-from server.protocol import StepInfo
+from server.replies import StepInfo
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
-"""Pydantic mirror of the OpenAI API shapes the server supports, plus its two extensions.
+"""Pydantic mirror of the OpenAI API requests the server supports, plus its extensions (their answers:
+``server.replies``).
 
 Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields; their
 range checks are the config-independent ones (config-dependent limits such as the lookahead maxima are
-checked in ``server.serving``). Response models serialize to exactly OpenAI's shapes (``system_fingerprint``
-included), with one extra top-level object, ``decoding`` (``DecodingInfo``), in non-streaming responses and in
-a stream's usage chunk.
+checked in ``server.serving``).
 Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k``, ``stream_steps`` and vLLM's
 sampling fields ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``; with
-``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step`` (``StepInfo``);
+``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step``
+(``server.replies.StepInfo``);
 vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and ``/detokenize`` bodies, which
 refuse unknown fields. Logprobs: chat's ``logprobs`` + ``top_logprobs`` give ``choices[].logprobs.content[]``
 (``ChoiceLogprobs``), completions' ``logprobs: int`` the legacy ``CompletionLogprobs``; both the raw model's
@@ -25,7 +25,6 @@ builds one. The OpenAPI document takes their schema as pydantic derives it.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -33,11 +32,9 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
-    SerializerFunctionWrapHandler,
     Tag,
     create_model,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
@@ -46,16 +43,8 @@ from pydantic_core import PydanticCustomError
 from decoding.params import MAX_TOP_LOGPROBS
 from server.config import REQUEST_LOOKAHEAD
 
-FinishReason = Literal["stop", "length", "tool_calls"]
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and json_schema) names
 MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "refusal")  # OpenAI's other content parts
-
-
-def _without_none(data: dict[str, Any], key: str) -> dict[str, Any]:
-    """``data`` (a serialised model) without ``key`` when its value is None: OpenAI leaves such fields out."""
-    if data.get(key) is None:
-        data.pop(key, None)
-    return data
 
 
 class StrictModel(BaseModel):
@@ -437,250 +426,6 @@ class TokenizerInfo(BaseModel):
     add_bos_token: bool | None
     chat_template: str | None
     model_max_length: int
-
-
-class CompletionTokensDetails(BaseModel):
-    """OpenAI's predicted-output counts: ``accepted_prediction_tokens`` the completion's tokens that lookahead took
-    from the prediction (beyond what its other sources proposed), ``rejected_prediction_tokens`` the prediction's
-    other tokens (its length minus the accepted ones)."""
-
-    accepted_prediction_tokens: int
-    rejected_prediction_tokens: int
-
-
-class Usage(BaseModel):
-    """Token counts; ``completion_tokens_details`` only when the request sent a prediction (absent otherwise)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    completion_tokens_details: CompletionTokensDetails | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_empty_details(self, handler: SerializerFunctionWrapHandler):  # no return type: keeps the schema
-        return _without_none(handler(self), "completion_tokens_details")
-
-
-class DecodingInfo(BaseModel):
-    """Extension: how the completion was decoded. W/N/G are null for the autoregressive method. ``seed``: the
-    seed a sampled response's tokens were drawn with (the request's, or one drawn at admission; choice j used
-    seed + j); send it back to get the same text. Null for greedy decoding."""
-
-    method: Literal["lookahead", "autoregressive"]
-    steps: int
-    tokens_per_step: float
-    accepted_tokens: int
-    offered_tokens: int
-    window_size: int | None
-    ngram_size: int | None
-    guess_set_size: int | None
-    seed: int | None = None
-
-
-class StepInfo(BaseModel):
-    """Extension (``stream_steps``): the tokens behind one stream chunk's text, accepted and offered guesses.
-
-    Normally one decoding step's counts; tokens whose text was held back count in the next chunk with text or
-    in the finish chunk, so the ``tokens`` of a stream's chunks add up to ``usage.completion_tokens``.
-    """
-
-    tokens: int
-    accepted: int
-    offered: int
-
-
-class TopLogprob(BaseModel):
-    """One alternative at a token's position: its text, logprob and the UTF-8 bytes of its text."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(TopLogprob):
-    """One generated token's logprob and the ``top_logprobs`` most likely tokens at its position."""
-
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(BaseModel):
-    """``choices[].logprobs`` of a chat completion (or of one chunk: its delta's tokens)."""
-
-    content: list[ChatTokenLogprob] | None
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, ``top_logprobs`` as {token text: logprob} per token and
-    ``text_offset`` each token's character offset in the choice's text. With ``echo`` the prompt's tokens come
-    first; the first prompt token's ``token_logprobs`` and ``top_logprobs`` entries are null (nothing predicts
-    it), as in OpenAI's."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class ResponseFunctionCall(BaseModel):
-    """A call's function in a response: ``arguments`` is the arguments object as JSON text."""
-
-    name: str
-    arguments: str
-
-
-class ResponseToolCall(BaseModel):
-    """One tool call the model made: ``id`` is ``call_`` and 24 hex digits, unique per call."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: ResponseFunctionCall
-
-
-class ReplyMessage(BaseModel):
-    """The reply: ``content`` is null when the reply is only tool calls; ``tool_calls`` is absent without
-    calls."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ResponseToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_empty_calls(self, handler: SerializerFunctionWrapHandler):  # no return type: keeps the schema
-        return _without_none(handler(self), "tool_calls")
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ReplyMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: FinishReason
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChoice]
-    usage: Usage
-    decoding: DecodingInfo
-
-
-class DeltaFunctionCall(BaseModel):
-    """A piece of a call's function: ``name`` in the call's first delta only, ``arguments`` a fragment of the
-    arguments' JSON text (``""`` in the first delta); the fragments of one call concatenate to its arguments."""
-
-    name: str | None = None
-    arguments: str
-
-
-class DeltaToolCall(BaseModel):
-    """A piece of one tool call in a stream: ``index`` says which call; ``id`` and ``type`` only in its first
-    delta."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    decoding: DecodingInfo | None = None
-    step: StepInfo | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
-    usage: Usage
-    decoding: DecodingInfo
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    decoding: DecodingInfo | None = None
-    step: StepInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "lookahead-server"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def chunk_json(chunk: ChatCompletionChunk | CompletionChunk, include_usage: bool) -> str:
-    """Serialize a stream chunk as OpenAI does.
-
-    Deltas drop unset fields (``{"content": "Hi"}``); ``usage`` is present (null until the usage chunk) only
-    when the client asked for it; ``decoding`` appears only in the usage chunk, ``step`` only when set.
-    """
-    data: dict[str, Any] = chunk.model_dump(mode="json")
-    for choice in data["choices"]:
-        if "delta" in choice:
-            choice["delta"] = _without_nulls(choice["delta"])
-    if not include_usage:
-        data.pop("usage")
-    for extension in ("decoding", "step"):
-        if data.get(extension) is None:
-            data.pop(extension)
-    return _dumps(data)
-
-
-def _without_nulls(value: Any) -> Any:
-    """``value`` with every null member of its objects dropped, at any depth (deltas carry set fields only)."""
-    if isinstance(value, dict):
-        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
-    if isinstance(value, list):
-        return [_without_nulls(item) for item in value]
-    return value
-
-
-def _dumps(data: dict[str, Any]) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 def protocol_field_names() -> set[str]:

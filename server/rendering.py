@@ -21,7 +21,8 @@ from decoding import (
 )
 from server import tools
 from server.plans import Output, Summary
-from server.protocol import (
+from server.protocol import CompletionRequest
+from server.replies import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -32,7 +33,6 @@ from server.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionTokensDetails,
     DecodingInfo,
     DeltaMessage,

@@ -40,19 +40,18 @@ from server.plans import Output, Summary
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
-    DeltaToolCall,
     FunctionCall,
     FunctionDefinition,
     JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
-    StepInfo,
     Tool,
     ToolCall,
     chat_message,
 )
 from server.rendering import decoding_of, usage_of
+from server.replies import DeltaToolCall, StepInfo
 from server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -12,7 +12,8 @@ import pytest
 
 from server import tools
 from server.errors import BadRequestError
-from server.protocol import ChatCompletionRequest, DeltaToolCall, chat_message
+from server.protocol import ChatCompletionRequest, chat_message
+from server.replies import DeltaToolCall
 from server.text import TextCodec
 from tests.server.conftest import make_config
 from tests.server.helpers import chat_body, running_app, sse_events
