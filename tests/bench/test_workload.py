@@ -41,6 +41,6 @@ def test_a_named_preset_gives_the_lookahead_settings_and_the_device_the_model(mo
     cuda, cpu = load_config(device_preset="cuda"), load_config(device_preset="cpu")
     assert decoder == "decoder" and config == cuda
     assert (lookahead.window_size, lookahead.copy_stretch) == (cuda.lookahead.window_size, cuda.lookahead.copy_stretch)
-    assert loads == [(cpu.model, "cpu", cpu.dtype, cpu.quantize, cpu.weight_layout)]
+    assert loads == [(cpu.model, "cpu", cpu.dtype, cpu.quantize, cpu.weight_layout, cpu.weights)]
     _, own, _ = workload.load_preset("cpu")
     assert own.window_size == cpu.lookahead.window_size
