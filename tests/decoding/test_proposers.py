@@ -1,0 +1,132 @@
+"""The proposer seam: a source defined here plugs into the lookahead step through the registry alone, its
+drafts are counted per source, and greedy output stays the plain loop's with it, alone and batched."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+
+import pytest
+
+from decoding.batch import BatchEngine, BatchPolicy
+from decoding.engine import DecodeStream, StepCounts, generate_autoregressive
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.proposers import PROPOSERS, Context, Gate, Outcome
+from tests.decoding.stubs import cycle_model
+
+PROMPTS = [
+    [1, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2, 5, 7],
+    [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+    [42],
+    [3, 3, 3, 3, 3, 3, 8, 3, 3],
+]
+GRID = list(itertools.product([1, 3], [2, 4], [0, 2]))
+
+
+class Counting:
+    """A toy source: guesses that the text counts up by one (mod ``period``), ``length`` tokens at a time; right
+    on ``cycle_model``, mostly wrong on a random model. It keeps its own gate and remembers what it heard."""
+
+    name = "counting"
+
+    def __init__(self, standalone: bool, period: int = 8, length: int = 6) -> None:
+        self.standalone, self.period, self.length = standalone, period, length
+        self.gate = Gate(1.0)
+        self.heard: list[Outcome] = []
+
+    @property
+    def expected(self) -> float:
+        return self.gate.expected
+
+    def propose(self, context: Context, budget: int) -> Sequence[tuple[int, ...]]:
+        if budget <= 0:
+            return ()
+        return [tuple((context.last + k) % self.period for k in range(1, self.length + 1))]
+
+    def feedback(self, context: Context, outcome: Outcome) -> None:
+        self.heard.append(outcome)
+        if outcome.reach is not None:
+            self.gate.update(outcome.reach)
+
+
+def with_counting(standalone: bool, made: list[Counting] | None = None) -> dict:
+    """The default registry plus the toy source (each built source appended to ``made``)."""
+
+    def build(config, context, inputs):
+        source = Counting(standalone)
+        if made is not None:
+            made.append(source)
+        return source
+
+    return {**PROPOSERS, "counting": build}
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+@pytest.mark.parametrize("standalone", [True, False], ids=["standalone", "joins-window"])
+@pytest.mark.parametrize("window_size, ngram_size, guess_set_size", GRID)
+def test_a_new_source_keeps_greedy_output_over_the_grid(tiny_model, window_size, ngram_size, guess_set_size,
+                                                        standalone):
+    config = LookaheadConfig(window_size, ngram_size, guess_set_size, lazy_window=standalone)
+    stop = StopCriteria(max_tokens=30)
+    for prompt in PROMPTS:
+        expected = tokens_of(generate_autoregressive(tiny_model, prompt, stop))
+        stream = DecodeStream(tiny_model, prompt, stop, lookahead=config, proposers=with_counting(standalone))
+        assert tokens_of(stream) == expected
+
+
+@pytest.mark.parametrize("standalone", [True, False], ids=["standalone", "joins-window"])
+def test_a_new_source_is_used_counted_and_hears_back(standalone):
+    model = cycle_model(period=8)
+    prompt = [5, 3, 0, 2]  # no n-gram of the prompt continues the count
+    config = LookaheadConfig(1, 2, 1, lazy_window=standalone, prompt_pool=False, output_pool=False)
+    stop = StopCriteria(max_tokens=40)
+    made: list[Counting] = []
+    steps = list(DecodeStream(model, prompt, stop, lookahead=config, proposers=with_counting(standalone, made)))
+    plain = list(DecodeStream(model, prompt, stop, lookahead=config))
+    assert tokens_of(steps) == tokens_of(plain) == [(3 + k) % 8 for k in range(40)]
+    assert len(steps) < len(plain) / 3  # 6 guesses + 1 token a step where the window alone gets 1 or 2
+    counts = sum((step.stats.counts() for step in steps), StepCounts())
+    offered, accepted = counts.source("counting")
+    assert accepted >= 30 and offered >= accepted and accepted <= counts.accepted
+    (source,) = made
+    assert len(source.heard) == len(steps) - 1  # every step after the prefill
+    for step, outcome in zip(steps[1:], source.heard, strict=True):
+        taken = StepCounts(sources=step.stats.sources).source("counting")[1]
+        assert outcome.committed == step.stats.committed
+        # what it heard is what it was credited, but for the last step, whose run max_tokens cut
+        assert (outcome.reach or 0) == taken or (step.finish_reason == "length" and (outcome.reach or 0) > taken)
+
+
+def test_a_new_source_keeps_greedy_output_batched(tiny_model):
+    configs = [LookaheadConfig(2, 4, 2), LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1),
+               LookaheadConfig(4, 3, 0), None]
+    stop = StopCriteria(max_tokens=30)
+    expected = [tokens_of(generate_autoregressive(tiny_model, prompt, stop)) for prompt in PROMPTS]
+    for standalone in (True, False):
+        engine = BatchEngine(tiny_model, BatchPolicy(max_step_tokens=24, prefill_chunk=4),
+                             open_stream=functools.partial(DecodeStream, proposers=with_counting(standalone)))
+        for index, (prompt, config) in enumerate(zip(PROMPTS, configs, strict=True)):
+            engine.add(index, prompt, stop, SamplingParams(), config)
+        outputs: dict[int, list[int]] = {index: [] for index in range(len(PROMPTS))}
+        while engine.has_work:
+            for request_id, step in engine.step():
+                assert not isinstance(step, BaseException), step
+                outputs[request_id].extend(step.token_ids)
+        assert [outputs[index] for index in range(len(PROMPTS))] == expected
+
+
+def test_drafts_longer_than_the_cache_has_room_for_are_cut_to_fit():
+    """A source whose drafts run past the step's reserved room cannot overflow the cache: the step fits them."""
+    model = cycle_model(period=8)
+    config = LookaheadConfig(1, 2, 1, lazy_window=True, prompt_pool=False, output_pool=False)
+
+    def build(config, context, inputs):
+        return Counting(True, length=64)
+
+    stop = StopCriteria(max_tokens=50)
+    steps = list(DecodeStream(model, [5, 3, 0, 2], stop, lookahead=config, proposers={**PROPOSERS, "long": build}))
+    assert tokens_of(steps) == [(3 + k) % 8 for k in range(50)]
