@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from transformers import PreTrainedModel
 
 from bench.cli import (
+    PRESETS,
     add_lookahead_flags,
     add_model_flags,
     lookahead_config,
@@ -54,7 +55,6 @@ from decoding.memory import MemoryFileError, NGramMemory, load_memory
 HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup")
 CODE_MAX_TOKENS = 256
 CHAT_MAX_TOKENS = 192
-PRESETS = ("cpu", "cuda")
 PROMPT_HEADERS = (
     "prompt", "tokens", "lookahead steps", "tok/step", "prompt lookup steps", "tok/step", "lookahead vs greedy",
     "prompt lookup vs greedy", "identical",
