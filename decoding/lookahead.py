@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,6 +81,7 @@ class LookaheadStep:
         self.sequence, self.sampling, self.config, self.context = sequence, sampling, config, context
         self.proposers = list(proposers)
         self.jacobi = next(proposer for proposer in self.proposers if isinstance(proposer, JacobiProposer))
+        self.top_k = max(proposer.top_k for proposer in self.proposers)  # top tokens per row to hand back (0: none)
         self._wanted = _Shape(False)
 
     def propose(self) -> Proposal:
@@ -123,7 +124,9 @@ class LookaheadStep:
         positions = [position + offset for offset in layout.offset_values]
         slice_ = Slice(tokens, None, None, None, sequence.cache, layout.parents, positions, layout.row_values,
                        visibility=lambda: layout.visible)
-        return slice_, lambda logits, argmax: self._finish(logits, argmax, shape, width, levels, position, chains)
+        row_tokens = [tokens[index] for index in layout.row_values[: 1 + width + len(tree)]]
+        return slice_, lambda logits, argmax: self._finish(logits, argmax, shape, width, levels, position, chains,
+                                                           row_tokens)
 
     def _fit(self, shape: _Shape, budget: int) -> _Shape:
         """Drop candidates (last first), then the window, until the step holds at most ``budget`` tokens; when
@@ -141,13 +144,14 @@ class LookaheadStep:
 
     def _finish_plain(self, logits: torch.Tensor, argmax: Sequence[int] | None = None) -> Step:
         """A plain one-token step: the window only re-aligns."""
+        last = self.sequence.tokens[-1]
         step = finish_one_token(self.sequence, self.sampling, logits, argmax)
         self.jacobi.skip(step.stats.committed)
-        self._tell(Outcome(step.stats.committed), {})
+        self._tell(Outcome(step.stats.committed, **self._top(logits, [last], [0])), {})
         return step
 
     def _finish(self, logits: torch.Tensor, argmax: Sequence[int] | None, shape: _Shape, width: int, levels: int,
-                position: int, chains: _Chains) -> Step:
+                position: int, chains: _Chains, row_tokens: Sequence[int]) -> Step:
         """Verify the tree (and the window's chains), commit, fix up the KV cache, feed the window and the
         proposers."""
         sequence, tree, in_tree = self.sequence, shape.tree, len(shape.candidates)
@@ -178,15 +182,15 @@ class LookaheadStep:
         else:
             self.jacobi.skip(len(committed))
         accepted_run = tuple(verdict.tokens[: verdict.num_accepted])
+        rows = [0] + ([candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
+                      if verdict.candidate is not None else [])
         reach = _reach(shape.offered, verified, [*shape.sources, *[POOL] * len(chains.tokens)], accepted_run)
-        self._tell(Outcome(len(committed), accepted_run), reach)
+        self._tell(Outcome(len(committed), accepted_run, **self._top(logits, row_tokens, rows)), reach)
         accepted, depth = min(verdict.num_accepted, len(committed)), max(map(len, verified), default=0)
         stats = StepStats(window_tokens + len(tree), len(committed), depth, accepted,
                           tuple(k < accepted for k in range(depth)), **_exclusive(reach, accepted),
                           sources=tuple((name, offered, min(far, accepted)) for name, (offered, far) in
                                         sorted(reach.items())))
-        rows = [0] + ([candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
-                      if verdict.candidate is not None else [])
         return Step(committed, stats, sequence.finish_reason,
                     step_logprobs(logits, rows, sequence.chosen(committed), self.sampling),
                     stop_token=sequence.stop_token)
@@ -222,14 +226,21 @@ class LookaheadStep:
                 gain = max(gain, proposer.expected)
         return _Shape(False, tuple(kept), tuple(sources), tuple(offered), gain)
 
+    def _top(self, logits: torch.Tensor, row_tokens: Sequence[int], path: Sequence[int]) -> dict[str, tuple]:
+        """``Outcome``'s ``successors`` (each read row's input token and top-k next tokens) and ``runners_up`` (the
+        top-k of ``path[-1]``, the row that chose the new ``last``), when a proposer asks for them (``top_k``)."""
+        if not self.top_k:
+            return {}
+        top = logits[: len(row_tokens)].topk(min(self.top_k, logits.shape[-1]), dim=-1).indices.tolist()
+        return {"successors": tuple(zip(row_tokens, map(tuple, top), strict=True)), "runners_up": tuple(top[path[-1]])}
+
     def _tell(self, outcome: Outcome, reach: dict[str, tuple[int, int]]) -> None:
         """Index the new output (when it is a source), then hand each proposer the outcome with its own reach."""
         if self.config.output_pool and self.config.rank_by_context:
             self.context.index.extend(self.sequence.tokens, len(self.sequence.tokens) - 1)
         for proposer in self.proposers:
             far = reach.get(proposer.name)
-            proposer.feedback(self.context, Outcome(outcome.committed, outcome.accepted,
-                                                    None if far is None else far[1]))
+            proposer.feedback(self.context, replace(outcome, reach=None if far is None else far[1]))
 
     def _chains(self, tokens: Sequence[int], width: int, levels: int) -> _Chains:
         """The window's causal chains (``decoding.window.window_chains``) over this step's window ``tokens``, when

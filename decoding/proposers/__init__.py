@@ -28,10 +28,12 @@ from decoding.proposers.prediction import (
     PredictionProposer,
     prediction_copy_length,
 )
+from decoding.proposers.recycled import RECYCLED, RecycledProposer
+from decoding.proposers.runner_up import RUNNER_UP, RunnerUpProposer
 
 __all__ = [
-    "COPY", "MEMORY", "POOL", "PREDICTION", "PREDICTION_COPY_LENGTH", "PROPOSERS", "Context", "Draft", "Gate",
-    "Inputs", "JacobiProposer", "Outcome", "Proposer", "Span", "build_proposers", "extra_step_tokens",
+    "COPY", "MEMORY", "POOL", "PREDICTION", "PREDICTION_COPY_LENGTH", "PROPOSERS", "RECYCLED", "RUNNER_UP", "Context",
+    "Draft", "Gate", "Inputs", "JacobiProposer", "Outcome", "Proposer", "Span", "build_proposers", "extra_step_tokens",
     "prediction_copy_length",
 ]
 
@@ -55,6 +57,8 @@ PROPOSERS: dict[str, Factory] = {
     PREDICTION: lambda config, context, inputs: (
         PredictionProposer(config, inputs.prediction) if inputs.prediction else None),
     POOL: lambda config, context, inputs: JacobiProposer(config, context),
+    RUNNER_UP: lambda config, context, inputs: RunnerUpProposer(config) if config.runner_up else None,
+    RECYCLED: lambda config, context, inputs: RecycledProposer(config) if config.recycled else None,
 }
 
 

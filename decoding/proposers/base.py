@@ -7,7 +7,10 @@ implements ``propose(context, budget)``: up to ``budget`` drafts, each a run of 
 tokens it expects a step verifying its drafts to accept (its gate's running mean), and ``feedback(context,
 outcome)`` hears, after every step, what was committed and, when some of its drafts were verified, how many of the
 accepted guesses they proposed (``Outcome.reach``). A proposer applies its own gate in ``propose`` (returning no
-drafts while verifying them does not pay) and updates it in ``feedback``.
+drafts while verifying them does not pay) and updates it in ``feedback``. A proposer with ``top_k`` > 0 also hears
+the model's top-k next tokens at every row the step read (``Outcome.successors``, keyed by each row's input token)
+and at the row that chose the new ``last`` (``Outcome.runners_up``): the step computes them only when some
+proposer asks.
 
 Drafts are guesses only: the step verifies them against the model's own choices, so no proposer can change a
 greedy output or a sampled one's distribution, only how many tokens a step commits.
@@ -32,14 +35,12 @@ Draft = tuple[int, ...]
 class Context:
     """What proposers read of one decode: ``tokens`` (the live list of committed tokens, prompt first;
     ``tokens[-1]`` is ``last``), ``prompt_length``, ``index`` (where each token occurs in the prompt and output, as
-    ``LookaheadConfig.prompt_pool`` / ``output_pool`` say; the step keeps it up to date), ``stop_token_ids``, and
-    ``top_tokens`` (the runner-up tokens of the row that chose ``last``, best first, when the step read them)."""
+    ``LookaheadConfig.prompt_pool`` / ``output_pool`` say; the step keeps it up to date) and ``stop_token_ids``."""
 
     tokens: list[int]
     prompt_length: int
     index: ContextIndex
     stop_token_ids: frozenset[int]
-    top_tokens: tuple[int, ...] = ()
 
     @property
     def last(self) -> int:
@@ -51,11 +52,16 @@ class Context:
 class Outcome:
     """What a step did, as every proposer hears it: ``committed`` tokens, the guessed tokens ``accepted`` (the
     winning draft's verified prefix), and ``reach``: how many of those this proposer's verified drafts proposed
-    (their longest common prefix with ``accepted``), or None when none of its drafts was verified this step."""
+    (their longest common prefix with ``accepted``), or None when none of its drafts was verified this step.
+    For proposers with ``top_k``: ``successors``, per logits row the step read, ``(input token, its top-k next
+    tokens, best first)``; ``runners_up``, the top-k tokens of the row that chose the new ``last`` (best first: the
+    first is ``last`` itself on a greedy step). Both empty when no proposer asks for them."""
 
     committed: int
     accepted: tuple[int, ...] = ()
     reach: int | None = None
+    successors: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    runners_up: tuple[int, ...] = ()
 
 
 class Proposer(Protocol):
@@ -63,6 +69,7 @@ class Proposer(Protocol):
 
     name: str
     standalone: bool
+    top_k: int  # top tokens per logits row it wants to hear (0: none)
 
     @property
     def expected(self) -> float: ...

@@ -23,6 +23,7 @@ class CopyProposer:
 
     name = COPY
     standalone = True
+    top_k = 0
 
     def __init__(self, config: LookaheadConfig) -> None:
         self.config = config

@@ -28,6 +28,7 @@ class JacobiProposer:
 
     name = POOL
     standalone = False
+    top_k = 0
 
     def __init__(self, config: LookaheadConfig, context: Context) -> None:
         self.config = config

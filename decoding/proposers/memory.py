@@ -24,6 +24,7 @@ class MemoryProposer:
     """Continuations from the shared memory (module contract)."""
 
     name = MEMORY
+    top_k = 0
 
     def __init__(self, config: LookaheadConfig, memory: NGramMemory) -> None:
         self.config = config

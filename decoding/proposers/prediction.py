@@ -31,6 +31,7 @@ class PredictionProposer:
 
     name = PREDICTION
     standalone = True
+    top_k = 0
 
     def __init__(self, config: LookaheadConfig, prediction: Sequence[int]) -> None:
         self.config = config

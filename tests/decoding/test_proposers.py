@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import DecodeStream, StepCounts, generate_autoregressive
@@ -29,6 +30,7 @@ class Counting:
     on ``cycle_model``, mostly wrong on a random model. It keeps its own gate and remembers what it heard."""
 
     name = "counting"
+    top_k = 0
 
     def __init__(self, standalone: bool, period: int = 8, length: int = 6) -> None:
         self.standalone, self.period, self.length = standalone, period, length
@@ -130,3 +132,55 @@ def test_drafts_longer_than_the_cache_has_room_for_are_cut_to_fit():
     stop = StopCriteria(max_tokens=50)
     steps = list(DecodeStream(model, [5, 3, 0, 2], stop, lookahead=config, proposers={**PROPOSERS, "long": build}))
     assert tokens_of(steps) == [(3 + k) % 8 for k in range(50)]
+
+
+@pytest.mark.parametrize("sources", [dict(runner_up=4), dict(recycled=4), dict(runner_up=3, recycled=8)],
+                         ids=["runner-up", "recycled", "both"])
+@pytest.mark.parametrize("window_size, ngram_size, guess_set_size", GRID)
+def test_runner_up_and_recycled_sources_keep_greedy_output(tiny_model, window_size, ngram_size, guess_set_size,
+                                                           sources):
+    config = LookaheadConfig(window_size, ngram_size, guess_set_size, **sources)
+    stop = StopCriteria(max_tokens=30)
+    for prompt in PROMPTS:
+        expected = tokens_of(generate_autoregressive(tiny_model, prompt, stop))
+        assert tokens_of(DecodeStream(tiny_model, prompt, stop, lookahead=config)) == expected
+
+
+def test_recycled_successors_are_guessed_and_accepted_on_a_counting_stub():
+    """The stub counts mod 8 and its second best is always 0: once a token's row was read, its successor is in
+    the table; with no pool (G=0 keeps only the guesses' room) the recycled tree alone accepts guesses."""
+    model = cycle_model(period=8)
+    prompt = [5, 3, 0, 2]
+    config = LookaheadConfig(1, 4, 4, prompt_pool=False, output_pool=False, recycled=2)
+    stop = StopCriteria(max_tokens=40)
+    steps = list(DecodeStream(model, prompt, stop, lookahead=config))
+    plain = list(DecodeStream(model, prompt, stop, lookahead=LookaheadConfig(1, 4, 4, prompt_pool=False,
+                                                                             output_pool=False)))
+    assert tokens_of(steps) == tokens_of(plain) == [(3 + k) % 8 for k in range(40)]
+    counts = sum((step.stats.counts() for step in steps), StepCounts())
+    assert counts.source("recycled")[1] > 10
+    assert len(steps) < len(plain)
+
+
+def test_runner_up_first_tokens_are_guessed_on_a_stub_whose_runner_up_is_the_next_token():
+    """A stub whose logits rank t+1 first and t+2 second after token t: the row that chose ``last`` ranks the
+    token after ``last`` second, so runner-up drafts start right."""
+    class Skipping(cycle_model(period=16).__class__):
+        def forward(self, input_ids, **kwargs):
+            out = super().forward(input_ids, **kwargs)
+            rows = out.logits
+            following = torch.roll(rows, shifts=1, dims=-1) * 0.5  # t+2 at half the weight
+            out.logits = rows + following
+            return out
+
+    model = Skipping(16, lambda token: (token + 1) % 16)
+    prompt = [9, 4, 11, 0]
+    config = LookaheadConfig(1, 3, 2, prompt_pool=False, output_pool=False, runner_up=2)
+    stop = StopCriteria(max_tokens=30)
+    steps = list(DecodeStream(model, prompt, stop, lookahead=config))
+    assert tokens_of(steps) == [(1 + k) % 16 for k in range(30)]
+    counts = sum((step.stats.counts() for step in steps), StepCounts())
+    assert counts.source("runner_up")[1] >= 5
+    without = list(DecodeStream(model, prompt, stop, lookahead=LookaheadConfig(1, 3, 2, prompt_pool=False,
+                                                                               output_pool=False)))
+    assert tokens_of(without) == tokens_of(steps) and len(steps) < len(without)
