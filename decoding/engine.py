@@ -250,7 +250,8 @@ class DecodeStream:
             index.extend(sequence.tokens, sequence.prompt_length)
         index.skip_to(sequence.prompt_length)
         context = Context(sequence.tokens, sequence.prompt_length, index, sequence.stop.stop_token_ids)
-        proposers = build_proposers(config, context, Inputs(self.memory, self.prediction), self.proposers)
+        inputs = Inputs(self.memory, self.prediction, sequence.constraint)
+        proposers = build_proposers(config, context, inputs, self.proposers)
         return LookaheadStep(sequence, self.sampling, config, context, proposers)
 
 

@@ -221,6 +221,8 @@ class LookaheadConfig:
     - ``recycled`` (0..``MAX_TOP_TOKENS``, 0 = off): the ``decoding.proposers.recycled`` source: every row a step
       reads leaves its input token's top ``recycled`` next tokens in a table, and a tree of them grown from
       ``last`` is guessed (Token Recycling).
+    - ``jump_forward``: the ``decoding.proposers.jump`` source: with a grammar, the tokens it forces next (a JSON
+      key, closing brackets) are offered as a guess.
     """
 
     window_size: int = 5
@@ -240,6 +242,7 @@ class LookaheadConfig:
     shared_memory: bool = True
     runner_up: int = 0
     recycled: int = 0
+    jump_forward: bool = False
 
     @property
     def levels(self) -> int:

@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from decoding.grammar import Constraint
 from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig
 from decoding.proposers.base import Context, Draft, Gate, Outcome, Proposer, Span
 from decoding.proposers.copies import COPY, CopyProposer
 from decoding.proposers.jacobi import POOL, JacobiProposer
+from decoding.proposers.jump import JUMP, JumpProposer
 from decoding.proposers.memory import MEMORY, MemoryProposer
 from decoding.proposers.prediction import (
     PREDICTION,
@@ -32,24 +34,27 @@ from decoding.proposers.recycled import RECYCLED, RecycledProposer
 from decoding.proposers.runner_up import RUNNER_UP, RunnerUpProposer
 
 __all__ = [
-    "COPY", "MEMORY", "POOL", "PREDICTION", "PREDICTION_COPY_LENGTH", "PROPOSERS", "RECYCLED", "RUNNER_UP", "Context",
-    "Draft", "Gate", "Inputs", "JacobiProposer", "Outcome", "Proposer", "Span", "build_proposers", "extra_step_tokens",
-    "prediction_copy_length",
+    "COPY", "JUMP", "MEMORY", "POOL", "PREDICTION", "PREDICTION_COPY_LENGTH", "PROPOSERS", "RECYCLED", "RUNNER_UP",
+    "Context", "Draft", "Gate", "Inputs", "JacobiProposer", "Outcome", "Proposer", "Span", "build_proposers",
+    "extra_step_tokens", "prediction_copy_length",
 ]
 
 
 @dataclass(frozen=True)
 class Inputs:
-    """What a decode hands its sources beside its context: the shared ``memory`` (None: off or opted out) and the
-    request's ``prediction`` (token ids; None or empty: none)."""
+    """What a decode hands its sources beside its context: the shared ``memory`` (None: off or opted out), the
+    request's ``prediction`` (token ids; None or empty: none) and its grammar's ``constraint`` (None: none)."""
 
     memory: NGramMemory | None = None
     prediction: Sequence[int] | None = None
+    constraint: Constraint | None = None
 
 
 Factory = Callable[[LookaheadConfig, Context, Inputs], "Proposer | None"]
 
 PROPOSERS: dict[str, Factory] = {
+    JUMP: lambda config, context, inputs: (
+        JumpProposer(config, inputs.constraint) if config.jump_forward and inputs.constraint is not None else None),
     COPY: lambda config, context, inputs: (
         CopyProposer(config) if config.copy_length and config.rank_by_context else None),
     MEMORY: lambda config, context, inputs: (
