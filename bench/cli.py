@@ -126,9 +126,11 @@ def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runner-up", type=int, default=LookaheadConfig.runner_up,
                         help="runner-up first tokens: the last row's top tokens guessed next (0: off; the decoder's "
                         f"default {LookaheadConfig.runner_up})")
-    parser.add_argument("--recycled", type=int, default=LookaheadConfig.recycled,
-                        help="recycled logits: top next tokens kept per token, offered as a tree (0: off; the "
-                        f"decoder's default {LookaheadConfig.recycled})")
+    parser.add_argument("--recycled", type=int,
+                        help=f"recycled logits: top next tokens kept per token, offered as a tree (0: off; "
+                        f"{SERVER_DEFAULT})")
+    parser.add_argument("--jump-forward", action=argparse.BooleanOptionalAction,
+                        help=f"with a grammar, guess the tokens it forces ({SERVER_DEFAULT})")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +163,7 @@ def lookahead_config(args: argparse.Namespace) -> LookaheadConfig:
         window_chains=args.window_chains,
         runner_up=args.runner_up,
         recycled=args.recycled,
+        jump_forward=args.jump_forward,
     )
     config.validate()
     return config

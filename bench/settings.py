@@ -27,7 +27,7 @@ from server.config import ServerConfig, load_config
 
 LOOKAHEAD_FIELDS = (
     "window_size", "ngram_size", "guess_set_size", "lazy_window", "break_even", "copy_length", "copy_min_match",
-    "copy_candidates", "copy_stretch", "window_chains"
+    "copy_candidates", "copy_stretch", "window_chains", "recycled", "jump_forward",
 )
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "threads")
 DECODING_SECTIONS = ("lookahead", "batch", *MODEL_FIELDS)  # what of a preset decides how a benchmark decodes

@@ -91,8 +91,8 @@ class LookaheadStep:
         if copies.candidates and config.lazy_window:
             self._wanted = copies
             return Proposal(1 + len(copies.tree), copies.gain, copies.gain < config.break_even, smallest=2)
-        guessers = [proposer for proposer in self.proposers if not proposer.standalone and proposer is not self.jacobi]
-        found = self._drafts([self.jacobi, *guessers], config.guess_set_size)
+        found = self._drafts([proposer for proposer in self.proposers if not proposer.standalone],
+                             config.guess_set_size)
         window = bool(found.candidates) or self.jacobi.wants_window
         shape = self._wanted = _Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
                                       copies.offered + found.offered, max(copies.gain, found.gain))
@@ -199,7 +199,7 @@ class LookaheadStep:
         """The ``proposers``' drafts (each cut by the grammar), merged in order: standalone ones (``limit`` None,
         each proposer at most ``copy_candidates``) skip a draft covered by one kept before; the others keep at
         most ``limit`` drafts in all and skip exact repeats (and, under a grammar, covered ones). Every proposer is
-        asked, with the room left (0 once the guesses are full): a gate counts its calls."""
+        asked, in registry order, with the room left (0 once the guesses are full): a gate counts its calls."""
         kept: list[Draft] = []
         sources: list[str] = []
         offered: list[tuple[str, tuple[Draft, ...]]] = []

@@ -242,7 +242,7 @@ class LookaheadConfig:
     shared_memory: bool = True
     runner_up: int = 0
     recycled: int = 0
-    jump_forward: bool = False
+    jump_forward: bool = True
 
     @property
     def levels(self) -> int:

@@ -61,9 +61,9 @@ PROPOSERS: dict[str, Factory] = {
         MemoryProposer(config, inputs.memory) if inputs.memory is not None else None),
     PREDICTION: lambda config, context, inputs: (
         PredictionProposer(config, inputs.prediction) if inputs.prediction else None),
+    RECYCLED: lambda config, context, inputs: RecycledProposer(config) if config.recycled else None,
     POOL: lambda config, context, inputs: JacobiProposer(config, context),
     RUNNER_UP: lambda config, context, inputs: RunnerUpProposer(config) if config.runner_up else None,
-    RECYCLED: lambda config, context, inputs: RecycledProposer(config) if config.recycled else None,
 }
 
 

@@ -10,9 +10,9 @@ import torch
 from transformers import DynamicCache
 
 from decoding.engine import generate_autoregressive, generate_lookahead
-from decoding.proposers.base import PROBE_INTERVAL, Gate, Span
 from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.proposers.base import PROBE_INTERVAL, Gate, Span
 from tests.decoding.stubs import StubLM, cycle_model
 
 PROMPTS = [
