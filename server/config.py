@@ -94,6 +94,12 @@ class LookaheadSettings(BaseModel):
         description="also verify the Jacobi window's own columns as candidates (more logit rows, no more input "
         "tokens; greedy requests without logit processors)",
     )
+    memory_corpus: list[str] = Field(
+        default_factory=list,
+        description="text files added to the n-gram memory at start (a codebase, documents), tokenized, in documents "
+        "of at most 4096 tokens; bounded by memory_tokens (the oldest go first); an unreadable file is skipped with "
+        "a warning",
+    )
     recycled: int = Field(
         _LIBRARY.recycled, ge=0, le=MAX_TOP_TOKENS,
         description="recycled logits: each token's top next tokens, kept from the rows every step reads, offered as a "
