@@ -109,7 +109,9 @@ class DecodeStream:
     (``decoding.proposers.prediction``); a prediction changes how fast a decode runs, never its greedy output.
     Without lookahead it is ignored. A lookahead stream's candidate sources are built from ``proposers``
     (``decoding.proposers.PROPOSERS`` by default: a registry of source name -> factory) once its prefill ends, and
-    its steps are ``decoding.lookahead.LookaheadStep``'s.
+    its steps are ``decoding.lookahead.LookaheadStep``'s. ``successors``: a recycled-logits table shared with the
+    engine's other decodes (``decoding.proposers.recycled``); like the memory, a decode opted out of the shared
+    memory keeps its own.
     A stream whose ``sampling.grammar`` is set takes that grammar's ``constraint`` (``decoding.grammar``): every
     token it chooses or verifies is masked by it, and guesses it forbids are cut before they are offered, so
     constrained lookahead commits exactly what the constrained autoregressive loop does.
@@ -127,6 +129,7 @@ class DecodeStream:
         constraint: Constraint | None = None,
         pool: KVPool | None = None,
         proposers: dict[str, Factory] | None = None,
+        successors: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
         validate_request(model, prompt_ids, stop, sampling, lookahead)
         if (sampling.grammar is None) != (constraint is None):
@@ -135,6 +138,7 @@ class DecodeStream:
         self.prediction = list(prediction or ()) if lookahead is not None else []
         step_tokens = lookahead.step_tokens + extra_step_tokens(lookahead, self.prediction) if lookahead else 1
         self.proposers = PROPOSERS if proposers is None else proposers
+        self.successors = successors if lookahead is not None and lookahead.shared_memory else None
         self.model = model
         self.sampling = sampling
         self.lookahead = lookahead
@@ -250,7 +254,7 @@ class DecodeStream:
             index.extend(sequence.tokens, sequence.prompt_length)
         index.skip_to(sequence.prompt_length)
         context = Context(sequence.tokens, sequence.prompt_length, index, sequence.stop.stop_token_ids)
-        inputs = Inputs(self.memory, self.prediction, sequence.constraint)
+        inputs = Inputs(self.memory, self.prediction, sequence.constraint, self.successors)
         proposers = build_proposers(config, context, inputs, self.proposers)
         return LookaheadStep(sequence, self.sampling, config, context, proposers)
 

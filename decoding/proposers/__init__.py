@@ -43,11 +43,13 @@ __all__ = [
 @dataclass(frozen=True)
 class Inputs:
     """What a decode hands its sources beside its context: the shared ``memory`` (None: off or opted out), the
-    request's ``prediction`` (token ids; None or empty: none) and its grammar's ``constraint`` (None: none)."""
+    request's ``prediction`` (token ids; None or empty: none), its grammar's ``constraint`` (None: none) and a
+    ``successors`` table the recycled source shares with the engine's other decodes (None: its own)."""
 
     memory: NGramMemory | None = None
     prediction: Sequence[int] | None = None
     constraint: Constraint | None = None
+    successors: dict[int, tuple[int, ...]] | None = None
 
 
 Factory = Callable[[LookaheadConfig, Context, Inputs], "Proposer | None"]
@@ -61,7 +63,8 @@ PROPOSERS: dict[str, Factory] = {
         MemoryProposer(config, inputs.memory) if inputs.memory is not None else None),
     PREDICTION: lambda config, context, inputs: (
         PredictionProposer(config, inputs.prediction) if inputs.prediction else None),
-    RECYCLED: lambda config, context, inputs: RecycledProposer(config) if config.recycled else None,
+    RECYCLED: lambda config, context, inputs: (
+        RecycledProposer(config, inputs.successors) if config.recycled else None),
     POOL: lambda config, context, inputs: JacobiProposer(config, context),
     RUNNER_UP: lambda config, context, inputs: RunnerUpProposer(config) if config.runner_up else None,
 }

@@ -4,10 +4,11 @@ tree (Token Recycling, ACL 2025).
 Contract: ``RecycledProposer`` keeps, per token id, the top ``LookaheadConfig.recycled`` tokens the model ranked
 after it the last time a step read a logits row whose input was that token (``Outcome.successors``: ``last``'s row,
 the window's bottom row, every tree node), so the table holds at most one entry per vocabulary token (``recycled``
-ints each). ``propose`` grows a tree from ``last`` through the table: ``recycled`` children at depth 1, ``BRANCH``
-at depth 2, one below, down to N-1 tokens, and offers its root-to-leaf paths, best ranks first, at most ``budget``
-of them. It joins the window's step, gated by its own running mean. Its drafts are guesses like any other: greedy
-output does not change.
+ints each). The table is the decode's own, or one an engine shares among its decodes (``Inputs.successors``: then
+one request's rows warm the next one's guesses, as the shared memory does; guesses only, never text). ``propose``
+grows a tree from ``last`` through the table: ``recycled`` children at depth 1, ``BRANCH`` at depth 2, one below,
+down to N-1 tokens, and offers its root-to-leaf paths, best ranks first, at most ``budget`` of them. It joins the
+window's step, gated by its own running mean. Its drafts are guesses like any other: greedy output does not change.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ class RecycledProposer:
     name = RECYCLED
     standalone = False
 
-    def __init__(self, config: LookaheadConfig) -> None:
+    def __init__(self, config: LookaheadConfig, table: dict[int, tuple[int, ...]] | None = None) -> None:
         self.config = config
         self.top_k = config.recycled
         self.gate = Gate(1.0)
-        self.table: dict[int, tuple[int, ...]] = {}
+        self.table: dict[int, tuple[int, ...]] = {} if table is None else table  # shared: the engine's
 
     @property
     def expected(self) -> float:

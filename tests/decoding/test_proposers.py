@@ -6,12 +6,14 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
 
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import DecodeStream, StepCounts, generate_autoregressive
+from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.proposers import PROPOSERS, Context, Gate, Outcome
 from tests.decoding.stubs import cycle_model
@@ -184,3 +186,22 @@ def test_runner_up_first_tokens_are_guessed_on_a_stub_whose_runner_up_is_the_nex
     without = list(DecodeStream(model, prompt, stop, lookahead=LookaheadConfig(1, 3, 2, prompt_pool=False,
                                                                                output_pool=False)))
     assert tokens_of(without) == tokens_of(steps) and len(steps) < len(without)
+
+
+def test_an_engine_with_a_memory_shares_one_recycled_table_among_its_decodes(tiny_model):
+    config = LookaheadConfig(3, 4, 4, recycled=4)
+    stop = StopCriteria(max_tokens=24)
+    engine = BatchEngine(tiny_model, memory=NGramMemory(1000))
+    assert engine.successors == {}
+    for index, prompt in enumerate(PROMPTS):
+        engine.add(index, prompt, stop, SamplingParams(), config)
+        tokens: list[int] = []
+        while engine.has_work:
+            for _, step in engine.step():
+                tokens.extend(step.token_ids)
+        assert tokens == tokens_of(generate_autoregressive(tiny_model, prompt, stop))
+        assert engine.successors  # the first decode's rows are there for the next
+    opted_out = DecodeStream(tiny_model, PROMPTS[0], stop, lookahead=replace(config, shared_memory=False),
+                             successors=engine.successors)
+    assert opted_out.successors is None  # a decode opted out of the memory keeps its own table
+    assert BatchEngine(tiny_model).successors is None
