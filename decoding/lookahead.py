@@ -231,8 +231,11 @@ class LookaheadStep:
         top-k of ``path[-1]``, the row that chose the new ``last``), when a proposer asks for them (``top_k``)."""
         if not self.top_k:
             return {}
-        top = logits[: len(row_tokens)].topk(min(self.top_k, logits.shape[-1]), dim=-1).indices.tolist()
-        return {"successors": tuple(zip(row_tokens, map(tuple, top), strict=True)), "runners_up": tuple(top[path[-1]])}
+        k = min(self.top_k, logits.shape[-1])
+        top = logits[: len(row_tokens)].topk(k, dim=-1).indices.tolist()
+        last_row = path[-1]  # a window chain's row lies past the tree's: read it on its own
+        runners_up = top[last_row] if last_row < len(top) else logits[last_row].topk(k).indices.tolist()
+        return {"successors": tuple(zip(row_tokens, map(tuple, top), strict=True)), "runners_up": tuple(runners_up)}
 
     def _tell(self, outcome: Outcome, reach: dict[str, tuple[int, int]]) -> None:
         """Index the new output (when it is a source), then hand each proposer the outcome with its own reach."""

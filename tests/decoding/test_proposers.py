@@ -136,8 +136,9 @@ def test_drafts_longer_than_the_cache_has_room_for_are_cut_to_fit():
     assert tokens_of(steps) == [(3 + k) % 8 for k in range(50)]
 
 
-@pytest.mark.parametrize("sources", [dict(runner_up=4), dict(recycled=4), dict(runner_up=3, recycled=8)],
-                         ids=["runner-up", "recycled", "both"])
+@pytest.mark.parametrize("sources", [dict(runner_up=4), dict(recycled=4), dict(runner_up=3, recycled=8),
+                                     dict(runner_up=2, recycled=2, window_chains=True, copy_length=8)],
+                         ids=["runner-up", "recycled", "both", "with-chains-and-copies"])
 @pytest.mark.parametrize("window_size, ngram_size, guess_set_size", GRID)
 def test_runner_up_and_recycled_sources_keep_greedy_output(tiny_model, window_size, ngram_size, guess_set_size,
                                                            sources):
