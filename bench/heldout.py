@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from transformers import PreTrainedModel
 
 from bench.cli import (
+    PRESETS,
     add_lookahead_flags,
     add_model_flags,
     lookahead_config,
@@ -57,7 +58,6 @@ DEFAULT_HELDOUT_METHODS = "greedy,lookahead,prompt_lookup"  # llama_cpp where as
 SAME_WEIGHTS = ("greedy", "lookahead")  # the methods whose outputs must be identical (lookahead's guarantee)
 CODE_MAX_TOKENS = 256
 CHAT_MAX_TOKENS = 192
-PRESETS = ("cpu", "cuda")
 PROMPT_HEADERS = (
     "prompt", "tokens", "lookahead steps", "tok/step", "prompt lookup steps", "tok/step", "lookahead vs greedy",
     "prompt lookup vs greedy", "identical",

@@ -217,7 +217,8 @@ class BatchEngine:
     """The running decodes of one model, keyed by the caller's request ids, stepped together (module contract).
 
     ``open_stream`` builds each decode's ``DecodeStream`` (``DecodeStream`` itself unless a test injects a
-    variant); ``memory``, the server-wide n-gram memory shared by its lookahead decodes (None: off); ``grammars``
+    variant); ``memory``, the server-wide n-gram memory shared by its lookahead decodes (None: off), and with it a
+    recycled-logits table they share (``successors``, ``decoding.proposers.recycled``); ``grammars``
     compiles the constraint of a decode whose ``SamplingParams.grammar`` is set (None: such decodes are refused).
     Not thread-safe: one thread owns the device and calls ``add``, ``step`` and ``cancel``.
     """
@@ -236,6 +237,8 @@ class BatchEngine:
         self.grammars = grammars
         self.policy = policy
         self.memory = memory
+        # the recycled-logits table its lookahead decodes share: it goes with the shared memory (off with it)
+        self.successors: dict[int, tuple[int, ...]] | None = {} if memory is not None else None
         self._open_stream = open_stream
         self._streams: dict[Hashable, DecodeStream] = {}
         self.last_forward: str | None = None  # how the last step's forward ran: "graph", "static" or "eager"
@@ -282,6 +285,8 @@ class BatchEngine:
             extra["constraint"] = self.grammars.constraint(sampling.grammar)
         if self.static is not None:
             extra["pool"] = self.static.pool
+        if self.successors is not None:
+            extra["successors"] = self.successors
         self._streams[request_id] = self._open_stream(
             self.model, prompt_ids, stop, sampling, lookahead, self.memory, prediction, **extra
         )

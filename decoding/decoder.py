@@ -1,14 +1,15 @@
 """The facade the server uses: one loaded model, its continuous batch, and single decodes.
 
-Contract: ``Decoder.batch_engine(policy, memory_tokens, memory_file)`` gives the server its ``BatchEngine``
-(``decoding.batch``): requests added by id, all of them stepped in one forward per ``step``, cancelled by id, sharing
-one n-gram memory of recent completions (``decoding.memory``) when ``memory_tokens`` > 0, started from
-``memory_file`` when it holds one; ``Decoder.save_memory`` writes it back. ``Decoder.validate`` is the
-one check of a request's decoding parameters (``InvalidParameterError`` naming the parameter, no forward
-pass); the engine runs the same check. ``Decoder.decode`` validates and returns one decode's generator of
-``Step`` (see ``decoding.engine``), for callers that decode alone (benchmarks, tests); ``lookahead=None``
-selects plain autoregressive decoding. Only the thread that owns the device may step the engine or iterate
-the generators. Everything crossing this boundary is plain Python data.
+Contract: ``Decoder.batch_engine(policy, memory_tokens, memory_file, memory_corpus)`` gives the server its
+``BatchEngine`` (``decoding.batch``): requests added by id, all of them stepped in one forward per ``step``,
+cancelled by id, sharing one n-gram memory of recent completions (``decoding.memory``) when ``memory_tokens`` > 0,
+started from ``memory_file`` when it holds one, then the text files of ``memory_corpus`` (``load_corpus``);
+``Decoder.save_memory`` writes it back. ``Decoder.validate`` is the one check of a request's decoding parameters
+(``InvalidParameterError`` naming the parameter, no forward pass); the engine runs the same check.
+``Decoder.decode`` validates and returns one decode's generator of ``Step`` (see ``decoding.engine``), for callers
+that decode alone (benchmarks, tests); ``lookahead=None`` selects plain autoregressive decoding. Only the thread
+that owns the device may step the engine or iterate the generators. Everything crossing this boundary is plain
+Python data.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ QUANTIZE = ("none", "int8")
 log = logging.getLogger(__name__)
 WEIGHT_LAYOUTS = ("auto", "packed", "torch")
 WEIGHTS = ("auto", "gguf", "float32")
+CORPUS_DOCUMENT_TOKENS = 4096  # a corpus file enters the memory in documents of at most this many tokens
 
 
 def configure_threads(num_threads: int) -> None:
@@ -214,14 +216,16 @@ class Decoder:
         return vocabulary_id(self.loaded.tokenizer.get_vocab())
 
     def batch_engine(
-        self, policy: BatchPolicy | None = None, memory_tokens: int = 0, memory_file: str | None = None
+        self, policy: BatchPolicy | None = None, memory_tokens: int = 0, memory_file: str | None = None,
+        memory_corpus: Sequence[str] = (),
     ) -> BatchEngine:
         """A new, empty continuous batch over this model that spends each forward's tokens as ``policy`` says
         (``BatchPolicy()`` when None), with a server-wide ``NGramMemory(memory_tokens)`` shared by its decodes
         (none when ``memory_tokens`` is 0; each decode's ``LookaheadConfig.shared_memory`` opts it out). With a
         ``memory_file`` that exists, the memory starts with the documents saved there (``save_memory``); one
         that cannot be used (another vocabulary, unreadable) is logged as a warning and the memory starts empty.
-        With ``policy.static_step`` other than ``"off"``, steps that fit a bucket run through a static step
+        Then each text file of ``memory_corpus`` is added to the memory (``load_corpus``). With
+        ``policy.static_step`` other than ``"off"``, steps that fit a bucket run through a static step
         (``static_step``)."""
         policy = policy or BatchPolicy()
         static = self.static_step(policy) if policy.static_step != "off" else None
@@ -234,6 +238,9 @@ class Decoder:
                 log.info("n-gram memory: %d documents (%d tokens) from %s", count, len(memory), memory_file)
             except MemoryFileError as error:
                 log.warning("n-gram memory starts empty: %s", error)
+        if memory is not None and memory_corpus:
+            documents = self.load_corpus(memory, memory_corpus)
+            log.info("n-gram memory: %d corpus documents added, %d tokens held", documents, len(memory))
         return BatchEngine(self.loaded.model, policy, memory=memory, grammars=self.grammars, static=static)
 
     def static_step(self, policy: BatchPolicy) -> StaticStep | None:
@@ -248,6 +255,24 @@ class Decoder:
         log.info("static step (%s): %d buckets ready in %.1f s, KV pool of %d x %d slots", static.mode, len(buckets),
                  seconds, policy.static_sequences, static.pool.row_capacity)
         return static
+
+    def load_corpus(self, memory: NGramMemory, paths: Sequence[str]) -> int:
+        """Add each UTF-8 text file of ``paths`` to ``memory``, tokenized without special tokens, as documents of at
+        most ``CORPUS_DOCUMENT_TOKENS`` tokens (the memory's bound holds: the oldest documents are evicted); a file
+        that cannot be read is logged as a warning and skipped. Returns the documents added. A corpus loaded at
+        every start is added again after a memory file's documents (it then appears twice until evicted)."""
+        added = 0
+        for path in paths:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                log.warning("n-gram memory: corpus file %s skipped: %s", path, error)
+                continue
+            tokens = list(self.loaded.tokenizer(text, add_special_tokens=False).input_ids)
+            for start in range(0, len(tokens), CORPUS_DOCUMENT_TOKENS):
+                memory.add(tokens[start : start + CORPUS_DOCUMENT_TOKENS])
+                added += 1
+        return added
 
     def save_memory(self, engine: BatchEngine, memory_file: str) -> int | None:
         """Write ``engine``'s n-gram memory to ``memory_file`` (None, nothing written, when it has none); return

@@ -237,6 +237,14 @@ class Constraint:
                 return index
         return valid
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces from here (llguidance's jump-forward tokens: a JSON key, a
+        closing bracket), each allowed in turn; none once the output ended. The state does not move."""
+        if self._ended or limit <= 0:
+            return []
+        tokens = [int(token) for token in self._matcher.compute_ff_tokens()][:limit]
+        return tokens[: self.valid_prefix(tokens)]
+
     def advance(self, token: int) -> None:
         """Move past ``token``; ``ConstraintViolation`` when the grammar forbids it."""
         if token == self.eos and not self._ended and self._matcher.is_accepting():

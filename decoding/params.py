@@ -29,6 +29,7 @@ LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
     "copy_stretch": (1, 8),
 }
 MAX_STEP_TOKENS = 1024
+MAX_TOP_TOKENS = 16  # the most top tokens per row a source may keep (``LookaheadConfig.runner_up``, ``recycled``)
 MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's chat limit)
 
 
@@ -214,6 +215,14 @@ class LookaheadConfig:
       not notice and a CPU does). Greedy steps with unadjusted logits only.
     - ``shared_memory``: draw candidates from, and add this decode's output to, the engine's server-wide n-gram
       memory (``decoding.memory.NGramMemory``) when the engine has one; False opts this decode out of both.
+    - ``runner_up`` (0..``MAX_TOP_TOKENS``, 0 = off): the ``decoding.proposers.runner_up`` source: the tokens the
+      model ranked best at the row that chose ``last`` are guessed as the token after it (LogitSpec), each
+      continued from the context; this many of them.
+    - ``recycled`` (0..``MAX_TOP_TOKENS``, 0 = off): the ``decoding.proposers.recycled`` source: every row a step
+      reads leaves its input token's top ``recycled`` next tokens in a table, and a tree of them grown from
+      ``last`` is guessed (Token Recycling).
+    - ``jump_forward``: the ``decoding.proposers.jump`` source: with a grammar, the tokens it forces next (a JSON
+      key, closing brackets) are offered as a guess.
     """
 
     window_size: int = 5
@@ -231,6 +240,9 @@ class LookaheadConfig:
     copy_stretch: int = 1
     window_chains: bool = False
     shared_memory: bool = True
+    runner_up: int = 0
+    recycled: int = 0
+    jump_forward: bool = True
 
     @property
     def levels(self) -> int:
@@ -248,6 +260,8 @@ class LookaheadConfig:
         """Raise ``InvalidParameterError`` if W, N or G is out of range or the step would be absurdly large."""
         for name, (low, high) in LOOKAHEAD_BOUNDS.items():
             _check_range(name, getattr(self, name), low, high)
+        _check_range("runner_up", self.runner_up, 0, MAX_TOP_TOKENS)
+        _check_range("recycled", self.recycled, 0, MAX_TOP_TOKENS)
         if not math.isfinite(self.break_even) or not 0.0 <= self.break_even <= self.levels:
             raise InvalidParameterError("break_even", f"break_even must be in [0, N-1], got {self.break_even}")
         if self.step_tokens > MAX_STEP_TOKENS:

@@ -153,7 +153,8 @@ class Runtime:
                 self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
             settings = self.config.lookahead
             self.batch = await asyncio.to_thread(
-                self.decoder.batch_engine, batch_policy(self.config), settings.memory_tokens, settings.memory_file
+                self.decoder.batch_engine, batch_policy(self.config), settings.memory_tokens, settings.memory_file,
+                settings.memory_corpus,
             )
             self.worker.attach(self.batch)
             codec = TextCodec(self.decoder.tokenizer, self.chat_template)

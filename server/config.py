@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, LookaheadConfig, NumberBounds
+from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, MAX_TOP_TOKENS, LookaheadConfig, NumberBounds
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEVICE_PRESETS = ("cpu", "cuda")
@@ -102,6 +102,20 @@ class LookaheadSettings(BaseModel):
         _LIBRARY.window_chains,
         description="also verify the Jacobi window's own columns as candidates (more logit rows, no more input "
         "tokens; greedy requests without logit processors)",
+    )
+    memory_corpus: list[str] = Field(
+        default_factory=list,
+        description="text files added to the n-gram memory at start (a codebase, documents), tokenized, in documents "
+        "of at most 4096 tokens; bounded by memory_tokens (the oldest go first); an unreadable file is skipped with "
+        "a warning",
+    )
+    recycled: int = Field(
+        _LIBRARY.recycled, ge=0, le=MAX_TOP_TOKENS,
+        description="recycled logits: each token's top next tokens, kept from the rows every step reads, offered as a "
+        "tree from the last token (0: off)",
+    )
+    jump_forward: bool = Field(
+        _LIBRARY.jump_forward, description="with a grammar, offer the tokens it forces next as a guess",
     )
     memory_tokens: int = Field(
         200_000, ge=0, le=10_000_000,

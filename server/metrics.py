@@ -12,6 +12,10 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
 - ``draft_tokens_total`` counts guessed tokens offered (N-1 for each step that verified at least one
   candidate) and ``accepted_tokens_total`` the guessed tokens accepted (and kept); ``memory_accepted_tokens_total``
   counts those of them that came from the server-wide n-gram memory (``decoding.memory``);
+  ``source_offered_tokens_total{source}`` and ``source_accepted_tokens_total{source}`` count, per candidate source
+  (``decoding.proposers``: pool, copy, memory, prediction, ...), the guessed tokens it offered (the longest of its
+  verified guesses per step) and those of the accepted ones it proposed; sources overlap, so they do not sum to
+  the totals above;
 - per-request histograms (acceptance rate, steps per token, tokens per step, end-to-end latency) observe
   requests that finished with ``stop`` or ``length`` only: a cancelled request's ratios are partial;
 - ``inter_token_latency_seconds`` is per token: the wall time since the request's previous step (its own
@@ -75,6 +79,14 @@ class Metrics:
         self.accepted_tokens = counter("accepted_tokens", "Guessed tokens accepted.")
         self.memory_accepted_tokens = counter(
             "memory_accepted_tokens", "Guessed tokens accepted that came from the server-wide n-gram memory."
+        )
+        self.source_offered_tokens = counter(
+            "source_offered_tokens", "Guessed tokens offered by each candidate source (its longest verified guess "
+            "per step).", ("source",)
+        )
+        self.source_accepted_tokens = counter(
+            "source_accepted_tokens", "Accepted guessed tokens each candidate source proposed (sources overlap).",
+            ("source",)
         )
         self.accepted_per_position = counter(
             "accepted_tokens_per_position",
@@ -153,6 +165,9 @@ class Metrics:
         self.draft_tokens.inc(counts.offered)
         self.accepted_tokens.inc(counts.accepted)
         self.memory_accepted_tokens.inc(counts.memory_accepted)
+        for source, offered, accepted in counts.sources:
+            self.source_offered_tokens.labels(source=source).inc(offered)
+            self.source_accepted_tokens.labels(source=source).inc(accepted)
         for position, accepted in enumerate(counts.accepted_per_position, start=1):
             if accepted:
                 self.accepted_per_position.labels(position=str(position)).inc(accepted)

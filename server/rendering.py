@@ -38,6 +38,7 @@ from server.replies import (
     DeltaMessage,
     DeltaToolCall,
     ReplyMessage,
+    SourceInfo,
     StepInfo,
     TopLogprob,
     Usage,
@@ -100,6 +101,8 @@ def decoding_of(summaries: Sequence[Summary]) -> DecodingInfo:
         ngram_size=lookahead.ngram_size if lookahead else None,
         guess_set_size=lookahead.guess_set_size if lookahead else None,
         seed=summaries[0].seed,
+        sources={name: SourceInfo(offered_tokens=offered, accepted_tokens=accepted)
+                 for name, offered, accepted in counts.sources},
     )
 
 

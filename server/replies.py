@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -47,10 +47,20 @@ class Usage(BaseModel):
         return _without_none(handler(self), "completion_tokens_details")
 
 
+class SourceInfo(BaseModel):
+    """Extension: one candidate source's guessed tokens in a completion: the longest of its verified guesses per
+    step, summed (``offered_tokens``), and how many of the accepted guesses it proposed (``accepted_tokens``)."""
+
+    offered_tokens: int
+    accepted_tokens: int
+
+
 class DecodingInfo(BaseModel):
     """Extension: how the completion was decoded. W/N/G are null for the autoregressive method. ``seed``: the
     seed a sampled response's tokens were drawn with (the request's, or one drawn at admission; choice j used
-    seed + j); send it back to get the same text. Null for greedy decoding."""
+    seed + j); send it back to get the same text. Null for greedy decoding. ``sources``: per candidate source
+    that offered guesses (``pool``, ``copy``, ``memory``, ``prediction``, ...), its offered and accepted tokens;
+    sources overlap (a token two of them proposed counts for both); empty for the autoregressive method."""
 
     method: Literal["lookahead", "autoregressive"]
     steps: int
@@ -61,6 +71,7 @@ class DecodingInfo(BaseModel):
     ngram_size: int | None
     guess_set_size: int | None
     seed: int | None = None
+    sources: dict[str, SourceInfo] = Field(default_factory=dict)
 
 
 class StepInfo(BaseModel):

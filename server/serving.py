@@ -114,7 +114,8 @@ class DecoderLike(Protocol):
     def check_grammar(self, grammar: Grammar) -> None: ...
 
     def batch_engine(
-        self, policy: BatchPolicy | None, memory_tokens: int = 0, memory_file: str | None = None
+        self, policy: BatchPolicy | None, memory_tokens: int = 0, memory_file: str | None = None,
+        memory_corpus: Sequence[str] = (),
     ) -> EngineLike: ...
 
     def save_memory(self, engine: EngineLike, memory_file: str) -> int | None: ...

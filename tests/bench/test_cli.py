@@ -73,6 +73,24 @@ def test_a_cut_off_benchmark_leaves_its_runs_so_far(tmp_path: Path, monkeypatch:
     assert payload["config"]["lookahead"]["window_size"] == load_config(device_preset="cpu").lookahead.window_size
 
 
+def test_preset_names_whose_lookahead_settings_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--preset cuda`` on a CPU: the CUDA preset's step settings and batch policy, the model loaded as the CPU's."""
+    save_tiny_model(tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w10 w11 w12 w10 w11 w12 w10"}) + "\n")
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tmp_path / "model"), "--prompts", str(prompts), "--max-tokens", "8", "--warmup", "0"]
+    argv += ["--methods", "greedy,lookahead", "--device", "cpu", "--preset", "cuda", "--json", str(out)]
+    assert cli.main(argv) == 0
+    assert "lookahead and batch: server preset cuda, model: server preset cpu" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    cuda = load_config(device_preset="cuda").lookahead
+    assert payload["config"]["lookahead"]["window_size"] == cuda.window_size
+    assert payload["config"]["stamp"]["preset"] == "cuda"
+    summary = {s["method"]: s for s in payload["summary"]["methods"]}
+    assert summary["lookahead"]["identical_to_greedy"] == 1
+
+
 def test_main_rejects_bad_arguments_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["--methods", "greedy,beam", "--model", "/nonexistent"])

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decoding.engine import PROBE_INTERVAL, _Gate, _Span, generate_autoregressive, generate_lookahead
+from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.proposers.base import PROBE_INTERVAL, Gate, Span
 from tests.decoding.stubs import StubLM, cycle_model
 
 PROMPTS = [
@@ -134,13 +135,13 @@ def test_copies_accepted_whole_stretch_the_next_copy_up_to_copy_stretch_times_co
 
 
 def test_a_copy_span_doubles_on_whole_copies_and_starts_over_after_a_partial_one():
-    span = _Span(base=4, limit=16)
+    span = Span(base=4, limit=16)
     lengths = []
     for copied in (4, 8, 16, 16, 15, 3, 4):
         span.update(copied)
         lengths.append(span.length)
     assert lengths == [8, 16, 16, 16, 4, 4, 8]
-    off = _Span(base=4, limit=4)  # copy_stretch 1
+    off = Span(base=4, limit=4)  # copy_stretch 1
     off.update(4)
     assert off.length == 4
 
@@ -241,7 +242,7 @@ def test_low_acceptance_falls_back_to_plain_steps_with_periodic_probes():
 
 
 def test_probes_back_off_while_guessing_does_not_pay_and_start_over_once_it_does():
-    gate = _Gate(start=0.0)
+    gate = Gate(start=0.0)
     probes = [call for call in range(1, 201) if gate.pays(break_even=0.5)]
     assert probes == [8, 24, 56, 120, 184]  # waits of 8, 16, 32, 64, 64
     gate.update(accepted=4)  # a probe that paid: the mean is back above break-even

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from decoding.batch import BatchEngine
-from decoding.engine import DecodeStream, generate_autoregressive, generate_lookahead
+from decoding.engine import DecodeStream, StepCounts, generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
 from decoding.grammar import ANY_JSON_OBJECT, ConstraintViolation, Grammar, GrammarCompiler, GrammarError
 from decoding.loading import ensure_default_model
@@ -109,6 +109,8 @@ CONFIGS = [
     LookaheadConfig(5, 4, 5),
     LookaheadConfig(5, 4, 5, copy_length=16, copy_min_match=1, copy_candidates=3),
     LookaheadConfig(1, 3, 2, lazy_window=True, break_even=0.85, copy_length=16, copy_min_match=2),
+    LookaheadConfig(3, 4, 3, jump_forward=True, runner_up=2, recycled=4),
+    LookaheadConfig(1, 3, 2, lazy_window=True, jump_forward=True),
 ]
 GRAMMARS = {"person": PERSON, "yes-no": YES_NO, "object": ANY_JSON_OBJECT}
 
@@ -263,3 +265,23 @@ def test_constrained_sampling_verification_keeps_each_masked_conditional():
 def constraint_free(row: torch.Tensor, banned: set[int]) -> torch.Tensor:
     """``row`` with ``banned`` at -inf."""
     return row.index_fill(0, torch.tensor(sorted(banned), dtype=torch.long), float("-inf"))
+
+
+def test_jump_forward_offers_the_tokens_the_grammar_forces(model, compiler, tokenizer):
+    """After '{"' the grammar of PERSON forces its first key: the jump source proposes such runs, and the output
+    stays the constrained loop's."""
+    constraint = compiler.constraint(PERSON)
+    assert constraint.forced(32) == []  # whitespace may come first: nothing is forced
+    constraint.consume(encode(tokenizer, '{"'))
+    forced = constraint.forced(32)
+    assert tokenizer.decode(forced) == "name" and constraint.valid_prefix(forced) == len(forced)
+    assert constraint.forced(32) == forced  # the state did not move
+    stop = StopCriteria(48, frozenset({tokenizer.eos_token_id}))
+    sampling = SamplingParams(grammar=PERSON)
+    prompt = encode(tokenizer, 'Reply with JSON: {"name": "Bo", "mood": "sad", "age": 3}')
+    config = LookaheadConfig(1, 3, 2, lazy_window=True, jump_forward=True)
+    steps = list(generate_lookahead(model, prompt, stop, sampling, config, compiler.constraint(PERSON)))
+    expected = tokens_of(generate_autoregressive(model, prompt, stop, sampling, compiler.constraint(PERSON)))
+    assert tokens_of(steps) == expected
+    counts = sum((step.stats.counts() for step in steps), StepCounts())
+    assert counts.source("jump")[1] <= counts.source("jump")[0]

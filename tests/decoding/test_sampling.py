@@ -129,22 +129,24 @@ def exact_two_token_distribution(model, prompt: list[int], sampling: SamplingPar
 
 
 @pytest.mark.parametrize(
-    "sampling, copy_length, copies",
+    "sampling, copy_length, copies, sources",
     [
-        (SamplingParams(temperature=1.0), 0, 1),
-        (SamplingParams(temperature=0.8, top_p=0.9, top_k=4), 0, 1),
-        (SamplingParams(temperature=1.5, min_p=0.1), 0, 1),
-        (SamplingParams(temperature=1.0), 4, 1),
-        (SamplingParams(temperature=1.0), 4, 3),
+        (SamplingParams(temperature=1.0), 0, 1, {}),
+        (SamplingParams(temperature=0.8, top_p=0.9, top_k=4), 0, 1, {}),
+        (SamplingParams(temperature=1.5, min_p=0.1), 0, 1, {}),
+        (SamplingParams(temperature=1.0), 4, 1, {}),
+        (SamplingParams(temperature=1.0), 4, 3, {}),
+        (SamplingParams(temperature=1.0), 0, 1, {"recycled": 4, "runner_up": 2}),
     ],
-    ids=["plain", "warped", "min-p", "copy-steps", "copy-tree"],
+    ids=["plain", "warped", "min-p", "copy-steps", "copy-tree", "recycled-runner-up"],
 )
-def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling, copy_length, copies):
+def test_lookahead_sampling_matches_the_exact_joint_distribution(sampling, copy_length, copies, sources):
     model = tiny_vocab_model()
     prompt = [0, 1, 2, 0, 1, 3, 0, 1, 2, 4, 5, 0, 1]
     # copy_min_match 1: this short prompt repeats 2-token contexts only
     config = LookaheadConfig(
-        window_size=2, ngram_size=3, guess_set_size=3, copy_length=copy_length, copy_min_match=1, copy_candidates=copies
+        window_size=2, ngram_size=3, guess_set_size=3, copy_length=copy_length, copy_min_match=1,
+        copy_candidates=copies, **sources,
     )
     samples, accepted_runs, copy_steps = Counter(), 0, 0
     total = 2000
@@ -170,6 +172,7 @@ SEEDED_CONFIGS = [
     LookaheadConfig(3, 3, 3),
     LookaheadConfig(5, 4, 5, copy_length=4, copy_min_match=1),
     LookaheadConfig(1, 4, 3, lazy_window=True, copy_length=8, copy_min_match=1, copy_candidates=2),
+    LookaheadConfig(3, 4, 4, recycled=4, runner_up=2),  # the sources that read the rows' top tokens
 ]
 SEEDED_SAMPLINGS = [
     SamplingParams(temperature=1.0),

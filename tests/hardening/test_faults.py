@@ -63,7 +63,8 @@ class FaultyDecoder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def batch_engine(self, policy: Any = None, memory_tokens: int = 0, memory_file: Any = None) -> BatchEngine:
+    def batch_engine(self, policy: Any = None, memory_tokens: int = 0, memory_file: Any = None,
+                     memory_corpus: Any = ()) -> BatchEngine:
         """A memory-less engine whose streams fail on ``MARKER`` (memory settings are ignored: faults only)."""
         return BatchEngine(self.inner.loaded.model, policy or BatchPolicy(), open_stream=self._open)
 

@@ -112,9 +112,10 @@ class ScriptedDecoder:
         sampling.validate()
 
     def batch_engine(
-        self, policy: Any = None, memory_tokens: int = 0, memory_file: str | None = None
+        self, policy: Any = None, memory_tokens: int = 0, memory_file: str | None = None,
+        memory_corpus: Sequence[str] = (),
     ) -> ScriptedEngine:
-        self.memory_tokens, self.memory_file = memory_tokens, memory_file
+        self.memory_tokens, self.memory_file, self.memory_corpus = memory_tokens, memory_file, list(memory_corpus)
         return ScriptedEngine(self)
 
     def save_memory(self, engine: ScriptedEngine, memory_file: str) -> int:

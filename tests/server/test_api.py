@@ -41,6 +41,9 @@ async def test_chat_completion_shape(client):
     assert 1 <= decoding["steps"] <= usage["completion_tokens"]
     assert decoding["tokens_per_step"] == pytest.approx(usage["completion_tokens"] / decoding["steps"], abs=1e-3)
     assert 0 <= decoding["accepted_tokens"] <= usage["completion_tokens"]
+    for name, source in decoding["sources"].items():  # per candidate source; they overlap, so each is bounded only
+        assert name in ("pool", "copy", "memory", "prediction") or name.isidentifier()
+        assert 0 <= source["accepted_tokens"] <= min(source["offered_tokens"], decoding["accepted_tokens"])
 
 
 async def test_lookahead_off_is_autoregressive_and_gives_the_same_greedy_text(client):
@@ -50,6 +53,7 @@ async def test_lookahead_off_is_autoregressive_and_gives_the_same_greedy_text(cl
     assert plain["decoding"]["method"] == "autoregressive"
     assert plain["decoding"]["window_size"] is None
     assert plain["decoding"]["steps"] == plain["usage"]["completion_tokens"]
+    assert plain["decoding"]["sources"] == {}
     assert plain["choices"][0]["message"]["content"] == lookahead["choices"][0]["message"]["content"]
 
 

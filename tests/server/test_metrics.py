@@ -17,6 +17,19 @@ def test_memory_accepted_tokens_count_what_steps_took_from_the_shared_memory():
     assert value("lookahead_accepted_tokens_total") == 6
 
 
+def test_per_source_counters_count_what_each_source_offered_and_had_accepted():
+    metrics = Metrics()
+    value = metrics.registry.get_sample_value
+    metrics.step(StepCounts(tokens=4, steps=1, offered=16, accepted=3,
+                            sources=(("copy", 16, 3), ("pool", 4, 1))), 0.01, 0.01)
+    metrics.step(StepCounts(tokens=1, steps=1, offered=4, accepted=0, sources=(("pool", 4, 0),)), 0.01, 0.01)
+    assert value("lookahead_source_offered_tokens_total", {"source": "copy"}) == 16
+    assert value("lookahead_source_accepted_tokens_total", {"source": "copy"}) == 3
+    assert value("lookahead_source_offered_tokens_total", {"source": "pool"}) == 8
+    assert value("lookahead_source_accepted_tokens_total", {"source": "pool"}) == 1
+    assert value("lookahead_source_accepted_tokens_total", {"source": "memory"}) is None  # never offered
+
+
 def test_kv_cache_usage_is_tokens_held_over_capacity():
     metrics = Metrics()
     value = metrics.registry.get_sample_value

@@ -1,0 +1,350 @@
+"""The lookahead step: drafts from the proposers -> token tree -> fit to the budget -> verify -> KV commit -> feedback.
+
+Contract: ``LookaheadStep`` plans and finishes the steps of one lookahead decode after its prefill. It knows no
+candidate source: each step it asks the standalone proposers (``decoding.proposers``: copies, the shared memory,
+the prediction), then, unless a lazy-window step verifies those alone, the others (the Jacobi window's pool,
+...) for drafts, cuts every draft before the first token a grammar forbids, merges them into one token tree
+beside the Jacobi window's rows (``decoding.window.step_layout``), shrinks that to the batch's token budget
+(candidates last first, then the window: a verification-only step, then a plain one), verifies the tree (and
+the window's own chains, with ``window_chains``) against the model's choices (``decoding.verify``), commits the
+accepted run (``SequenceState.accept``), keeps the KV of the committed path (``SlotCache.commit``), feeds the
+window its new row, and tells every proposer what happened (``Outcome``: how far its verified drafts reached).
+Greedy output equals the plain loop's whatever the drafts; a sampled step is the same walk over the sampled rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from decoding.logits import adjust_logits, needs_adjusting
+from decoding.packed import Slice
+from decoding.params import LookaheadConfig, SamplingParams
+from decoding.proposers import COPY, MEMORY, POOL, PREDICTION, Context, Draft, JacobiProposer, Outcome, Proposer
+from decoding.proposers.base import common_prefix
+from decoding.sampling import SampledRows, row_chooser
+from decoding.steps import (
+    Finisher,
+    Proposal,
+    SequenceState,
+    Step,
+    StepStats,
+    finish_one_token,
+    one_token_slice,
+    step_logprobs,
+)
+from decoding.tree import TokenTree
+from decoding.verify import ChosenRows, Verdict, verify_constrained, verify_greedy
+from decoding.window import step_layout, window_chains, window_logit_row
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A step's shape: the window (or not), the drafts it verifies, best first, with each one's source; ``offered``
+    every proposer's drafts as proposed (grammar-cut), to credit those merged into another's; ``gain`` the best
+    running mean of the proposers whose drafts it holds."""
+
+    window: bool
+    candidates: tuple[Draft, ...] = ()
+    sources: tuple[str, ...] = ()
+    offered: tuple[tuple[str, tuple[Draft, ...]], ...] = ()
+    gain: float = 0.0
+
+    @functools.cached_property
+    def tree(self) -> TokenTree:
+        """The candidates merged into one token tree (built once per shape)."""
+        return TokenTree.build(self.candidates)
+
+    def keep(self, count: int, window: bool | None = None) -> _Shape:
+        """The same step with only its first ``count`` candidates (and the window when ``window`` says so)."""
+        window = self.window if window is None else window
+        return _Shape(window, self.candidates[:count], self.sources[:count], self.offered, self.gain)
+
+
+@dataclass(frozen=True)
+class _Chains:
+    """The window's causal chains a step verifies beside its tree: each as window indices and as tokens."""
+
+    indices: tuple[tuple[int, ...], ...] = ()
+    tokens: tuple[tuple[int, ...], ...] = ()
+
+
+class LookaheadStep:
+    """Steps of one lookahead decode (module contract); ``proposers`` must hold one ``JacobiProposer``."""
+
+    def __init__(self, sequence: SequenceState, sampling: SamplingParams, config: LookaheadConfig,
+                 context: Context, proposers: Sequence[Proposer]) -> None:
+        self.sequence, self.sampling, self.config, self.context = sequence, sampling, config, context
+        self.proposers = list(proposers)
+        self.jacobi = next(proposer for proposer in self.proposers if isinstance(proposer, JacobiProposer))
+        self.top_k = max(proposer.top_k for proposer in self.proposers)  # top tokens per row to hand back (0: none)
+        self._wanted = _Shape(False)
+
+    def propose(self) -> Proposal:
+        """Gather this step's drafts and decide whether to verify them; say how many tokens that takes."""
+        config = self.config
+        copies = self._drafts([proposer for proposer in self.proposers if proposer.standalone], None)
+        if copies.candidates and config.lazy_window:
+            self._wanted = copies
+            return Proposal(1 + len(copies.tree), copies.gain, copies.gain < config.break_even, smallest=2)
+        found = self._drafts([proposer for proposer in self.proposers if not proposer.standalone],
+                             config.guess_set_size)
+        window = bool(found.candidates) or self.jacobi.wants_window
+        shape = self._wanted = _Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
+                                      copies.offered + found.offered, max(copies.gain, found.gain))
+        if not window and not shape.candidates:
+            return Proposal(1)
+        tokens = (self.jacobi.window_tokens if window else 1) + len(shape.tree)
+        if not shape.candidates:
+            return Proposal(tokens)
+        smallest = 2 if copies.candidates else 1 + config.levels
+        return Proposal(tokens, shape.gain, shape.gain < config.break_even, smallest=smallest)
+
+    def plan(self, budget: int) -> tuple[Slice, Finisher]:
+        """The proposed step, shrunk to ``budget`` tokens and to the room left in the cache (a source's drafts can
+        never overflow it)."""
+        cache = self.sequence.cache
+        shape = self._fit(self._wanted, min(budget, cache.capacity - cache.length))
+        if not shape.window and not shape.candidates:
+            return one_token_slice(self.sequence), self._finish_plain
+        sequence, last, position = self.sequence, self.sequence.tokens[-1], len(self.sequence.tokens) - 1
+        if shape.window:
+            width, levels = self.config.window_size, len(self.jacobi.window.rows)
+            tokens = self.jacobi.window.input_tokens(last)
+        else:
+            width, levels, tokens = 1, 1, [last]
+        tree = shape.tree
+        chains = self._chains(tokens, width, levels) if shape.window else _Chains()
+        layout = step_layout(width, levels, tree.parents, bool(chains.indices))
+        tokens += tree.tokens
+        positions = [position + offset for offset in layout.offset_values]
+        slice_ = Slice(tokens, None, None, None, sequence.cache, layout.parents, positions, layout.row_values,
+                       visibility=lambda: layout.visible)
+        row_tokens = [tokens[index] for index in layout.row_values[: 1 + width + len(tree)]]
+        return slice_, lambda logits, argmax: self._finish(logits, argmax, shape, width, levels, position, chains,
+                                                           row_tokens)
+
+    def _fit(self, shape: _Shape, budget: int) -> _Shape:
+        """Drop candidates (last first), then the window, until the step holds at most ``budget`` tokens; when
+        not even the first candidate fits whole, it is shortened to the room left."""
+        window_tokens = self.jacobi.window_tokens if shape.window else 1
+        tree = shape.tree
+        if window_tokens + len(tree) <= budget:
+            return shape
+        if shape.window and shape.candidates and window_tokens + len(shape.candidates[0]) <= budget:
+            return shape.keep(_fitting(tree, budget - window_tokens))
+        count = _fitting(tree, budget - 1)
+        if count or not shape.candidates or budget < 2:
+            return shape.keep(count, window=False)
+        return _Shape(False, (shape.candidates[0][: budget - 1],), shape.sources[:1], shape.offered, shape.gain)
+
+    def _finish_plain(self, logits: torch.Tensor, argmax: Sequence[int] | None = None) -> Step:
+        """A plain one-token step: the window only re-aligns."""
+        last = self.sequence.tokens[-1]
+        step = finish_one_token(self.sequence, self.sampling, logits, argmax)
+        self.jacobi.skip(step.stats.committed)
+        self._tell(Outcome(step.stats.committed, **self._top(logits, [last], [0])), {})
+        return step
+
+    def _finish(self, logits: torch.Tensor, argmax: Sequence[int] | None, shape: _Shape, width: int, levels: int,
+                position: int, chains: _Chains, row_tokens: Sequence[int]) -> Step:
+        """Verify the tree (and the window's chains), commit, fix up the KV cache, feed the window and the
+        proposers."""
+        sequence, tree, in_tree = self.sequence, shape.tree, len(shape.candidates)
+        last, window_tokens = sequence.tokens[-1], levels * width
+
+        def candidate_row(candidate: int, k: int) -> int:
+            if candidate < in_tree:
+                return 1 + width + tree.paths[candidate][k]
+            return window_logit_row(chains.indices[candidate - in_tree][k], width, levels, len(tree))
+
+        verified = [*shape.candidates, *chains.tokens]
+        scores = _adjust(logits, self.sampling, sequence, tree, width)
+        predicted = self._chosen(scores, argmax if scores is logits else None, tree, width, levels)
+        verdict = self._verify(scores, predicted, verified, candidate_row)
+        committed = sequence.accept(verdict.tokens)
+        slots: Sequence[int] = ()
+        if verdict.candidate is not None:
+            slots = ([window_tokens + node for node in tree.paths[verdict.candidate]] if verdict.candidate < in_tree
+                     else chains.indices[verdict.candidate - in_tree])
+        _commit_cache(sequence, position, slots, len(committed))
+        if shape.window:
+            if isinstance(predicted, SampledRows):
+                predicted.prefetch(range(1, 1 + width))
+            stops = sequence.stop.stop_token_ids
+            new_row = [self.jacobi.window.filler() if token in stops else token
+                       for token in (predicted[row] for row in range(1, 1 + width))]
+            self.jacobi.advance(last, new_row, len(committed))
+        else:
+            self.jacobi.skip(len(committed))
+        accepted_run = tuple(verdict.tokens[: verdict.num_accepted])
+        rows = [0] + ([candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
+                      if verdict.candidate is not None else [])
+        reach = _reach(shape.offered, verified, [*shape.sources, *[POOL] * len(chains.tokens)], accepted_run)
+        self._tell(Outcome(len(committed), accepted_run, **self._top(logits, row_tokens, rows)), reach)
+        accepted, depth = min(verdict.num_accepted, len(committed)), max(map(len, verified), default=0)
+        stats = StepStats(window_tokens + len(tree), len(committed), depth, accepted,
+                          tuple(k < accepted for k in range(depth)), **_exclusive(reach, accepted),
+                          sources=tuple((name, offered, min(far, accepted)) for name, (offered, far) in
+                                        sorted(reach.items())))
+        return Step(committed, stats, sequence.finish_reason,
+                    step_logprobs(logits, rows, sequence.chosen(committed), self.sampling),
+                    stop_token=sequence.stop_token)
+
+    def _drafts(self, proposers: Sequence[Proposer], limit: int | None) -> _Shape:
+        """The ``proposers``' drafts (each cut by the grammar), merged in order: standalone ones (``limit`` None,
+        each proposer at most ``copy_candidates``) skip a draft covered by one kept before; the others keep at
+        most ``limit`` drafts in all and skip exact repeats (and, under a grammar, covered ones). Every proposer is
+        asked, in registry order, with the room left (0 once the guesses are full): a gate counts its calls."""
+        kept: list[Draft] = []
+        sources: list[str] = []
+        offered: list[tuple[str, tuple[Draft, ...]]] = []
+        gain = 0.0
+        prefixes: set[Draft] = set()
+        for proposer in proposers:
+            room = self.config.copy_candidates if limit is None else limit - len(kept)
+            drafts = tuple(_cut(proposer.propose(self.context, room), self.sequence))
+            if not drafts:
+                continue
+            offered.append((proposer.name, drafts))
+            taken = False
+            for draft in drafts:
+                if limit is not None and len(kept) == limit:
+                    break
+                strict = limit is None or self.sequence.constraint is not None
+                if draft in prefixes if strict else draft in kept:
+                    continue
+                kept.append(draft)
+                sources.append(proposer.name)
+                prefixes.update(draft[:end] for end in range(1, len(draft) + 1))
+                taken = True
+            if taken:
+                gain = max(gain, proposer.expected)
+        return _Shape(False, tuple(kept), tuple(sources), tuple(offered), gain)
+
+    def _top(self, logits: torch.Tensor, row_tokens: Sequence[int], path: Sequence[int]) -> dict[str, tuple]:
+        """``Outcome``'s ``successors`` (each read row's input token and top-k next tokens) and ``runners_up`` (the
+        top-k of ``path[-1]``, the row that chose the new ``last``), when a proposer asks for them (``top_k``)."""
+        if not self.top_k:
+            return {}
+        k = min(self.top_k, logits.shape[-1])
+        top = logits[: len(row_tokens)].topk(k, dim=-1).indices.tolist()
+        last_row = path[-1]  # a window chain's row lies past the tree's: read it on its own
+        runners_up = top[last_row] if last_row < len(top) else logits[last_row].topk(k).indices.tolist()
+        return {"successors": tuple(zip(row_tokens, map(tuple, top), strict=True)), "runners_up": tuple(runners_up)}
+
+    def _tell(self, outcome: Outcome, reach: dict[str, tuple[int, int]]) -> None:
+        """Index the new output (when it is a source), then hand each proposer the outcome with its own reach."""
+        if self.config.output_pool and self.config.rank_by_context:
+            self.context.index.extend(self.sequence.tokens, len(self.sequence.tokens) - 1)
+        for proposer in self.proposers:
+            far = reach.get(proposer.name)
+            proposer.feedback(self.context, replace(outcome, reach=None if far is None else far[1]))
+
+    def _chains(self, tokens: Sequence[int], width: int, levels: int) -> _Chains:
+        """The window's causal chains (``decoding.window.window_chains``) over this step's window ``tokens``, when
+        ``window_chains`` is on and the step verifies greedily with unadjusted logits (no grammar, no logit
+        processors: the chains' rows are read as they are, and sampling verification needs candidates that agree
+        on a prefix to read the same rows)."""
+        sequence = self.sequence
+        if not self.config.window_chains or not self.sampling.greedy or sequence.constraint is not None \
+                or needs_adjusting(self.sampling, sequence.stop, sequence.generated):
+            return _Chains()
+        indices = window_chains(width, levels)
+        return _Chains(indices, tuple(tuple(tokens[index] for index in chain) for chain in indices))
+
+    def _chosen(
+        self, scores: torch.Tensor, argmax: Sequence[int] | None, tree: TokenTree, width: int, levels: int
+    ) -> ChosenRows:
+        """The token the plain loop would choose at each row of a step: the argmax ids (``argmax`` when the
+        forward gave them for these very scores), or, when sampling, each row's sample at the output index it
+        predicts: ``last``'s row the next index, a tree node's its depth past that, bottom window row column j's
+        ``levels + j - 1`` past it (the window then converges on the sampled text, as on the greedy one)."""
+        if self.sampling.greedy:
+            return list(argmax) if argmax is not None else scores.argmax(dim=-1).tolist()
+        first = self.sequence.generated
+        indices = {0: first}
+        indices.update({1 + column: first + levels + column - 1 for column in range(width)})
+        indices.update({1 + width + node: first + depth for node, depth in enumerate(tree.depths)})
+        return SampledRows(scores, self.sampling, self.sequence.seed, indices)
+
+    def _verify(self, logits: torch.Tensor, predicted: ChosenRows, candidates: list[Draft],
+                candidate_row: Callable[[int, int], int]) -> Verdict:
+        """The greedy walk over the chosen rows; under a grammar, the walk that masks each row it reaches."""
+        constraint = self.sequence.constraint
+        if constraint is not None:
+            choose = row_chooser(self.sampling, self.sequence.seed, self.sequence.generated)
+            return verify_constrained(logits, candidates, candidate_row, constraint, choose)
+        return verify_greedy(predicted, candidates, candidate_row)
+
+
+def _cut(drafts: Sequence[Draft], sequence: SequenceState) -> list[Draft]:
+    """``drafts`` as tuples, each cut before the first token the grammar forbids (emptied ones dropped)."""
+    constraint = sequence.constraint
+    if constraint is None:
+        return [tuple(draft) for draft in drafts]
+    cut = [tuple(draft[: constraint.valid_prefix(draft)]) for draft in drafts]
+    return [draft for draft in cut if draft]
+
+
+def _adjust(logits: torch.Tensor, sampling: SamplingParams, sequence: SequenceState, tree: TokenTree,
+            width: int) -> torch.Tensor:
+    """``logits`` with ``last``'s row (0) and every tree node's row (``1 + width + node``) adjusted after the
+    committed tokens plus the node's path (``decoding.logits``); the window's rows (guesses only) as they
+    are. The same tensor when nothing adjusts logits."""
+    if not needs_adjusting(sampling, sequence.stop, sequence.generated):
+        return logits
+    rows = [0, *(1 + width + node for node in range(len(tree)))]
+    scores = logits.float().clone()
+    scores[rows] = adjust_logits(logits[rows], sampling, sequence.stop, sequence.tokens, sequence.prompt_length,
+                                 [(), *tree.node_paths()])
+    return scores
+
+
+def _commit_cache(sequence: SequenceState, position: int, slots: Sequence[int], committed: int) -> None:
+    """KV fix-up: keep the old prefix, ``last`` and the winning candidate's tokens that stay committed.
+
+    The cache must hold every committed token except the new ``last``: that is the old ``last`` (slot
+    ``position``) when at least one token was committed, plus the winning candidate's first committed-1
+    tokens, whose step slots (offsets from ``position``: tree nodes or window tokens) are ``slots``.
+    """
+    sources: list[int] = [position] if committed >= 1 else []
+    sources.extend(position + slot for slot in slots[: max(0, committed - 1)])
+    sequence.cache.commit(position, sources)
+
+
+def _fitting(tree: TokenTree, room: int) -> int:
+    """How many leading candidates of ``tree`` fit, merged into one token tree, in ``room`` tokens."""
+    return bisect.bisect_right(tree.prefix_sizes(), room)
+
+
+def _reach(offered: Sequence[tuple[str, Sequence[Draft]]], verified: Sequence[Draft], sources: Sequence[str],
+           accepted: Sequence[int]) -> dict[str, tuple[int, int]]:
+    """Per source with a verified draft: ``(offered, reach)``, the longest of its drafts that were verified (its
+    own, or merged into another's as a prefix of it) and how many of the ``accepted`` tokens they proposed.
+
+    >>> _reach([("copy", [(1, 2)]), ("memory", [(1,)])], [(1, 2), (5, 6)], ["copy", "pool"], [1, 2, 3])
+    {'copy': (2, 2), 'pool': (2, 0), 'memory': (1, 1)}
+    """
+    runs: dict[str, list[Sequence[int]]] = {}
+    for draft, source in zip(verified, sources, strict=True):
+        runs.setdefault(source, []).append(draft)
+    prefixes = {tuple(draft[:end]) for draft in verified for end in range(1, len(draft) + 1)}
+    for source, drafts in offered:
+        runs.setdefault(source, []).extend(draft for draft in drafts if draft in prefixes)
+    return {source: (max(map(len, drafts)), max(common_prefix(draft, accepted) for draft in drafts))
+            for source, drafts in runs.items() if drafts}
+
+
+def _exclusive(reach: dict[str, tuple[int, int]], accepted: int) -> dict[str, int]:
+    """``memory_accepted`` and ``prediction_accepted``: the accepted guesses the shared memory, then the
+    prediction, proposed beyond what the step's other drafts did."""
+    far = {source: value[1] for source, value in reach.items()}
+    others = max(far.get(COPY, 0), far.get(POOL, 0))
+    memory = min(accepted, max(0, far.get(MEMORY, 0) - others))
+    prediction = min(accepted, max(0, far.get(PREDICTION, 0) - max(others, far.get(MEMORY, 0))))
+    return {"memory_accepted": memory, "prediction_accepted": prediction}

@@ -1,0 +1,160 @@
+"""The proposer seam: what a candidate source sees, returns and hears back, and the gate that decides when it pays.
+
+Contract: a ``Proposer`` has a ``name`` (its ``source`` label in step stats and metrics), says whether its drafts
+may be verified alone (``standalone``: a copy step, without the Jacobi window) or join the window's step, and
+implements ``propose(context, budget)``: up to ``budget`` drafts, each a run of tokens guessed to follow
+``context.tokens[-1]`` (runs that start alike are merged into one token tree by the step). ``expected`` is the
+tokens it expects a step verifying its drafts to accept (its gate's running mean), and ``feedback(context,
+outcome)`` hears, after every step, what was committed and, when some of its drafts were verified, how many of the
+accepted guesses they proposed (``Outcome.reach``). A proposer applies its own gate in ``propose`` (returning no
+drafts while verifying them does not pay) and updates it in ``feedback``. A proposer with ``top_k`` > 0 also hears
+the model's top-k next tokens at every row the step read (``Outcome.successors``, keyed by each row's input token)
+and at the row that chose the new ``last`` (``Outcome.runners_up``): the step computes them only when some
+proposer asks.
+
+Drafts are guesses only: the step verifies them against the model's own choices, so no proposer can change a
+greedy output or a sampled one's distribution, only how many tokens a step commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from decoding.pool import ContextIndex, covered
+
+PROBE_INTERVAL = 8
+MAX_PROBE_INTERVAL = 64
+ACCEPT_SMOOTHING = 0.3
+
+Draft = tuple[int, ...]
+
+
+@dataclass
+class Context:
+    """What proposers read of one decode: ``tokens`` (the live list of committed tokens, prompt first;
+    ``tokens[-1]`` is ``last``), ``prompt_length``, ``index`` (where each token occurs in the prompt and output, as
+    ``LookaheadConfig.prompt_pool`` / ``output_pool`` say; the step keeps it up to date) and ``stop_token_ids``."""
+
+    tokens: list[int]
+    prompt_length: int
+    index: ContextIndex
+    stop_token_ids: frozenset[int]
+
+    @property
+    def last(self) -> int:
+        """The newest committed token."""
+        return self.tokens[-1]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a step did, as every proposer hears it: ``committed`` tokens, the guessed tokens ``accepted`` (the
+    winning draft's verified prefix), and ``reach``: how many of those this proposer's verified drafts proposed
+    (their longest common prefix with ``accepted``), or None when none of its drafts was verified this step.
+    For proposers with ``top_k``: ``successors``, per logits row the step read, ``(input token, its top-k next
+    tokens, best first)``; ``runners_up``, the top-k tokens of the row that chose the new ``last`` (best first: the
+    first is ``last`` itself on a greedy step). Both empty when no proposer asks for them."""
+
+    committed: int
+    accepted: tuple[int, ...] = ()
+    reach: int | None = None
+    successors: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    runners_up: tuple[int, ...] = ()
+
+
+class Proposer(Protocol):
+    """A candidate source (module contract)."""
+
+    name: str
+    standalone: bool
+    top_k: int  # top tokens per logits row it wants to hear (0: none)
+
+    @property
+    def expected(self) -> float: ...
+
+    def propose(self, context: Context, budget: int) -> Sequence[Draft]: ...
+
+    def feedback(self, context: Context, outcome: Outcome) -> None: ...
+
+
+class Gate:
+    """A running mean of the guesses a kind of step accepts, and whether taking such a step pays.
+
+    ``pays(break_even)`` is True while the mean is at least ``break_even``; below it, for a probe that
+    re-measures: after ``PROBE_INTERVAL`` calls, then after twice as many calls as the previous wait, up to
+    ``MAX_PROBE_INTERVAL``, so text that never repeats pays for fewer and fewer probes. The wait starts over
+    at ``PROBE_INTERVAL`` once the mean is back at ``break_even``. ``update`` folds in a step's accepted guesses.
+    """
+
+    def __init__(self, start: float) -> None:
+        self.expected = start
+        self.since_probe = 0
+        self.interval = PROBE_INTERVAL
+
+    def pays(self, break_even: float) -> bool:
+        """Whether to verify this time (see the class contract); counts the call."""
+        if self.expected >= break_even:
+            self.since_probe, self.interval = 0, PROBE_INTERVAL
+            return True
+        self.since_probe += 1
+        if self.since_probe < self.interval:
+            return False
+        self.since_probe = 0
+        self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
+        return True
+
+    def update(self, accepted: int) -> None:
+        """Fold ``accepted`` guesses into the running mean."""
+        self.expected += ACCEPT_SMOOTHING * (accepted - self.expected)
+
+
+class Span:
+    """How far the best copy of a copy step reaches: ``base`` tokens, doubled (up to ``limit``) after each copy
+    step that accepted a whole copy of the current length, back to ``base`` after one that accepted less.
+
+    >>> span = Span(16, 64)
+    >>> lengths = []
+    >>> for copied in (16, 32, 64, 64, 40):
+    ...     span.update(copied)
+    ...     lengths.append(span.length)
+    >>> lengths
+    [32, 64, 64, 64, 16]
+    """
+
+    def __init__(self, base: int, limit: int) -> None:
+        self.base = base
+        self.limit = max(base, limit)
+        self.length = base
+
+    def update(self, copied: int) -> None:
+        """Double after a whole copy, else start over at ``base``."""
+        self.length = min(2 * self.length, self.limit) if copied >= self.length else self.base
+
+
+def stretched(found: Sequence[Draft], length: int) -> list[Draft]:
+    """``found`` (best first) with every continuation but the first cut to ``length`` tokens; one that its cut
+    leaves a prefix of a continuation kept before it is dropped.
+
+    >>> stretched([(1, 2, 3, 4), (5, 6, 7), (1, 2, 8)], 2)
+    [(1, 2, 3, 4), (5, 6)]
+    """
+    kept: list[Draft] = []
+    for index, continuation in enumerate(found):
+        cut = continuation if index == 0 else continuation[:length]
+        if not covered(cut, kept):
+            kept.append(cut)
+    return kept
+
+
+def common_prefix(draft: Sequence[int], accepted: Sequence[int]) -> int:
+    """How many leading tokens ``draft`` shares with ``accepted``.
+
+    >>> common_prefix((4, 5, 9), (4, 5, 6))
+    2
+    """
+    count = 0
+    while count < min(len(draft), len(accepted)) and draft[count] == accepted[count]:
+        count += 1
+    return count

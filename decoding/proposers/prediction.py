@@ -1,0 +1,58 @@
+"""The request's prediction as a candidate source (``prediction``): OpenAI's predicted outputs.
+
+Contract: ``PredictionProposer`` keeps the token ids the client expects the output to resemble as a private
+``decoding.memory.NGramMemory`` document and proposes up to ``copy_candidates`` of its continuations of ``last``,
+each ``prediction_copy_length`` tokens (at least ``PREDICTION_COPY_LENGTH``, even with copy steps off), matched
+on at least ``max(1, copy_min_match)`` tokens. Standalone, gated by its own running mean, so a wrong prediction
+stops being verified without turning the request's other sources off. Built only for a non-empty prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from decoding.memory import NGramMemory
+from decoding.params import LookaheadConfig
+from decoding.proposers.base import Context, Draft, Gate, Outcome
+
+PREDICTION = "prediction"
+PREDICTION_COPY_LENGTH = 32  # the fewest tokens a prediction's copy proposes (see prediction_copy_length)
+
+
+def prediction_copy_length(lookahead: LookaheadConfig) -> int:
+    """Tokens a prediction's copy proposes: at least ``PREDICTION_COPY_LENGTH``, even when copy steps are off
+    (``copy_length`` 0), so a prediction is used whenever lookahead is on, and reaches past the context's copies
+    of the same text (a prediction is usually in the prompt too)."""
+    return max(lookahead.copy_length, PREDICTION_COPY_LENGTH)
+
+
+class PredictionProposer:
+    """Continuations from the request's predicted output (module contract)."""
+
+    name = PREDICTION
+    standalone = True
+    top_k = 0
+
+    def __init__(self, config: LookaheadConfig, prediction: Sequence[int]) -> None:
+        self.config = config
+        self.memory = NGramMemory(max_tokens=len(prediction))
+        self.memory.add(prediction)
+        self.gate = Gate(float(prediction_copy_length(config)))
+
+    @property
+    def expected(self) -> float:
+        return self.gate.expected
+
+    def propose(self, context: Context, budget: int) -> Sequence[Draft]:
+        """The prediction's continuations of ``last``, while they pay."""
+        config = self.config
+        drafts = self.memory.candidates(context.tokens, prediction_copy_length(config),
+                                        min(budget, config.copy_candidates), max(1, config.copy_min_match))
+        if drafts and not self.gate.pays(config.break_even):
+            return ()
+        return drafts
+
+    def feedback(self, context: Context, outcome: Outcome) -> None:
+        """Fold how far its drafts reached into the gate."""
+        if outcome.reach is not None:
+            self.gate.update(outcome.reach)

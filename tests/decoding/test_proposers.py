@@ -1,0 +1,208 @@
+"""The proposer seam: a source defined here plugs into the lookahead step through the registry alone, its
+drafts are counted per source, and greedy output stays the plain loop's with it, alone and batched."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+import torch
+
+from decoding.batch import BatchEngine, BatchPolicy
+from decoding.engine import DecodeStream, StepCounts, generate_autoregressive
+from decoding.memory import NGramMemory
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.proposers import PROPOSERS, Context, Gate, Outcome
+from tests.decoding.stubs import cycle_model
+
+PROMPTS = [
+    [1, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2, 5, 7],
+    [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+    [42],
+    [3, 3, 3, 3, 3, 3, 8, 3, 3],
+]
+GRID = list(itertools.product([1, 3], [2, 4], [0, 2]))
+
+
+class Counting:
+    """A toy source: guesses that the text counts up by one (mod ``period``), ``length`` tokens at a time; right
+    on ``cycle_model``, mostly wrong on a random model. It keeps its own gate and remembers what it heard."""
+
+    name = "counting"
+    top_k = 0
+
+    def __init__(self, standalone: bool, period: int = 8, length: int = 6) -> None:
+        self.standalone, self.period, self.length = standalone, period, length
+        self.gate = Gate(1.0)
+        self.heard: list[Outcome] = []
+
+    @property
+    def expected(self) -> float:
+        return self.gate.expected
+
+    def propose(self, context: Context, budget: int) -> Sequence[tuple[int, ...]]:
+        if budget <= 0:
+            return ()
+        return [tuple((context.last + k) % self.period for k in range(1, self.length + 1))]
+
+    def feedback(self, context: Context, outcome: Outcome) -> None:
+        self.heard.append(outcome)
+        if outcome.reach is not None:
+            self.gate.update(outcome.reach)
+
+
+def with_counting(standalone: bool, made: list[Counting] | None = None) -> dict:
+    """The default registry plus the toy source (each built source appended to ``made``)."""
+
+    def build(config, context, inputs):
+        source = Counting(standalone)
+        if made is not None:
+            made.append(source)
+        return source
+
+    return {**PROPOSERS, "counting": build}
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+@pytest.mark.parametrize("standalone", [True, False], ids=["standalone", "joins-window"])
+@pytest.mark.parametrize("window_size, ngram_size, guess_set_size", GRID)
+def test_a_new_source_keeps_greedy_output_over_the_grid(tiny_model, window_size, ngram_size, guess_set_size,
+                                                        standalone):
+    config = LookaheadConfig(window_size, ngram_size, guess_set_size, lazy_window=standalone)
+    stop = StopCriteria(max_tokens=30)
+    for prompt in PROMPTS:
+        expected = tokens_of(generate_autoregressive(tiny_model, prompt, stop))
+        stream = DecodeStream(tiny_model, prompt, stop, lookahead=config, proposers=with_counting(standalone))
+        assert tokens_of(stream) == expected
+
+
+@pytest.mark.parametrize("standalone", [True, False], ids=["standalone", "joins-window"])
+def test_a_new_source_is_used_counted_and_hears_back(standalone):
+    model = cycle_model(period=8)
+    prompt = [5, 3, 0, 2]  # no n-gram of the prompt continues the count
+    config = LookaheadConfig(1, 2, 1, lazy_window=standalone, prompt_pool=False, output_pool=False)
+    stop = StopCriteria(max_tokens=40)
+    made: list[Counting] = []
+    steps = list(DecodeStream(model, prompt, stop, lookahead=config, proposers=with_counting(standalone, made)))
+    plain = list(DecodeStream(model, prompt, stop, lookahead=config))
+    assert tokens_of(steps) == tokens_of(plain) == [(3 + k) % 8 for k in range(40)]
+    assert len(steps) < len(plain) / 3  # 6 guesses + 1 token a step where the window alone gets 1 or 2
+    counts = sum((step.stats.counts() for step in steps), StepCounts())
+    offered, accepted = counts.source("counting")
+    assert accepted >= 30 and offered >= accepted and accepted <= counts.accepted
+    (source,) = made
+    assert len(source.heard) == len(steps) - 1  # every step after the prefill
+    for step, outcome in zip(steps[1:], source.heard, strict=True):
+        taken = StepCounts(sources=step.stats.sources).source("counting")[1]
+        assert outcome.committed == step.stats.committed
+        # what it heard is what it was credited, but for the last step, whose run max_tokens cut
+        assert (outcome.reach or 0) == taken or (step.finish_reason == "length" and (outcome.reach or 0) > taken)
+
+
+def test_a_new_source_keeps_greedy_output_batched(tiny_model):
+    configs = [LookaheadConfig(2, 4, 2), LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1),
+               LookaheadConfig(4, 3, 0), None]
+    stop = StopCriteria(max_tokens=30)
+    expected = [tokens_of(generate_autoregressive(tiny_model, prompt, stop)) for prompt in PROMPTS]
+    for standalone in (True, False):
+        engine = BatchEngine(tiny_model, BatchPolicy(max_step_tokens=24, prefill_chunk=4),
+                             open_stream=functools.partial(DecodeStream, proposers=with_counting(standalone)))
+        for index, (prompt, config) in enumerate(zip(PROMPTS, configs, strict=True)):
+            engine.add(index, prompt, stop, SamplingParams(), config)
+        outputs: dict[int, list[int]] = {index: [] for index in range(len(PROMPTS))}
+        while engine.has_work:
+            for request_id, step in engine.step():
+                assert not isinstance(step, BaseException), step
+                outputs[request_id].extend(step.token_ids)
+        assert [outputs[index] for index in range(len(PROMPTS))] == expected
+
+
+def test_drafts_longer_than_the_cache_has_room_for_are_cut_to_fit():
+    """A source whose drafts run past the step's reserved room cannot overflow the cache: the step fits them."""
+    model = cycle_model(period=8)
+    config = LookaheadConfig(1, 2, 1, lazy_window=True, prompt_pool=False, output_pool=False)
+
+    def build(config, context, inputs):
+        return Counting(True, length=64)
+
+    stop = StopCriteria(max_tokens=50)
+    steps = list(DecodeStream(model, [5, 3, 0, 2], stop, lookahead=config, proposers={**PROPOSERS, "long": build}))
+    assert tokens_of(steps) == [(3 + k) % 8 for k in range(50)]
+
+
+@pytest.mark.parametrize("sources", [dict(runner_up=4), dict(recycled=4), dict(runner_up=3, recycled=8),
+                                     dict(runner_up=2, recycled=2, window_chains=True, copy_length=8)],
+                         ids=["runner-up", "recycled", "both", "with-chains-and-copies"])
+@pytest.mark.parametrize("window_size, ngram_size, guess_set_size", GRID)
+def test_runner_up_and_recycled_sources_keep_greedy_output(tiny_model, window_size, ngram_size, guess_set_size,
+                                                           sources):
+    config = LookaheadConfig(window_size, ngram_size, guess_set_size, **sources)
+    stop = StopCriteria(max_tokens=30)
+    for prompt in PROMPTS:
+        expected = tokens_of(generate_autoregressive(tiny_model, prompt, stop))
+        assert tokens_of(DecodeStream(tiny_model, prompt, stop, lookahead=config)) == expected
+
+
+def test_recycled_successors_are_guessed_and_accepted_on_a_counting_stub():
+    """The stub counts mod 8 and its second best is always 0: once a token's row was read, its successor is in
+    the table; with no pool (G=0 keeps only the guesses' room) the recycled tree alone accepts guesses."""
+    model = cycle_model(period=8)
+    prompt = [5, 3, 0, 2]
+    config = LookaheadConfig(1, 4, 4, prompt_pool=False, output_pool=False, recycled=2)
+    stop = StopCriteria(max_tokens=40)
+    steps = list(DecodeStream(model, prompt, stop, lookahead=config))
+    plain = list(DecodeStream(model, prompt, stop, lookahead=LookaheadConfig(1, 4, 4, prompt_pool=False,
+                                                                             output_pool=False)))
+    assert tokens_of(steps) == tokens_of(plain) == [(3 + k) % 8 for k in range(40)]
+    counts = sum((step.stats.counts() for step in steps), StepCounts())
+    assert counts.source("recycled")[1] > 10
+    assert len(steps) < len(plain)
+
+
+def test_runner_up_first_tokens_are_guessed_on_a_stub_whose_runner_up_is_the_next_token():
+    """A stub whose logits rank t+1 first and t+2 second after token t: the row that chose ``last`` ranks the
+    token after ``last`` second, so runner-up drafts start right."""
+    class Skipping(cycle_model(period=16).__class__):
+        def forward(self, input_ids, **kwargs):
+            out = super().forward(input_ids, **kwargs)
+            rows = out.logits
+            following = torch.roll(rows, shifts=1, dims=-1) * 0.5  # t+2 at half the weight
+            out.logits = rows + following
+            return out
+
+    model = Skipping(16, lambda token: (token + 1) % 16)
+    prompt = [9, 4, 11, 0]
+    config = LookaheadConfig(1, 3, 2, prompt_pool=False, output_pool=False, runner_up=2)
+    stop = StopCriteria(max_tokens=30)
+    steps = list(DecodeStream(model, prompt, stop, lookahead=config))
+    assert tokens_of(steps) == [(1 + k) % 16 for k in range(30)]
+    counts = sum((step.stats.counts() for step in steps), StepCounts())
+    assert counts.source("runner_up")[1] >= 5
+    without = list(DecodeStream(model, prompt, stop, lookahead=LookaheadConfig(1, 3, 2, prompt_pool=False,
+                                                                               output_pool=False)))
+    assert tokens_of(without) == tokens_of(steps) and len(steps) < len(without)
+
+
+def test_an_engine_with_a_memory_shares_one_recycled_table_among_its_decodes(tiny_model):
+    config = LookaheadConfig(3, 4, 4, recycled=4)
+    stop = StopCriteria(max_tokens=24)
+    engine = BatchEngine(tiny_model, memory=NGramMemory(1000))
+    assert engine.successors == {}
+    for index, prompt in enumerate(PROMPTS):
+        engine.add(index, prompt, stop, SamplingParams(), config)
+        tokens: list[int] = []
+        while engine.has_work:
+            for _, step in engine.step():
+                tokens.extend(step.token_ids)
+        assert tokens == tokens_of(generate_autoregressive(tiny_model, prompt, stop))
+        assert engine.successors  # the first decode's rows are there for the next
+    opted_out = DecodeStream(tiny_model, PROMPTS[0], stop, lookahead=replace(config, shared_memory=False),
+                             successors=engine.successors)
+    assert opted_out.successors is None  # a decode opted out of the memory keeps its own table
+    assert BatchEngine(tiny_model).successors is None
