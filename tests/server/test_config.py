@@ -66,8 +66,8 @@ def test_each_device_runs_exactly_its_preset_file(device):
 def test_presets():
     cpu = load_config(device_preset="cpu")
     cuda = load_config(device_preset="cuda")
-    assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (1, 4, 3)
-    assert cpu.lookahead.lazy_window and cpu.lookahead.break_even == 0.0 and cpu.lookahead.copy_length == 16
+    assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (1, 3, 2)
+    assert cpu.lookahead.lazy_window and cpu.lookahead.break_even == 0.32 and cpu.lookahead.copy_length == 16
     assert (cuda.lookahead.window_size, cuda.lookahead.ngram_size, cuda.lookahead.guess_set_size) == (16, 5, 32)
     assert not cuda.lookahead.lazy_window and cuda.lookahead.break_even == 0.0
     assert cpu.device == "cpu" and cuda.device == "cuda" and cuda.dtype == "float32"
@@ -123,7 +123,7 @@ def test_the_config_command_prints_what_serve_runs_and_where_it_came_from(monkey
     lines = {line.split("#")[0].strip(): line.rsplit("#", 1)[1].strip() for line in out.splitlines()
              if ":" in line.split("#")[0] and "#" in line}
     assert lines["window_size: 2"] == "flag"
-    assert lines["ngram_size: 4"] == "configs/cpu.yaml"
+    assert lines["ngram_size: 3"] == "configs/cpu.yaml"
     assert lines["host: 127.0.0.1"] == "default"
     saved = tmp_path / "saved.yaml"  # the listing is itself a config file that gives the same config back
     saved.write_text(out)
