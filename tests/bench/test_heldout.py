@@ -69,7 +69,7 @@ def test_heldout_runs_the_held_out_prompts_side_by_side(tmp_path: Path, capsys: 
     assert cli.main(tiny_argv(tmp_path / "model", *flags, "--guess-set-size", "2", "--output", str(out))) == 0
     printed = capsys.readouterr().out
     assert "chat heldout split, preset cpu" in printed and "per prompt" in printed
-    assert "outputs identical across methods on 2 of 2" in printed
+    assert "lookahead's output identical to greedy's on 2 of 2" in printed
     assert "lookahead took <= prompt lookup's steps on" in printed
     payload = json.loads(out.read_text())
     assert [row["id"] for row in payload["prompts"]] == ["chat/16", "chat/17"]  # the held-out split, in order
