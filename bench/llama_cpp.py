@@ -19,6 +19,7 @@ so per prompt. The comparison that matters here is tokens per second on one thre
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import math
@@ -44,10 +45,12 @@ def _load(gguf_path: str, threads: int, context: int) -> Any:
     """One ``llama_cpp.Llama`` per (file, threads, context) per process: loading maps the file once."""
     from llama_cpp import Llama
 
-    return Llama(
+    llama = Llama(
         model_path=gguf_path, n_ctx=context, n_batch=DEFAULT_BATCH, n_threads=threads, n_threads_batch=threads,
         verbose=False,
     )
+    atexit.register(llama.close)  # freed before the interpreter tears down the bindings it frees through
+    return llama
 
 
 def llama_cpp_runner(
