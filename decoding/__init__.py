@@ -17,6 +17,7 @@ _EXPORTS = {
     "step_batch": "decoding.batch",
     "Decoder": "decoding.decoder",
     "configure_threads": "decoding.decoder",
+    "release_free_memory": "decoding.decoder",
     "DecodeStream": "decoding.engine",
     "Step": "decoding.engine",
     "StepCounts": "decoding.engine",

@@ -14,6 +14,7 @@ Python data.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
@@ -41,6 +42,15 @@ log = logging.getLogger(__name__)
 WEIGHT_LAYOUTS = ("auto", "packed", "torch")
 WEIGHTS = ("auto", "gguf", "float32")
 CORPUS_DOCUMENT_TOKENS = 4096  # a corpus file enters the memory in documents of at most this many tokens
+
+
+def release_free_memory() -> None:
+    """Return the C heap's free pages to the operating system (glibc's ``malloc_trim``; a no-op elsewhere): after a
+    load, the freed temporaries would otherwise stay resident (about 15 MiB for the default GGUF model)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def configure_threads(num_threads: int) -> None:
@@ -154,8 +164,11 @@ class Decoder:
         """Load ``model`` (default model name, local directory, GGUF file or hub id): from its GGUF weights as they
         are where ``resolve_weights`` says so (``linears`` is then ``"gguf"``), else in ``dtype`` with its linear
         layers prepared by ``prepare_linears``. Raises ``ModelLoadError``, or ``InvalidParameterError`` on bad
-        ``quantize`` / ``weight_layout`` / ``weights`` before loading anything."""
-        return cls(*load_prepared(model, device, dtype, quantize, weight_layout, weights))
+        ``quantize`` / ``weight_layout`` / ``weights`` before loading anything. The loader's freed temporaries
+        (de-quantized and repacked tensors) go back to the operating system (``release_free_memory``)."""
+        decoder = cls(*load_prepared(model, device, dtype, quantize, weight_layout, weights))
+        release_free_memory()
+        return decoder
 
     @property
     def tokenizer(self):

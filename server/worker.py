@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from decoding import LookaheadConfig, SamplingParams, Step, StepCounts, StopCriteria, TokenLogprob
+from decoding import LookaheadConfig, SamplingParams, Step, StepCounts, StopCriteria, TokenLogprob, release_free_memory
 from server.metrics import Metrics
 from server.plans import GenerationPlan, Output, Summary
 from server.text import TextStream
@@ -232,6 +232,9 @@ class Worker:
             with self._condition:
                 self._running = [job for job in self._running if not job.done]
                 self._publish_queue()
+                idle = not self._running and not self._waiting
+            if idle:
+                release_free_memory()  # a burst's freed buffers go back to the OS while nothing runs
         for job in list(self._running):
             self._finish(job, "abort", error=job.cancel_error or RequestCancelled("the server is stopping"))
 
