@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from decoding.params import LookaheadConfig
 from decoding.pool import ContextIndex, covered
 
 PROBE_INTERVAL = 8
@@ -131,6 +132,36 @@ class Span:
     def update(self, copied: int) -> None:
         """Double after a whole copy, else start over at ``base``."""
         self.length = min(2 * self.length, self.limit) if copied >= self.length else self.base
+
+
+class GatedCopies:
+    """What the copy-like proposers (context copies, the shared memory, the prediction) share: a ``gate`` that
+    starts at ``start`` accepted tokens, an optional ``span`` that stretches after whole copies, drafts dropped while
+    the gate says they do not pay (``gated``), and feedback that folds a step's reach into both. A subclass sets
+    ``config`` and implements ``propose`` through ``gated``."""
+
+    config: LookaheadConfig
+
+    def __init__(self, start: float, span: Span | None = None) -> None:
+        self.gate = Gate(start)
+        self.span = span
+
+    @property
+    def expected(self) -> float:
+        return self.gate.expected
+
+    def gated(self, drafts: Sequence[Draft]) -> Sequence[Draft]:
+        """``drafts``, or none while the gate says verifying them does not pay (each call with drafts counts)."""
+        if drafts and not self.gate.pays(self.config.break_even):
+            return ()
+        return drafts
+
+    def feedback(self, context: Context, outcome: Outcome) -> None:
+        """Fold how far the drafts reached into the gate (and the span)."""
+        if outcome.reach is not None:
+            self.gate.update(outcome.reach)
+            if self.span is not None:
+                self.span.update(outcome.reach)
 
 
 def stretched(found: Sequence[Draft], length: int) -> list[Draft]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from decoding.params import LookaheadConfig
-from decoding.proposers.base import Context, Draft, Gate, Outcome, Span, stretched
+from decoding.proposers.base import Context, Draft, GatedCopies, Span, stretched
 
 COPY = "copy"
 
 
-class CopyProposer:
+class CopyProposer(GatedCopies):
     """Copied continuations of the context (module contract)."""
 
     name = COPY
@@ -26,26 +26,12 @@ class CopyProposer:
     top_k = 0
 
     def __init__(self, config: LookaheadConfig) -> None:
+        super().__init__(float(config.copy_length), Span(config.copy_length, config.copy_stretch * config.copy_length))
         self.config = config
-        self.gate = Gate(float(config.copy_length))
-        self.span = Span(config.copy_length, config.copy_stretch * config.copy_length)
-
-    @property
-    def expected(self) -> float:
-        return self.gate.expected
 
     def propose(self, context: Context, budget: int) -> Sequence[Draft]:
         """The best-matching earlier contexts' continuations, while copying pays."""
         config = self.config
         found = context.index.best_copies(context.tokens, self.span.length, config.copy_min_match,
                                           min(budget, config.copy_candidates))
-        drafts = stretched(found, config.copy_length)
-        if drafts and not self.gate.pays(config.break_even):
-            return ()
-        return drafts
-
-    def feedback(self, context: Context, outcome: Outcome) -> None:
-        """Fold how far the copies reached into the gate and the span."""
-        if outcome.reach is not None:
-            self.gate.update(outcome.reach)
-            self.span.update(outcome.reach)
+        return self.gated(stretched(found, config.copy_length))

@@ -15,27 +15,23 @@ from collections.abc import Sequence
 
 from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig
-from decoding.proposers.base import Context, Draft, Gate, Outcome, Span, stretched
+from decoding.proposers.base import Context, Draft, GatedCopies, Span, stretched
 
 MEMORY = "memory"
 
 
-class MemoryProposer:
+class MemoryProposer(GatedCopies):
     """Continuations from the shared memory (module contract)."""
 
     name = MEMORY
     top_k = 0
 
     def __init__(self, config: LookaheadConfig, memory: NGramMemory) -> None:
+        self.standalone = bool(config.copy_length)
+        super().__init__(float(config.copy_length if self.standalone else config.levels),
+                         Span(config.copy_length, config.copy_stretch * config.copy_length))
         self.config = config
         self.memory = memory
-        self.standalone = bool(config.copy_length)
-        self.gate = Gate(float(config.copy_length if self.standalone else config.levels))
-        self.span = Span(config.copy_length, config.copy_stretch * config.copy_length)
-
-    @property
-    def expected(self) -> float:
-        return self.gate.expected
 
     def propose(self, context: Context, budget: int) -> Sequence[Draft]:
         """The memory's continuations of ``last`` (copies, or n-grams without copy steps), while they pay."""
@@ -43,15 +39,5 @@ class MemoryProposer:
         if self.standalone:
             found = self.memory.candidates(context.tokens, self.span.length, min(budget, config.copy_candidates),
                                            config.copy_min_match)
-            drafts = stretched(found, config.copy_length)
-        else:
-            drafts = self.memory.candidates(context.tokens, config.levels, budget, config.copy_min_match)
-        if drafts and not self.gate.pays(config.break_even):
-            return ()
-        return drafts
-
-    def feedback(self, context: Context, outcome: Outcome) -> None:
-        """Fold how far its drafts reached into the gate and the span."""
-        if outcome.reach is not None:
-            self.gate.update(outcome.reach)
-            self.span.update(outcome.reach)
+            return self.gated(stretched(found, config.copy_length))
+        return self.gated(self.memory.candidates(context.tokens, config.levels, budget, config.copy_min_match))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig
-from decoding.proposers.base import Context, Draft, Gate, Outcome
+from decoding.proposers.base import Context, Draft, GatedCopies
 
 PREDICTION = "prediction"
 PREDICTION_COPY_LENGTH = 32  # the fewest tokens a prediction's copy proposes (see prediction_copy_length)
@@ -26,7 +26,7 @@ def prediction_copy_length(lookahead: LookaheadConfig) -> int:
     return max(lookahead.copy_length, PREDICTION_COPY_LENGTH)
 
 
-class PredictionProposer:
+class PredictionProposer(GatedCopies):
     """Continuations from the request's predicted output (module contract)."""
 
     name = PREDICTION
@@ -34,25 +34,13 @@ class PredictionProposer:
     top_k = 0
 
     def __init__(self, config: LookaheadConfig, prediction: Sequence[int]) -> None:
+        super().__init__(float(prediction_copy_length(config)))
         self.config = config
         self.memory = NGramMemory(max_tokens=len(prediction))
         self.memory.add(prediction)
-        self.gate = Gate(float(prediction_copy_length(config)))
-
-    @property
-    def expected(self) -> float:
-        return self.gate.expected
 
     def propose(self, context: Context, budget: int) -> Sequence[Draft]:
         """The prediction's continuations of ``last``, while they pay."""
         config = self.config
-        drafts = self.memory.candidates(context.tokens, prediction_copy_length(config),
-                                        min(budget, config.copy_candidates), max(1, config.copy_min_match))
-        if drafts and not self.gate.pays(config.break_even):
-            return ()
-        return drafts
-
-    def feedback(self, context: Context, outcome: Outcome) -> None:
-        """Fold how far its drafts reached into the gate."""
-        if outcome.reach is not None:
-            self.gate.update(outcome.reach)
+        return self.gated(self.memory.candidates(context.tokens, prediction_copy_length(config),
+                                                 min(budget, config.copy_candidates), max(1, config.copy_min_match)))
