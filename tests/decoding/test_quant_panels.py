@@ -35,22 +35,6 @@ def gguf_weight(weight: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType[weight.format.name]).copy())
 
 
-@pytest.fixture(params=["avx2", "avx512"])
-def gemm(request, monkeypatch):
-    """The loaded kernel with each entry in turn (AVX-512 skipped where the CPU lacks it)."""
-    if request.param == "avx512" and not native.wide_cpu():
-        pytest.skip("this CPU has no AVX-512")
-    if request.param == "avx2":
-        monkeypatch.setenv(native.DISABLE_VARIABLE, "avx2")
-    else:
-        monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
-    native.panel_gemm.cache_clear()
-    loaded = native.panel_gemm()
-    assert loaded is not None and loaded.lanes == (8 if request.param == "avx2" else 16)
-    yield loaded
-    native.panel_gemm.cache_clear()
-
-
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_dequantize_equals_gguf_bit_for_bit(name):
     weight = quantized(name, 24, 96)

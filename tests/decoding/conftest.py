@@ -1,0 +1,24 @@
+"""Fixtures shared by the decoding tests: the native kernel with each of its entries."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoding import native
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def gemm(request, monkeypatch):
+    """The loaded kernel with each entry in turn: panels of 8 (AVX2, forced by the environment), of 16 (AVX-512,
+    skipped where the CPU lacks it)."""
+    if request.param == "avx512" and not native.wide_cpu():
+        pytest.skip("this CPU has no AVX-512")
+    if request.param == "avx2":
+        monkeypatch.setenv(native.DISABLE_VARIABLE, "avx2")
+    else:
+        monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
+    native.panel_gemm.cache_clear()
+    loaded = native.panel_gemm()
+    assert loaded is not None and loaded.lanes == (8 if request.param == "avx2" else 16)
+    yield loaded
+    native.panel_gemm.cache_clear()
