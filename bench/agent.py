@@ -25,11 +25,12 @@ from dataclasses import asdict, dataclass
 from bench.cli import PRESETS, add_lookahead_flags, add_model_flags, lookahead_config, start
 from bench.datasets import SPLIT_NAMES, PromptSpec, encode_prompt, split_indices
 from bench.settings import SERVER_MEMORY_TOKENS, resolve
+from bench.workload import serve
 from decoding.batch import BatchEngine
 from decoding.decoder import Decoder
 from decoding.engine import StepCounts
 from decoding.memory import NGramMemory
-from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.params import LookaheadConfig, StopCriteria
 
 TURNS = 3
 MAX_TOKENS = 192
@@ -117,16 +118,9 @@ def run_scenario(engine: BatchEngine, tokenizer, scenario: Scenario, config: Loo
     turns = []
     for turn in range(TURNS):
         prompt = encode_prompt(tokenizer, PromptSpec(f"{scenario.name}/{turn}", messages=tuple(messages)))
-        engine.add("turn", prompt, StopCriteria(max_tokens, stop_ids), SamplingParams(), config)
-        output: list[int] = []
-        counts = StepCounts()
-        while engine.has_work:
-            for _, step in engine.step():
-                if isinstance(step, BaseException):
-                    raise step
-                output.extend(step.token_ids)
-                counts += step.stats.counts()
-        turns.append(Turn(scenario.name, turn, len(prompt), output, counts))
+        served = serve(engine, prompt, StopCriteria(max_tokens, stop_ids), config)
+        output = served.tokens
+        turns.append(Turn(scenario.name, turn, len(prompt), output, served.counts))
         reply = tokenizer.decode(output, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
         if turn + 1 < TURNS:
