@@ -39,7 +39,7 @@ import torch
 
 from decoding.loading import cache_root
 
-SOURCES = (Path(__file__).parent / "csrc" / "panel_gemm.cpp", Path(__file__).parent / "csrc" / "quant_gemm.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("panel_gemm.cpp", "quant_gemm.cpp", "fused_ops.cpp"))
 PANEL = 8  # output columns per panel of the AVX2 kernel: one register of float32
 WIDE_PANEL = 16  # of the AVX-512 kernel
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC")
@@ -108,6 +108,29 @@ class PanelGemm:
         return out
 
 
+class FusedOps:
+    """The small operations of a CPU step over raw float32 buffers (``csrc/fused_ops.cpp``): each output row
+    depends on its own row alone, bit for bit. Arguments are ``data_ptr()`` addresses and sizes; the callers
+    (``decoding.fused``) own the shapes. The calls release the GIL."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        signatures = {
+            "fused_rms_norm": [pointer, size, size, pointer, real, pointer],
+            "fused_rope": [pointer, size, size, size, size, pointer, pointer],
+            "fused_attention": [pointer, size, size, size, size, size, pointer, pointer, size, size, pointer, real,
+                                pointer],
+            "fused_silu_mul": [pointer, size, size, pointer],
+        }
+        for name, argtypes in signatures.items():
+            entry = getattr(library, name)
+            entry.argtypes, entry.restype = argtypes, None
+        self.rms_norm = library.fused_rms_norm
+        self.rope = library.fused_rope
+        self.attention = library.fused_attention
+        self.silu_mul = library.fused_silu_mul
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu_flags() -> frozenset[str] | None:
     """The CPU's feature flags from ``/proc/cpuinfo`` (read once per process); None where it cannot be read."""
@@ -173,8 +196,8 @@ def _run(command: list[str]) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def panel_gemm() -> PanelGemm | None:
-    """The loaded panel kernel, built on first use; None where it cannot run (see the module contract)."""
+def library() -> ctypes.CDLL | None:
+    """The native library, built on first use; None where it cannot run (see the module contract)."""
     if os.environ.get(DISABLE_VARIABLE, "1") == "0" or not supported_cpu():
         return None
     target = library_path()
@@ -188,4 +211,24 @@ def panel_gemm() -> PanelGemm | None:
         except (OSError, subprocess.SubprocessError) as error:
             log.warning("building the panel kernel failed (%s): float32 products run on oneDNN", error)
             return None
-    return PanelGemm(ctypes.CDLL(str(target)), wide_cpu())
+    return ctypes.CDLL(str(target))
+
+
+@functools.lru_cache(maxsize=1)
+def panel_gemm() -> PanelGemm | None:
+    """The loaded panel kernel, built on first use; None where it cannot run (see the module contract)."""
+    loaded = library()
+    return None if loaded is None else PanelGemm(loaded, wide_cpu())
+
+
+@functools.lru_cache(maxsize=1)
+def fused_ops() -> FusedOps | None:
+    """The step's small operations (``csrc/fused_ops.cpp``), from the same library; None where it cannot run."""
+    loaded = library()
+    return None if loaded is None or not hasattr(loaded, "fused_attention") else FusedOps(loaded)
+
+
+def forget() -> None:
+    """Drop this process's loaded library and kernels, so the next call builds or loads them anew (tests)."""
+    for cached in (library, panel_gemm, fused_ops):
+        cached.cache_clear()

@@ -30,7 +30,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 
-from decoding import lean
+from decoding import fused, lean
 from decoding.kv_cache import SlotCache
 
 PACKED_ATTENTION = "lookahead_packed"
@@ -232,9 +232,14 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
     """Run one forward over every slice; return each slice's logits ``[len(logit_rows), vocab]`` in order.
 
     Each slice's cache grows by its token count. Raises ``CacheOverflowError`` if a cache would overflow. A
-    LLaMA-family model is stepped by ``decoding.lean`` (the same logits, less framework work per step); any
-    other goes through its public forward with the packed attention function selected.
+    LLaMA-family model on native CPU kernels takes the fused step (``decoding.fused``: its small operations in
+    native calls); another LLaMA-family model is stepped by ``decoding.lean`` (the same logits as its public
+    forward, less framework work per step); any other goes through its public forward with the packed attention
+    function selected.
     """
+    plan = fused.plan_for(model)
+    if plan is not None:
+        return plan.forward(slices)
     device = model.device
     group = query_group(model) if device.type == "cuda" else 1
     parts, tokens, positions, rows, start = [], [], [], [], 0

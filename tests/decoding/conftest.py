@@ -17,8 +17,8 @@ def gemm(request, monkeypatch):
         monkeypatch.setenv(native.DISABLE_VARIABLE, "avx2")
     else:
         monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
-    native.panel_gemm.cache_clear()
+    native.forget()
     loaded = native.panel_gemm()
     assert loaded is not None and loaded.lanes == (8 if request.param == "avx2" else 16)
     yield loaded
-    native.panel_gemm.cache_clear()
+    native.forget()

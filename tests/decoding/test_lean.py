@@ -26,6 +26,7 @@ def two_slice_step(model: torch.nn.Module, use_lean: bool, monkeypatch) -> tuple
     """One packed forward over a prefill (empty cache) and a masked 4-token step (5 cached tokens), after a
     one-token step on the second cache; returns the logits of both forwards and the caches."""
     monkeypatch.setattr(packed.lean, "supports", lambda model: use_lean)
+    monkeypatch.setattr(packed.fused, "plan_for", lambda model: None)  # the lean step itself, not the fused one
     first, second = new_cache(model, 32), new_cache(model, 32)
     visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
     with torch.no_grad():
@@ -71,6 +72,7 @@ def test_lean_step_equals_the_public_forward_on_the_packed_real_model(real_model
     results = []
     for use_lean in (False, True):
         monkeypatch.setattr(packed.lean, "supports", lambda model, use_lean=use_lean: use_lean)
+        monkeypatch.setattr(packed.fused, "plan_for", lambda model: None)
         cache = new_cache(model, len(ids) + 8)
         with torch.no_grad():
             prefill = forward_packed(

@@ -21,9 +21,9 @@ needs_kernel = pytest.mark.skipif(
 def fresh(monkeypatch, tmp_path):
     """``native.panel_gemm`` with its per-process cache cleared and the library built under ``tmp_path``."""
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
-    native.panel_gemm.cache_clear()
+    native.forget()
     yield native.panel_gemm
-    native.panel_gemm.cache_clear()
+    native.forget()
 
 
 @needs_kernel

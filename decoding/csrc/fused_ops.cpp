@@ -1,0 +1,194 @@
+// The small operations of a CPU decoder step, each one call over all of a step's rows: RMS norm, rotary
+// embedding, attention over a sequence's KV cache (its new keys/values stored first), and SiLU(gate) * up.
+//
+// Why: on a 2-core CPU a one-token step of a 30-layer model is ~1,250 ATen ops, and their dispatch cost as much
+// as the quantized products themselves (decoding/fused.py). Here a layer is four calls besides its products.
+//
+// Exactness: every output row depends on that row's inputs alone, computed by the same instructions in the same
+// order whatever the other rows of the call. Attention visits a row's visible keys in position order, the cached
+// ones then the step's own; its softmax is two passes over exactly those keys (max, then exponentials summed in
+// order), so a token attended in a one-token step and in a many-token step whose mask shows it the same keys gets
+// the same bits. That makes lookahead == greedy exact, not just within rounding.
+//
+// Built with the panel kernels into one library (decoding/native.py compiles every source twice: AVX2, and
+// AVX-512 with PANEL_WIDE); these use 256-bit instructions only and are compiled in the AVX2 pass alone.
+#ifndef PANEL_WIDE
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// exp(x) for 8 floats: Cephes' range reduction x = n ln2 + r and degree-5 polynomial (about 1 ulp over the
+// range used here), the same instructions for every lane and every call.
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// exp of count floats in place, 8 at a time; a short tail goes through the same 8-wide code.
+void exp_inplace(float* x, int64_t count) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+    if (i < count) {
+        float tail[8] = {0};
+        std::memcpy(tail, x + i, (count - i) * sizeof(float));
+        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+        std::memcpy(x + i, tail, (count - i) * sizeof(float));
+    }
+}
+
+// The 8 lanes of v summed in one fixed order.
+inline float sum8(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+
+// a . b over dim floats (dim a multiple of 8).
+inline float dot(const float* a, const float* b, int64_t dim) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    return sum8(acc);
+}
+
+// One query head over the keys at `slots` (positions in the cache, in order): out[dim] = softmax(q K^T scale) V.
+void attend_head(const float* query, const float* keys, const float* values, const std::vector<int64_t>& slots,
+                 int64_t dim, float scale, std::vector<float>& scores, float* out) {
+    const int64_t count = static_cast<int64_t>(slots.size());
+    float top = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) {
+        scores[i] = dot(query, keys + slots[i] * dim, dim) * scale;
+        top = scores[i] > top ? scores[i] : top;
+    }
+    for (int64_t i = 0; i < count; ++i) scores[i] -= top;
+    exp_inplace(scores.data(), count);
+    float total = 0.0f;
+    for (int64_t i = 0; i < count; ++i) total += scores[i];
+    for (int64_t d = 0; d < dim; d += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < count; ++i) {
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[i]), _mm256_loadu_ps(values + slots[i] * dim + d), acc);
+        }
+        _mm256_storeu_ps(out + d, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)) for rows x [rows, dim] (dim a multiple of 8).
+void fused_rms_norm(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* row = x + r * dim;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 8) {
+            const __m256 v = _mm256_loadu_ps(row + d);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const float inverse = 1.0f / std::sqrt(sum8(acc) / static_cast<float>(dim) + eps);
+        const __m256 factor = _mm256_set1_ps(inverse);
+        for (int64_t d = 0; d < dim; d += 8) {
+            const __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(row + d), factor);
+            _mm256_storeu_ps(out + r * dim + d, _mm256_mul_ps(_mm256_loadu_ps(weight + d), normed));
+        }
+    }
+}
+
+// Rotary embedding, rotate-half form, in place on the first `heads` heads of each row of states
+// ([rows, row_stride], heads of dim floats side by side): x * cos + rotate_half(x) * sin, cos/sin [rows, dim].
+void fused_rope(float* states, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const float* cos,
+                const float* sin) {
+    const int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* c = cos + r * dim;
+        const float* s = sin + r * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            float* x = states + r * row_stride + h * dim;
+            for (int64_t i = 0; i < half; ++i) {
+                const float first = x[i], second = x[i + half];
+                x[i] = first * c[i] - second * s[i];
+                x[i + half] = second * c[i + half] + first * s[i + half];
+            }
+        }
+    }
+}
+
+// One sequence's attention for a step of `count` rows. qkv [count, row_stride] holds each row's query heads,
+// then its key heads, then its value heads (dim floats each; rotary applied). The keys/values are stored at
+// slots past..past+count-1 of the cache (keys/values: [kv_heads, head_stride] floats, slot s of head g at
+// g * head_stride + s * dim), then every row attends to slots 0..past-1 and to the step's slots its row of
+// `visible` ([count, count] bytes, nonzero = visible; null = causal) shows. out [count, heads * dim].
+// Query head h reads key/value head h / (heads / kv_heads).
+void fused_attention(const float* qkv, int64_t count, int64_t row_stride, int64_t heads, int64_t kv_heads,
+                     int64_t dim, float* keys, float* values, int64_t head_stride, int64_t past,
+                     const uint8_t* visible, float scale, float* out) {
+    for (int64_t t = 0; t < count; ++t) {
+        for (int64_t g = 0; g < kv_heads; ++g) {
+            const float* row = qkv + t * row_stride;
+            std::memcpy(keys + g * head_stride + (past + t) * dim, row + (heads + g) * dim, dim * sizeof(float));
+            std::memcpy(values + g * head_stride + (past + t) * dim, row + (heads + kv_heads + g) * dim,
+                        dim * sizeof(float));
+        }
+    }
+    const int64_t group = heads / kv_heads;
+    std::vector<int64_t> slots;
+    slots.reserve(past + count);
+    std::vector<float> scores(past + count);
+    for (int64_t t = 0; t < count; ++t) {
+        slots.clear();
+        for (int64_t s = 0; s < past; ++s) slots.push_back(s);
+        for (int64_t j = 0; j < count; ++j) {
+            if (visible == nullptr ? j <= t : visible[t * count + j] != 0) slots.push_back(past + j);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t g = h / group;
+            attend_head(qkv + t * row_stride + h * dim, keys + g * head_stride, values + g * head_stride, slots,
+                        dim, scale, scores, out + (t * heads + h) * dim);
+        }
+    }
+}
+
+// out[r, i] = silu(gate) * up with gate = gate_up[r, i], up = gate_up[r, inner + i]; silu(x) = x / (1 + exp(-x)).
+void fused_silu_mul(const float* gate_up, int64_t rows, int64_t inner, float* out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* gate = gate_up + r * 2 * inner;
+        const float* up = gate + inner;
+        float* y = out + r * inner;
+        int64_t i = 0;
+        for (; i + 8 <= inner; i += 8) {
+            const __m256 x = _mm256_loadu_ps(gate + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+        }
+        for (; i < inner; ++i) {
+            float e = -gate[i];
+            exp_inplace(&e, 1);
+            y[i] = gate[i] / (1.0f + e) * up[i];
+        }
+    }
+}
+
+}  // extern "C"
+
+#endif  // PANEL_WIDE

@@ -1,0 +1,210 @@
+"""A LLaMA-family CPU step with the small operations fused: one native call each for a layer's norms, rotary
+embedding, attention and gated activation, around the native products of ``decoding.linears``.
+
+Contract: ``plan_for(model)`` returns a ``FusedPlan`` when ``model`` can step this way (a ``decoding.lean``
+model on the CPU in float32 whose projections are native kernels, fused q/k/v and gate/up, SiLU, head size a
+multiple of 8, and the native library built), else None. ``FusedPlan.forward(slices)`` then does what
+``decoding.packed.forward_packed`` does for those slices (each slice's keys/values appended to its own cache,
+its kept rows' logits returned, in order) with the same operations in a different arithmetic order: logits agree
+with the eager forward's to float tolerance, not bit for bit.
+
+Why: a one-token step of SmolLM2-135M on the GGUF weights spent ~12.5 ms in its 121 products and as long again
+dispatching ~1,250 small ATen ops (norms, rotary, attention, activation, views) from Python; here a layer is
+seven native calls and two additions (docs/benchmarks.md, "The fused CPU step").
+
+Exactness: every native call computes a row from that row alone, and attention visits a row's visible keys in
+position order with an exact two-pass softmax, so a token's logits are the same bits in a one-token step and in
+a lookahead step whose mask shows it the same tokens: greedy lookahead equals greedy exactly. A slice of more
+than ``NATIVE_ATTENTION_ROWS`` tokens (a prefill chunk) attends with torch's scaled-dot-product attention,
+which is faster there; its keys/values are stored the same way, and its rows are never a decode step's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from decoding import lean, native
+from decoding.kv_cache import CacheOverflowError, SlotCache
+from decoding.linears import KernelLinear, is_float32_cpu, shared_kernel
+
+if TYPE_CHECKING:
+    from decoding.packed import Slice
+
+NATIVE_ATTENTION_ROWS = 32  # a slice of more tokens attends through torch's SDPA (a prefill chunk)
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parts, as the fused step calls them."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: object  # rows [T, hidden] -> [T, (heads + 2 kv_heads) * dim]
+    output: object  # rows [T, heads * dim] -> [T, hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: object  # rows [T, hidden] -> [T, 2 * inner]
+    down: object  # rows [T, inner] -> [T, hidden]
+
+
+class FusedPlan:
+    """A model's layers prepared for the fused step (see the module contract)."""
+
+    def __init__(self, model: PreTrainedModel, ops: native.FusedOps, layers: list[_Layer]) -> None:
+        config = model.config.get_text_config(decoder=True)
+        attention = model.model.layers[0].self_attn
+        self.model, self.ops, self.layers = model, ops, layers
+        self.dim = attention.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.scaling = float(attention.scaling)
+        self.eps = float(config.rms_norm_eps)
+        self.inner = config.intermediate_size
+        self.final_norm = model.model.norm.weight.detach()
+
+    def forward(self, slices: Sequence[Slice]) -> list[torch.Tensor]:
+        """Each slice's kept logits ``[rows, vocab]``, in order; each slice's cache grows by its token count.
+        Raises ``CacheOverflowError`` (nothing written) when a cache would overflow."""
+        for slice_ in slices:
+            _reserve(slice_.cache, len(slice_.tokens), self.kv_heads, self.dim)
+        tokens = [token for slice_ in slices for token in slice_.tokens]
+        positions = torch.cat([slice_.position_tensor() for slice_ in slices])
+        decoder = self.model.model
+        hidden = decoder.embed_tokens(torch.tensor(tokens))  # [T, hidden]
+        cos, sin = decoder.rotary_emb(hidden[None], positions[None])  # [1, T, dim]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        masks = [_visible_bytes(slice_) for slice_ in slices]
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(index, layer, hidden, cos, sin, slices, masks)
+        for slice_ in slices:
+            slice_.cache.advance(len(slice_.tokens))
+        rows, start = [], 0
+        for slice_ in slices:
+            rows.append(slice_.row_tensor() + start)
+            start += len(slice_.tokens)
+        kept = hidden[torch.cat(rows)]
+        normed = torch.empty_like(kept)
+        self.ops.rms_norm(kept.data_ptr(), kept.shape[0], kept.shape[1], self.final_norm.data_ptr(), self.eps,
+                          normed.data_ptr())
+        logits = self.model.lm_head(normed)
+        return list(torch.split(logits, [slice_.row_count for slice_ in slices]))
+
+    def _layer(
+        self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        slices: Sequence[Slice], masks: Sequence[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """``hidden`` [T, hidden] through decoder layer ``index``: attention (keys/values stored), then the MLP."""
+        ops, count, width = self.ops, hidden.shape[0], hidden.shape[1]
+        normed = torch.empty_like(hidden)
+        ops.rms_norm(hidden.data_ptr(), count, width, layer.input_norm.data_ptr(), self.eps, normed.data_ptr())
+        states = layer.qkv(normed)  # [T, (heads + 2 kv_heads) * dim]
+        stride = states.shape[1]
+        ops.rope(states.data_ptr(), count, stride, self.heads + self.kv_heads, self.dim, cos.data_ptr(),
+                 sin.data_ptr())
+        attended = torch.empty((count, self.heads * self.dim))
+        start = 0
+        for slice_, mask in zip(slices, masks, strict=True):
+            end = start + len(slice_.tokens)
+            self._attend(index, slice_, mask, states[start:end], attended[start:end])
+            start = end
+        hidden = hidden + layer.output(attended)
+        ops.rms_norm(hidden.data_ptr(), count, width, layer.post_norm.data_ptr(), self.eps, normed.data_ptr())
+        both = layer.gate_up(normed)  # [T, 2 * inner]
+        activated = torch.empty((count, self.inner))
+        ops.silu_mul(both.data_ptr(), count, self.inner, activated.data_ptr())
+        return hidden.add_(layer.down(activated))
+
+    def _attend(
+        self, index: int, slice_: Slice, mask: torch.Tensor | None, states: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """One slice's attention in layer ``index``: its keys/values stored at the cache's length, its rows of
+        ``states`` attended into ``out`` ([t, heads * dim], a contiguous block of rows)."""
+        layer = slice_.cache.layers[index]
+        keys, values = layer._key_buffer[0], layer._value_buffer[0]  # [kv_heads, capacity, dim]
+        count, past = states.shape[0], slice_.cache.length
+        if count <= NATIVE_ATTENTION_ROWS:
+            pointer = 0 if mask is None else mask.data_ptr()
+            self.ops.attention(states.data_ptr(), count, states.shape[1], self.heads, self.kv_heads, self.dim,
+                               keys.data_ptr(), values.data_ptr(), keys.stride(0), past, pointer, self.scaling,
+                               out.data_ptr())
+            return
+        split = states.view(count, -1, self.dim).transpose(0, 1)  # [all heads, t, dim]
+        heads, kv_heads = self.heads, self.kv_heads
+        keys[:, past : past + count] = split[heads : heads + kv_heads]
+        values[:, past : past + count] = split[heads + kv_heads :]
+        additive = None
+        if mask is not None or past > 0:
+            visible = mask.bool() if mask is not None else torch.ones((count, count), dtype=torch.bool).tril_()
+            additive = torch.zeros((count, past + count))
+            additive[:, past:].masked_fill_(~visible, torch.finfo(torch.float32).min)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            split[None, :heads], keys[None, :, : past + count], values[None, :, : past + count],
+            attn_mask=additive, is_causal=additive is None, scale=self.scaling, enable_gqa=True,
+        )  # [1, heads, t, dim]
+        out.copy_(output[0].transpose(0, 1).reshape(count, -1))
+
+
+def _reserve(cache: SlotCache, count: int, kv_heads: int, dim: int) -> None:
+    """Check ``cache`` has room for ``count`` more slots and that its buffers exist (allocated as on a first
+    ``update``); flush its pool's deferred commits so its keys are current."""
+    if cache.length + count > cache.capacity:
+        raise CacheOverflowError(f"KV cache capacity {cache.capacity} exceeded ({cache.length + count} slots needed)")
+    if cache.pool is not None:
+        cache.pool.flush()
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            shape = torch.empty((1, kv_heads, 0, dim))
+            layer.lazy_initialization(shape, shape)
+
+
+def _visible_bytes(slice_: Slice) -> torch.Tensor | None:
+    """A slice's ``[t, t]`` visibility as contiguous bytes (None: causal)."""
+    visible = slice_.visible_mask()
+    return None if visible is None else visible.to(torch.uint8).contiguous()
+
+
+def plan_for(model: PreTrainedModel) -> FusedPlan | None:
+    """``model``'s ``FusedPlan`` (made once per model), or None where the fused step cannot run it."""
+    if model not in _PLANS:
+        _PLANS[model] = _make_plan(model)
+    return _PLANS[model]
+
+
+def _make_plan(model: PreTrainedModel) -> FusedPlan | None:
+    ops = native.fused_ops()
+    if ops is None or not lean.supports(model) or not is_float32_cpu(model):
+        return None
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "hidden_act", None) != "silu" or config.hidden_size % 8:
+        return None
+    if not isinstance(model.lm_head, KernelLinear) or not _plain_norm(model.model.norm):
+        return None
+    layers = []
+    for layer in model.model.layers[: config.num_hidden_layers]:
+        attention, mlp = layer.self_attn, layer.mlp
+        qkv = shared_kernel((attention.q_proj, attention.k_proj, attention.v_proj))
+        gate_up = shared_kernel((mlp.gate_proj, mlp.up_proj))
+        singles = (attention.o_proj, mlp.down_proj)
+        if qkv is None or gate_up is None or not all(isinstance(single, KernelLinear) for single in singles):
+            return None
+        if attention.head_dim % 8 or not _plain_norm(layer.input_layernorm) or not _plain_norm(
+            layer.post_attention_layernorm
+        ):
+            return None
+        layers.append(_Layer(layer.input_layernorm.weight.detach(), qkv, attention.o_proj.kernel,
+                             layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.kernel))
+    return FusedPlan(model, ops, layers)
+
+
+def _plain_norm(norm: torch.nn.Module) -> bool:
+    """A LLaMA RMS norm: a float32 weight and an epsilon, nothing else."""
+    weight = getattr(norm, "weight", None)
+    return weight is not None and weight.dtype == torch.float32 and weight.is_contiguous() and hasattr(
+        norm, "variance_epsilon"
+    )
