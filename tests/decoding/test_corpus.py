@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decoding.decoder import CORPUS_DOCUMENT_TOKENS, Decoder
+from decoding.decoder import Decoder
 from decoding.loading import load_model
-from decoding.memory import NGramMemory, load_memory
+from decoding.memory import CORPUS_DOCUMENT_TOKENS, NGramMemory, load_memory
 from tests.bench.helpers import save_tiny_model
 
 
