@@ -58,6 +58,7 @@ def memory_info(usage: MemoryUsage | None) -> MemoryInfo:
 
 
 def disabled_error() -> BadRequestError:
+    """The 400 for a corpus sent to a server without a shared memory."""
     return BadRequestError("The server has no n-gram memory (lookahead.memory_tokens is 0): start it with "
                            "--memory-tokens N to add a corpus.", code="memory_disabled")
 
