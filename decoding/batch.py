@@ -4,8 +4,10 @@ Contract: ``BatchEngine`` is the continuous batch behind one interface: ``add(re
 sampling, lookahead)`` starts a decode (validated first: typed errors, nothing added), ``step()`` advances
 every running decode in one packed forward and returns ``(request_id, Step | exception)`` for each decode that
 took part, ``cancel(request_id)`` ends one early; a decode whose step carried a finish reason or raised leaves
-the batch by itself, and its cache is freed at once. Only the thread that owns the device calls ``add``,
-``step`` and ``cancel``; ``validate`` (the same checks ``add`` runs) may be called from any thread.
+the batch by itself, and its cache is freed at once. ``add_documents(documents)`` adds token runs (a corpus) to
+the shared n-gram memory between steps and ``memory_usage()`` reports it (both None without a memory). Only the
+thread that owns the device calls ``add``, ``step``, ``cancel`` and those two; ``validate`` (the same checks
+``add`` runs) may be called from any thread.
 
 Underneath, ``step_batch(streams, policy)`` advances each ``DecodeStream`` by one step and returns, in order,
 its ``Step`` or the exception that ended it. All streams share one packed forward (``decoding.packed``):
@@ -39,7 +41,7 @@ from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.static import StaticStep, bucket_shape
 
 if TYPE_CHECKING:
-    from decoding.memory import NGramMemory
+    from decoding.memory import MemoryUsage, NGramMemory
 
 # Relative cost of one engine forward by input tokens, over a 300-token cache: SmolLM2-135M, float32 with packed
 # linears and the panel kernel's AVX-512 entry, 1 thread (configs/cpu.yaml's curve, `python -m bench --step-cost`,
@@ -309,6 +311,20 @@ class BatchEngine:
             if isinstance(result, BaseException) or result.finish_reason is not None:
                 self.cancel(request_id)
         return reported
+
+    def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None:
+        """Store each token run of ``documents`` as one document of the shared memory (its bound holds: the oldest
+        documents are evicted); the memory's usage after, or None (nothing stored) when the engine has none. Call
+        it between steps, on the thread that steps the engine."""
+        if self.memory is None:
+            return None
+        for document in documents:
+            self.memory.add(document)
+        return self.memory.usage()
+
+    def memory_usage(self) -> MemoryUsage | None:
+        """The shared memory's tokens, documents and capacity; None when the engine has none."""
+        return None if self.memory is None else self.memory.usage()
 
     def cancel(self, request_id: Hashable) -> None:
         """End ``request_id``'s decode and free its cache; a no-op for an unknown or finished request."""

@@ -32,7 +32,14 @@ from decoding.gguf_model import load_gguf_model
 from decoding.grammar import Constraint, Grammar, GrammarCompiler
 from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
 from decoding.loading import LoadedModel, is_gguf_model, load_model, resolve_device, resolve_dtype
-from decoding.memory import MemoryFileError, NGramMemory, load_memory, save_memory, vocabulary_id
+from decoding.memory import (
+    MemoryFileError,
+    NGramMemory,
+    corpus_documents,
+    load_memory,
+    save_memory,
+    vocabulary_id,
+)
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.quantize import quantize_int8
 from decoding.static import StaticStep, build_static_step, warm_buckets
@@ -41,7 +48,6 @@ QUANTIZE = ("none", "int8")
 log = logging.getLogger(__name__)
 WEIGHT_LAYOUTS = ("auto", "packed", "torch")
 WEIGHTS = ("auto", "gguf", "float32")
-CORPUS_DOCUMENT_TOKENS = 4096  # a corpus file enters the memory in documents of at most this many tokens
 
 
 def release_free_memory() -> None:
@@ -281,9 +287,8 @@ class Decoder:
             except (OSError, UnicodeDecodeError) as error:
                 log.warning("n-gram memory: corpus file %s skipped: %s", path, error)
                 continue
-            tokens = list(self.loaded.tokenizer(text, add_special_tokens=False).input_ids)
-            for start in range(0, len(tokens), CORPUS_DOCUMENT_TOKENS):
-                memory.add(tokens[start : start + CORPUS_DOCUMENT_TOKENS])
+            for document in corpus_documents(self.loaded.tokenizer(text, add_special_tokens=False).input_ids):
+                memory.add(document)
                 added += 1
         return added
 

@@ -19,6 +19,11 @@ Not thread-safe: one thread (the engine's, which owns the device) adds and looks
 only: whoever verifies them decides what is kept, so the memory can change how fast a decode runs, never its
 greedy output.
 
+A corpus (text an operator loads: a codebase, documents) enters as documents too: ``corpus_documents(tokens)``
+cuts one text's tokens into documents of at most ``CORPUS_DOCUMENT_TOKENS``, each then ``add``-ed like a
+completion (the same bound, the same eviction). ``usage()`` reports the stored tokens and documents against the
+capacity (``MemoryUsage``).
+
 Persistence: ``snapshot()`` lists the stored documents, oldest first; ``save_memory(memory, path, vocabulary)``
 writes them to a gzipped JSON file (atomically: written beside it, then renamed) under the id of the tokenizer's
 vocabulary that gives the ids their meaning (``vocabulary_id``), and ``load_memory(memory, path, vocabulary)``
@@ -36,11 +41,22 @@ import os
 from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from decoding.pool import ContextIndex
 
 TOKEN_LIMIT = 1 << 32  # token ids lie in [0, TOKEN_LIMIT): a pair (a, b) is keyed by the int a * TOKEN_LIMIT + b
+CORPUS_DOCUMENT_TOKENS = 4096  # a corpus text enters the memory in documents of at most this many tokens
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """What a memory holds: ``tokens`` and ``documents`` stored, of at most ``capacity`` tokens."""
+
+    tokens: int
+    documents: int
+    capacity: int
 
 
 class NGramMemory:
@@ -93,6 +109,10 @@ class NGramMemory:
     def documents(self) -> int:
         """Documents stored (an evicted document no longer counts)."""
         return len(self._documents)
+
+    def usage(self) -> MemoryUsage:
+        """The tokens and documents stored now, and the capacity."""
+        return MemoryUsage(len(self), self.documents, self.max_tokens)
 
     def add(self, tokens: Sequence[int]) -> None:
         """Store ``tokens`` as one document, evicting the oldest documents until it fits (see the contract).
@@ -211,6 +231,18 @@ class NGramMemory:
             return tuple(stored[slot : slot + count])
         return tuple(stored[(position + offset) % size] for offset in range(count))
 
+
+
+def corpus_documents(tokens: Sequence[int], size: int = CORPUS_DOCUMENT_TOKENS) -> list[list[int]]:
+    """One corpus text's tokens cut into the documents it enters the memory as: runs of at most ``size`` tokens,
+    in order (none for no tokens), so a match never spans more than one run.
+
+    >>> corpus_documents([1, 2, 3, 4, 5], size=2)
+    [[1, 2], [3, 4], [5]]
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    return [list(tokens[start : start + size]) for start in range(0, len(tokens), size)]
 
 
 class _Chains:

@@ -5,13 +5,14 @@ worker thread and, in the background, loads the decoder (unless one is injected)
 metric and runs one tiny warm-up decode; ``GET /health`` is 503 until then and again while draining. Routes
 take typed bodies (protocol models FastAPI validates, read by ``server.body.json_body_route``: authorized first,
 then bounded and strict JSON) and delegate to their endpoint module (``server.chat``, ``server.completions``,
-``server.responses``, ``server.tokenization``); prompts are tokenized off the event loop (in a thread), so a huge
-prompt never stalls other streams; every error goes through ``server.errors`` (a validation error is a 400 naming
-the field, from one handler).
+``server.responses``, ``server.tokenization``, ``server.corpus``); prompts are tokenized off the event loop (in a
+thread), so a huge prompt never stalls other streams; every error goes through ``server.errors`` (a validation
+error is a 400 naming the field, from one handler).
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` and
 ``GET /v1/responses/{id}`` (``server.responses``), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's, keyed like
-``/v1/*``),
+``GET /v1/models/{id}``, ``POST /v1/memory/corpus`` and ``GET /v1/memory`` (``server.corpus``: text added to the
+n-gram memory while serving, and its usage), ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``
+(vLLM's, keyed like ``/v1/*``),
 ``GET /health`` (readiness), ``GET /live`` (liveness: 503 only once the runtime has failed), ``GET /metrics``, and
 the playground page: ``GET /`` and
 ``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
@@ -38,7 +39,7 @@ from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
 from decoding import BatchPolicy, Decoder, SamplingParams, StopCriteria, configure_threads
-from server import chat, responses, serving, tokenization
+from server import chat, corpus, responses, serving, tokenization
 from server import completions as completion
 from server.auth import KeyChecker, load_api_keys
 from server.body import json_body_route
@@ -54,6 +55,7 @@ from server.plans import Renderer
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    CorpusRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
@@ -314,6 +316,18 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     if model_id != runtime.config.model_name:
         raise ModelNotFoundError(model_id)
     return ModelCard(id=model_id, created=runtime.created).model_dump(mode="json")
+
+
+@router.post("/memory/corpus")
+async def add_corpus(request: Request, body: CorpusRequest) -> dict[str, Any]:
+    """Text added to the server-wide n-gram memory while serving (``server.corpus``)."""
+    return await corpus.add(runtime_of(request), body)
+
+
+@router.get("/memory")
+async def memory_usage(request: Request) -> dict[str, Any]:
+    """The server-wide n-gram memory's tokens, documents and capacity (``server.corpus``)."""
+    return await corpus.usage(runtime_of(request))
 
 
 tools = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute)

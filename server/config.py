@@ -122,6 +122,10 @@ class LookaheadSettings(BaseModel):
         description="server-wide n-gram memory: tokens of recent completions (all requests) offered as candidates "
         "to every request (0: off; ~110 bytes each; a request opts out with lookahead.shared_memory false)",
     )
+    max_corpus_tokens: int = Field(
+        100_000, ge=1,
+        description="POST /v1/memory/corpus: the most tokens one call may add to the n-gram memory (more -> 400)",
+    )
     memory_file: str | None = Field(
         None,
         description="keep the n-gram memory across restarts: loaded from this file at start when it exists (a file "

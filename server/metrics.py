@@ -16,6 +16,8 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
   (``decoding.proposers``: pool, copy, memory, prediction, ...), the guessed tokens it offered (the longest of its
   verified guesses per step) and those of the accepted ones it proposed; sources overlap, so they do not sum to
   the totals above;
+- ``corpus_documents_total`` and ``corpus_tokens_total`` count the documents and tokens ``POST /v1/memory/corpus``
+  added to the n-gram memory (a long text is several documents; later eviction does not take them back);
 - per-request histograms (acceptance rate, steps per token, tokens per step, end-to-end latency) observe
   requests that finished with ``stop`` or ``length`` only: a cancelled request's ratios are partial;
 - ``inter_token_latency_seconds`` is per token: the wall time since the request's previous step (its own
@@ -92,6 +94,12 @@ class Metrics:
             "accepted_tokens_per_position",
             "Guessed tokens accepted, by position 1..N-1 (up to copy_stretch x copy_length for copy steps).",
             ("position",),
+        )
+        self.corpus_documents = counter(
+            "corpus_documents", "Documents added to the server-wide n-gram memory by POST /v1/memory/corpus."
+        )
+        self.corpus_tokens = counter(
+            "corpus_tokens", "Tokens added to the server-wide n-gram memory by POST /v1/memory/corpus."
         )
         self.requests = counter("requests", "Finished requests by finish reason.", ("finish_reason",))
         self.rejected = counter("requests_rejected", "Requests refused before decoding, by reason.", ("reason",))
@@ -199,6 +207,11 @@ class Metrics:
         if counts.tokens > 0 and counts.steps > 0:
             self.steps_per_token.observe(counts.steps / counts.tokens)
             self.tokens_per_step.observe(counts.tokens / counts.steps)
+
+    def corpus_added(self, documents: int, tokens: int) -> None:
+        """Count ``documents`` of ``tokens`` tokens in all added to the n-gram memory as a corpus."""
+        self.corpus_documents.inc(documents)
+        self.corpus_tokens.inc(tokens)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()

@@ -31,8 +31,11 @@ from server.config import ServerConfig, lookahead_bounds
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    CorpusAdded,
+    CorpusRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    MemoryInfo,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
@@ -259,12 +262,13 @@ def request_overrides(config: ServerConfig, vocab_size: int | None) -> dict[str,
 
 def component_schemas(config: ServerConfig, vocab_size: int | None = None) -> dict[str, Any]:
     """Every body model as a named component, request schemas tightened to what the server accepts."""
-    request_models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponseRequest)
+    request_models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, CorpusRequest,
+                      ResponseRequest)
     requests = [(model, "validation") for model in request_models]
     responses = [
         (model, "serialization")
         for model in (ChatCompletion, Completion, ModelList, ModelCard, ErrorResponse, HealthStatus,
-                      TokenizeResponse, DetokenizeResponse, TokenizerInfo, ResponseObject)
+                      TokenizeResponse, DetokenizeResponse, TokenizerInfo, ResponseObject, CorpusAdded, MemoryInfo)
     ]
     _, bundle = models_json_schema([*requests, *responses], ref_template=REF)
     schemas: dict[str, Any] = bundle["$defs"]
@@ -341,6 +345,15 @@ def operations(config: ServerConfig, protected: bool) -> dict[tuple[str, str], d
         ("/v1/responses/{response_id}", "get"): {
             "responses": {"200": {"description": "A stored response.", "content": json_content("ResponseObject")},
                           **error_responses((*auth, "404"))},
+        },
+        ("/v1/memory/corpus", "post"): {
+            "responses": {"200": {"description": "What was added, and the memory after.",
+                                  "content": json_content("CorpusAdded")},
+                          **error_responses(("400", *auth, "413", *SERVICE_STATUSES))},
+        },
+        ("/v1/memory", "get"): {
+            "responses": {"200": {"description": "The n-gram memory's usage.", "content": json_content("MemoryInfo")},
+                          **error_responses((*auth, *SERVICE_STATUSES))},
         },
         ("/tokenize", "post"): tool_operation("TokenizeResponse", auth),
         ("/detokenize", "post"): tool_operation("DetokenizeResponse", auth),

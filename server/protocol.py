@@ -9,10 +9,12 @@ sampling fields ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_e
 ``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step``
 (``server.replies.StepInfo``);
 vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and ``/detokenize`` bodies, which
-refuse unknown fields. Logprobs: chat's ``logprobs`` + ``top_logprobs`` give ``choices[].logprobs.content[]``
-(``ChoiceLogprobs``), completions' ``logprobs: int`` the legacy ``CompletionLogprobs``; both the raw model's
-(before temperature, top-k, top-p), with at most ``MAX_TOP_LOGPROBS`` alternatives. Predicted outputs: chat's
-and completions' ``prediction`` (``Prediction``) give ``usage.completion_tokens_details``. Completions'
+refuse unknown fields, as ``/v1/memory/corpus``'s body does (``CorpusRequest``, answered by ``CorpusAdded``;
+``GET /v1/memory`` by ``MemoryInfo``). Logprobs: chat's ``logprobs`` + ``top_logprobs`` give
+``choices[].logprobs.content[]`` (``ChoiceLogprobs``), completions' ``logprobs: int`` the legacy
+``CompletionLogprobs``; both the raw model's (before temperature, top-k, top-p), with at most ``MAX_TOP_LOGPROBS``
+alternatives. Predicted outputs: chat's and completions' ``prediction`` (``Prediction``) give
+``usage.completion_tokens_details``. Completions'
 ``prompt`` is a string, a list of strings, a list of token ids or a list of lists of token ids (one prompt per
 item; ``CompletionRequest.prompt_list``); with several prompts and ``n`` each prompt has ``n`` choices,
 ``index = prompt_index * n + j``. With ``echo`` a choice's text (and legacy logprobs) start with its prompt's,
@@ -428,11 +430,43 @@ class TokenizerInfo(BaseModel):
     model_max_length: int
 
 
+class CorpusRequest(StrictModel):
+    """``POST /v1/memory/corpus`` (extension): texts (a codebase's files, documents) added to the server-wide n-gram
+    memory, each tokenized without special tokens. Unknown fields are refused (400 naming them)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    documents: list[Annotated[str, Field(min_length=1)]] = Field(
+        min_length=1, description="Texts to add, each non-empty; a long one enters as several memory documents."
+    )
+
+
+class MemoryInfo(BaseModel):
+    """``GET /v1/memory`` (extension): the server-wide n-gram memory's stored tokens and documents, of at most
+    ``capacity`` tokens (the oldest documents are evicted first); ``enabled`` false, all zero, without one."""
+
+    object: Literal["memory"] = "memory"
+    enabled: bool
+    tokens: int
+    documents: int
+    capacity: int
+
+
+class CorpusAdded(BaseModel):
+    """``POST /v1/memory/corpus``'s answer: the memory ``documents`` and ``tokens`` added, and the memory after."""
+
+    object: Literal["memory.corpus"] = "memory.corpus"
+    documents: int
+    tokens: int
+    memory: MemoryInfo
+
+
 def protocol_field_names() -> set[str]:
     """Every request field name, nested ones included (to render validation error locations)."""
     names: set[str] = set()
     for model in (ChatCompletionRequest, CompletionRequest, AssistantMessage, ToolMessage, TextContentPart,
-                  StreamOptions, LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest, ResponseFormat,
-                  JsonSchemaFormat, Tool, FunctionDefinition, NamedToolChoice, NamedFunction, ToolCall, FunctionCall):
+                  StreamOptions, LookaheadRequest, Prediction, TokenizeRequest, DetokenizeRequest, CorpusRequest,
+                  ResponseFormat, JsonSchemaFormat, Tool, FunctionDefinition, NamedToolChoice, NamedFunction, ToolCall,
+                  FunctionCall):
         names.update(field.alias or name for name, field in model.model_fields.items())
     return names

@@ -16,6 +16,10 @@ Each step's token logprobs (when the request asked for them) follow its kept tok
 the stop token (EOS) the model ended with, which the counts include (``usage`` too) though its text stays out; the
 prompt's logprobs (``SamplingParams.prompt_logprobs``) are gathered over the prefill and ride on the job's
 first output.
+Work other than jobs that must touch the engine (the shared memory's corpus: ``add_documents``,
+``memory_usage``) goes through ``call(function)``: the worker runs ``function(engine)`` on its thread between two
+iterations, never during a step, and the returned ``concurrent.futures.Future`` carries its result or exception
+(a call pending when the worker stops fails with ``WorkerStopped``).
 Counts flow as one ``decoding.StepCounts`` record per step into the job's totals, its outputs and the metrics.
 Each job reports through its own ``post`` callable: ``Output`` items, the last one carrying ``finish_reason``
 and a ``Summary``, or one exception that ends it. An exception reported for one job ends that job only (a
@@ -31,10 +35,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
-from decoding import LookaheadConfig, SamplingParams, Step, StepCounts, StopCriteria, TokenLogprob, release_free_memory
+from decoding import (
+    LookaheadConfig,
+    MemoryUsage,
+    SamplingParams,
+    Step,
+    StepCounts,
+    StopCriteria,
+    TokenLogprob,
+    release_free_memory,
+)
 from server.metrics import Metrics
 from server.plans import GenerationPlan, Output, Summary
 from server.text import TextStream
@@ -48,6 +62,13 @@ class RequestCancelled(Exception):
 
 class GenerationEnded(RuntimeError):
     """The engine dropped a request without reporting a finish reason or an error (an engine bug)."""
+
+
+class WorkerStopped(RuntimeError):
+    """A ``Worker.call`` that never ran: the worker stopped (or had no engine) first."""
+
+
+Result = TypeVar("Result")
 
 
 class EngineLike(Protocol):
@@ -71,6 +92,10 @@ class EngineLike(Protocol):
     def step(self) -> list[tuple[Hashable, Step | BaseException]]: ...
 
     def cancel(self, request_id: Hashable) -> None: ...
+
+    def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None: ...
+
+    def memory_usage(self) -> MemoryUsage | None: ...
 
 
 @dataclass(eq=False)
@@ -129,6 +154,7 @@ class Worker:
         self._condition = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
+        self._calls: deque[tuple[Callable[[EngineLike], Any], Future]] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -194,6 +220,19 @@ class Worker:
             self._condition.notify_all()
         return True
 
+    def call(self, function: Callable[[EngineLike], Result]) -> Future[Result]:
+        """Run ``function(engine)`` on the worker thread between two iterations (any thread may call this); the
+        future holds its result or exception. It fails with ``WorkerStopped`` (``function`` not run) when the
+        worker is stopping, its thread has died, or it has no engine."""
+        future: Future[Result] = Future()
+        with self._condition:
+            if self.alive and self._thread is not None and self.engine is not None:
+                self._calls.append((function, future))
+                self._condition.notify_all()
+                return future
+        future.set_exception(WorkerStopped("the decode worker is not running"))
+        return future
+
     def cancel(self, job: Job, error: BaseException | None = None) -> None:
         """Cancel ``job``: at once if it is still waiting, else before its next step."""
         with self._condition:
@@ -222,12 +261,14 @@ class Worker:
             self._thread_setup()
         while True:
             with self._condition:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and not self._waiting and not self._running and not self._calls:
                     self._condition.wait()
                 if self._stopping:
                     break
+                calls, self._calls = self._calls, deque()
                 self._admit()
                 jobs = list(self._running)
+            self._run_calls(calls)
             self._iterate(jobs)
             with self._condition:
                 self._running = [job for job in self._running if not job.done]
@@ -237,6 +278,20 @@ class Worker:
                 release_free_memory()  # a burst's freed buffers go back to the OS while nothing runs
         for job in list(self._running):
             self._finish(job, "abort", error=job.cancel_error or RequestCancelled("the server is stopping"))
+        with self._condition:
+            calls, self._calls = self._calls, deque()
+        for _, future in calls:
+            future.set_exception(WorkerStopped("the decode worker stopped"))
+
+    def _run_calls(self, calls: deque[tuple[Callable[[EngineLike], Any], Future]]) -> None:
+        """Run the pending ``call`` functions, in order, each posting its result or exception to its future."""
+        for function, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function(self.engine))
+            except Exception as error:  # the caller's to handle, never the worker's
+                future.set_exception(error)
 
     def _admit(self) -> None:
         """Move waiting jobs into free running slots (caller holds the lock)."""

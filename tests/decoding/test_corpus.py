@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decoding.decoder import CORPUS_DOCUMENT_TOKENS, Decoder
+from decoding.decoder import Decoder
 from decoding.loading import load_model
-from decoding.memory import NGramMemory, load_memory
+from decoding.memory import CORPUS_DOCUMENT_TOKENS, MemoryUsage, NGramMemory, load_memory
 from tests.bench.helpers import save_tiny_model
 
 
@@ -40,3 +40,16 @@ def test_a_long_file_is_cut_into_documents(tmp_path: Path) -> None:
     corpus.write_text(" ".join(f"w{10 + i % 7}" for i in range(CORPUS_DOCUMENT_TOKENS + 5)))
     assert decoder.load_corpus(memory, [str(corpus)]) == 2
     assert len(memory) == CORPUS_DOCUMENT_TOKENS + 5
+
+
+def test_the_engine_adds_documents_to_its_memory_and_reports_its_usage(tmp_path: Path) -> None:
+    """``BatchEngine.add_documents`` (the run-time corpus): each token run one document, the bound held; None, and
+    nothing stored, for an engine without a memory."""
+    decoder = tiny_decoder(tmp_path)
+    engine = decoder.batch_engine(memory_tokens=10)
+    assert engine.memory_usage() == MemoryUsage(tokens=0, documents=0, capacity=10)
+    assert engine.add_documents([[1, 2, 3], [4, 5, 6, 7]]) == MemoryUsage(tokens=7, documents=2, capacity=10)
+    assert engine.add_documents([[8, 9, 10, 11, 12]]) == MemoryUsage(tokens=9, documents=2, capacity=10)
+    assert engine.memory.snapshot() == [[4, 5, 6, 7], [8, 9, 10, 11, 12]]  # the oldest evicted whole
+    without = decoder.batch_engine(memory_tokens=0)
+    assert without.add_documents([[1, 2]]) is None and without.memory_usage() is None

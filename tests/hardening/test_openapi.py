@@ -170,7 +170,8 @@ def test_auth_is_documented_only_where_enforced():
     guarded = document(api_key="k", protect_metrics=True)
     assert guarded["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/metrics",
-                 "/tokenize", "/detokenize", "/v1/responses", "/v1/responses/{response_id}"):
+                 "/tokenize", "/detokenize", "/v1/responses", "/v1/responses/{response_id}", "/v1/memory/corpus",
+                 "/v1/memory"):
         operation = next(iter(guarded["paths"][path].values()))
         assert "401" in operation["responses"] and operation["security"] == [{"bearer": []}], path
     assert "401" not in guarded["paths"]["/health"]["get"]["responses"]
@@ -258,3 +259,19 @@ def test_responses_schema(doc, body, valid):
         parse_request(body)
     assert set(doc["paths"]["/v1/responses"]["post"]["responses"]) == {
         "200", "400", "404", "413", "429", "500", "503"}
+
+
+@pytest.mark.parametrize("body, valid", [
+    ({"documents": ["def f(): pass"]}, True), ({"documents": ["a", "b"]}, True), ({}, False),
+    ({"documents": []}, False), ({"documents": [""]}, False), ({"documents": "a"}, False),
+    ({"documents": [1]}, False), ({"documents": ["a"], "text": "b"}, False),
+])
+def test_memory_corpus_schema(doc, body, valid):
+    assert validator(doc, "CorpusRequest").is_valid(body) is valid
+    operation = doc["paths"]["/v1/memory/corpus"]["post"]
+    assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("CorpusRequest")
+    assert set(operation["responses"]) == {"200", "400", "413", "500", "503"}
+    assert operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("CorpusAdded")
+    memory = doc["paths"]["/v1/memory"]["get"]["responses"]
+    assert set(memory) == {"200", "500", "503"} and memory["200"]["content"]["application/json"]["schema"][
+        "$ref"].endswith("MemoryInfo")

@@ -3,7 +3,8 @@
 ``ScriptedDecoder`` replays token-id steps chosen by the prompt's text (through the real tokenizer), so
 scheduler and HTTP tests control timing (gates), failures and token accounting exactly. Its ``batch_engine``
 is a ``ScriptedEngine``: the same add / step / cancel interface as ``decoding.BatchEngine``, so the worker
-runs the very loop it runs in production.
+runs the very loop it runs in production, with a real ``NGramMemory`` of ``memory_tokens`` (none for 0) behind
+its ``add_documents`` / ``memory_usage``, which only the corpus endpoint feeds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from decoding import Step, StepStats
+from decoding import MemoryUsage, NGramMemory, Step, StepStats
 from server.app import create_app
 from server.config import ServerConfig
 from server.sse import data_events
@@ -99,6 +100,7 @@ class ScriptedDecoder:
     lookaheads: list[Any] = field(default_factory=list)  # the LookaheadConfig of each request added, in order
     validated: list[tuple[Any, Any]] = field(default_factory=list)  # (StopCriteria, SamplingParams) validated
     validated_on: list[str] = field(default_factory=list)  # the name of the thread of each validation, in order
+    memory_added_on: list[str] = field(default_factory=list)  # the thread of each add_documents call, in order
 
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({self.tokenizer.eos_token_id})
@@ -163,6 +165,7 @@ class ScriptedEngine:
     def __init__(self, decoder: ScriptedDecoder) -> None:
         self.decoder = decoder
         self._requests: dict[Hashable, Iterator[Step]] = {}
+        self.memory = NGramMemory(decoder.memory_tokens) if decoder.memory_tokens else None
 
     @property
     def has_work(self) -> bool:
@@ -197,6 +200,17 @@ class ScriptedEngine:
         steps = self._requests.pop(request_id, None)
         if steps is not None:
             steps.close()
+
+    def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None:
+        self.decoder.memory_added_on.append(threading.current_thread().name)
+        if self.memory is None:
+            return None
+        for document in documents:
+            self.memory.add(document)
+        return self.memory.usage()
+
+    def memory_usage(self) -> MemoryUsage | None:
+        return None if self.memory is None else self.memory.usage()
 
 
 def token_steps(tokenizer: Any, pieces: Sequence[str]) -> list[list[int]]:

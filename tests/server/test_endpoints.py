@@ -23,6 +23,7 @@ REQUEST_TYPES = {  # request model -> the one module that may switch on it
     "CompletionRequest": "completions.py",
     "TokenizeRequest": "tokenization.py",
     "DetokenizeRequest": "tokenization.py",
+    "CorpusRequest": "corpus.py",
     "ResponseRequest": "responses.py",
     "GenerationFields": "",  # the shared base: no module switches on it
 }

@@ -13,12 +13,14 @@ import json
 import threading
 from typing import Any
 
+import pytest
+
 from decoding import SamplingParams, StopCriteria
 from server.metrics import Metrics
 from server.plans import GenerationPlan, Output
 from server.scheduler import Scheduler
 from server.text import TextStream
-from server.worker import Job, Worker
+from server.worker import Job, Worker, WorkerStopped
 from tests.server.conftest import make_config
 from tests.server.helpers import (
     Script,
@@ -317,3 +319,40 @@ def test_the_worker_registry_admits_a_request_all_or_none_within_its_limit():
     assert not worker.submit_many(jobs(2), limit=3) and worker.waiting == 2  # 4 > 3: none of the two
     assert worker.submit_many(jobs(1), limit=3) and worker.waiting == 3
     assert worker.submit_many(jobs(5), limit=None) and worker.waiting == 8
+
+
+async def test_a_worker_call_runs_on_the_worker_thread_and_reports_back(tokenizer):
+    """``Worker.call``: an idle worker wakes for it; the function gets the engine on the decode thread, between
+    iterations (while jobs run too); its result or exception comes back through the future; once the worker has
+    stopped a call fails with ``WorkerStopped`` and nothing runs."""
+    decoder = decoder_with(tokenizer, {"alpha": Script(token_steps(tokenizer, WORDS), delay=0.01)})
+    engine = decoder.batch_engine()
+    worker = Worker(max_running=1, engine=engine)
+    scheduler = Scheduler(worker, max_queue=2)
+    worker.start()
+    ran: list[str] = []
+
+    def record(target: Any) -> str:
+        assert target is engine
+        ran.append(threading.current_thread().name)
+        return "done"
+
+    def fail(target: Any) -> None:
+        raise ValueError("refused")
+
+    try:
+        assert await asyncio.wrap_future(worker.call(record)) == "done"  # idle: the call wakes the worker
+        plan = GenerationPlan(tokenizer.encode("alpha", add_special_tokens=False), StopCriteria(64),
+                              SamplingParams(), None, ())
+        handle = scheduler.submit(plan, TextStream(lambda ids: tokenizer.decode(ids)))
+        await wait_for(lambda: len(decoder.step_log) >= 2, what="the job running")
+        assert await asyncio.wrap_future(worker.call(record)) == "done"  # between two of the job's steps
+        with pytest.raises(ValueError, match="refused"):
+            await asyncio.wrap_future(worker.call(fail))
+        text, _ = await handle.collect()
+    finally:
+        worker.stop()
+    assert ran == ["decode-worker", "decode-worker"] and text == "".join(WORDS)  # the job went on unharmed
+    with pytest.raises(WorkerStopped):
+        worker.call(record).result(timeout=1)
+    assert len(ran) == 2
