@@ -3,7 +3,7 @@ embedding, attention and gated activation, around the native products of ``decod
 
 Contract: ``plan_for(model)`` returns a ``FusedPlan`` when ``model`` can step this way (a ``decoding.lean``
 model on the CPU in float32 whose projections are native kernels, fused q/k/v and gate/up, SiLU, head size a
-multiple of 8, and the native library built), else None. ``FusedPlan.forward(slices)`` then does what
+multiple of 8 up to 256, and the native library built), else None. ``FusedPlan.forward(slices)`` then does what
 ``decoding.packed.forward_packed`` does for those slices (each slice's keys/values appended to its own cache,
 its kept rows' logits returned, in order) with the same operations in a different arithmetic order: logits agree
 with the eager forward's to float tolerance, not bit for bit.
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from decoding.packed import Slice
 
 NATIVE_ATTENTION_ROWS = 32  # a slice of more tokens attends through torch's SDPA (a prefill chunk)
+MAX_HEAD_DIM = 256  # the widest attention head the native attention takes (csrc/fused_ops.cpp: MAX_DIM)
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -193,9 +194,8 @@ def _make_plan(model: PreTrainedModel) -> FusedPlan | None:
         singles = (attention.o_proj, mlp.down_proj)
         if qkv is None or gate_up is None or not all(isinstance(single, KernelLinear) for single in singles):
             return None
-        if attention.head_dim % 8 or not _plain_norm(layer.input_layernorm) or not _plain_norm(
-            layer.post_attention_layernorm
-        ):
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if attention.head_dim % 8 or attention.head_dim > MAX_HEAD_DIM or not all(map(_plain_norm, norms)):
             return None
         layers.append(_Layer(layer.input_layernorm.weight.detach(), qkv, attention.o_proj.kernel,
                              layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.kernel))
