@@ -66,13 +66,49 @@ inline float sum8(__m256 v) {
     return _mm_cvtss_f32(half);
 }
 
-// a . b over dim floats (dim a multiple of 8).
-inline float dot(const float* a, const float* b, int64_t dim) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    return sum8(acc);
+// The dot products of q with the four keys k[0..3] (dim a multiple of 8) into out[0..3]. Each key's sum is
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) over its 8 lane partial sums, whichever keys share the call.
+inline void dot4(const float* q, const float* const* k, int64_t dim, float* out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + d), a3);
+    }
+    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
 }
 
+// One query head over the keys at `slots` (count positions in the cache, in order): out[dim] =
+// softmax(q K^T scale) V, the softmax exact in two passes and the weighted sum dim / 8 FMA chains in slot order.
+void attend_head(const float* query, const float* keys, const float* values, const int64_t* slots, int64_t count,
+                 int64_t dim, float scale, float* scores, float* out) {
+    for (int64_t i = 0; i < count; i += 4) {
+        const float* four[4];
+        for (int64_t j = 0; j < 4; ++j) four[j] = keys + slots[i + j < count ? i + j : count - 1] * dim;
+        float dots[4];
+        dot4(query, four, dim, dots);
+        for (int64_t j = 0; j < 4 && i + j < count; ++j) scores[i + j] = dots[j] * scale;
+    }
+    float top = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) top = scores[i] > top ? scores[i] : top;
+    for (int64_t i = 0; i < count; ++i) scores[i] -= top;
+    exp_inplace(scores, count);
+    float total = 0.0f;
+    for (int64_t i = 0; i < count; ++i) total += scores[i];
+    const int64_t blocks = dim / 8;
+    __m256 sum[MAX_DIM / 8];
+    for (int64_t b = 0; b < blocks; ++b) sum[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < count; ++i) {
+        const __m256 weight = _mm256_set1_ps(scores[i]);
+        const float* value = values + slots[i] * dim;
+        for (int64_t b = 0; b < blocks; ++b) sum[b] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * b), sum[b]);
+    }
+    const __m256 divisor = _mm256_set1_ps(total);
+    for (int64_t b = 0; b < blocks; ++b) _mm256_storeu_ps(out + 8 * b, _mm256_div_ps(sum[b], divisor));
+}
 
 }  // namespace
 
@@ -122,10 +158,8 @@ void fused_rope(float* states, int64_t rows, int64_t row_stride, int64_t heads, 
 // `visible` ([count, count] bytes, nonzero = visible; null = causal) shows. out [count, heads * dim].
 // Query head h reads key/value head h / (heads / kv_heads).
 //
-// Each key/value head is read once per call: every row and every query head of its group take their score from
-// a cached key, and their share of a cached value, in the same pass. A (row, head)'s arithmetic is the same
-// whatever the other rows: scores one dot product each, the softmax over its own keys in position order, the
-// weighted sum dim / 8 FMA chains over those keys in position order.
+// A (row, head)'s arithmetic is the same whatever the other rows: each score one dot product, the softmax over its
+// own keys in position order, the weighted sum dim / 8 FMA chains over those keys in position order.
 void fused_attention(const float* qkv, int64_t count, int64_t row_stride, int64_t heads, int64_t kv_heads,
                      int64_t dim, float* keys, float* values, int64_t head_stride, int64_t past,
                      const uint8_t* visible, float scale, float* out) {
@@ -137,62 +171,19 @@ void fused_attention(const float* qkv, int64_t count, int64_t row_stride, int64_
                         dim * sizeof(float));
         }
     }
-    const int64_t group = heads / kv_heads, blocks = dim / 8, span = past + count, pairs = count * group;
-    auto sees = [&](int64_t t, int64_t j) { return visible == nullptr ? j <= t : visible[t * count + j] != 0; };
-    std::vector<float> scores(pairs * span), totals(pairs);
-    std::vector<float> acc(pairs * dim);
-    for (int64_t g = 0; g < kv_heads; ++g) {
-        const float* head_keys = keys + g * head_stride;
-        const float* head_values = values + g * head_stride;
-        auto query = [&](int64_t t, int64_t h) { return qkv + t * row_stride + (g * group + h) * dim; };
-        for (int64_t s = 0; s < past; ++s) {  // scores: the cached keys, seen by every row
-            for (int64_t p = 0; p < pairs; ++p) {
-                scores[p * span + s] = dot(query(p / group, p % group), head_keys + s * dim, dim) * scale;
-            }
+    const int64_t group = heads / kv_heads;
+    std::vector<int64_t> slots(past + count);
+    std::vector<float> scores(past + count);
+    for (int64_t s = 0; s < past; ++s) slots[s] = s;
+    for (int64_t t = 0; t < count; ++t) {
+        int64_t seen = past;
+        for (int64_t j = 0; j < count; ++j) {
+            if (visible == nullptr ? j <= t : visible[t * count + j] != 0) slots[seen++] = past + j;
         }
-        for (int64_t p = 0; p < pairs; ++p) {  // the step's own keys a row sees, then its softmax weights
-            const int64_t t = p / group;
-            float* row = scores.data() + p * span;
-            int64_t seen = past;
-            for (int64_t j = 0; j < count; ++j) {
-                if (sees(t, j)) row[seen++] = dot(query(t, p % group), head_keys + (past + j) * dim, dim) * scale;
-            }
-            float top = -INFINITY;
-            for (int64_t i = 0; i < seen; ++i) top = row[i] > top ? row[i] : top;
-            for (int64_t i = 0; i < seen; ++i) row[i] -= top;
-            exp_inplace(row, seen);
-            float total = 0.0f;
-            for (int64_t i = 0; i < seen; ++i) total += row[i];
-            totals[p] = total;
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        __m256 value[MAX_DIM / 8];
-        for (int64_t s = 0; s < past; ++s) {  // weighted values: the cached ones, each loaded once
-            for (int64_t b = 0; b < blocks; ++b) value[b] = _mm256_loadu_ps(head_values + s * dim + 8 * b);
-            for (int64_t p = 0; p < pairs; ++p) {
-                const __m256 weight = _mm256_set1_ps(scores[p * span + s]);
-                float* sum = acc.data() + p * dim;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    _mm256_storeu_ps(sum + 8 * b, _mm256_fmadd_ps(weight, value[b], _mm256_loadu_ps(sum + 8 * b)));
-                }
-            }
-        }
-        for (int64_t p = 0; p < pairs; ++p) {  // the step's own values, then the row's output
-            const int64_t t = p / group, h = g * group + p % group;
-            __m256 sum[MAX_DIM / 8];
-            for (int64_t b = 0; b < blocks; ++b) sum[b] = _mm256_loadu_ps(acc.data() + p * dim + 8 * b);
-            int64_t seen = past;
-            for (int64_t j = 0; j < count; ++j) {
-                if (!sees(t, j)) continue;
-                const __m256 weight = _mm256_set1_ps(scores[p * span + seen++]);
-                const float* source = head_values + (past + j) * dim;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    sum[b] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(source + 8 * b), sum[b]);
-                }
-            }
-            const __m256 divisor = _mm256_set1_ps(totals[p]);
-            float* target = out + (t * heads + h) * dim;
-            for (int64_t b = 0; b < blocks; ++b) _mm256_storeu_ps(target + 8 * b, _mm256_div_ps(sum[b], divisor));
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t g = h / group;
+            attend_head(qkv + t * row_stride + h * dim, keys + g * head_stride, values + g * head_stride,
+                        slots.data(), seen, dim, scale, scores.data(), out + (t * heads + h) * dim);
         }
     }
 }
