@@ -81,33 +81,44 @@ inline void dot4(const float* q, const float* const* k, int64_t dim, float* out)
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
 }
 
-// One query head over the keys at `slots` (count positions in the cache, in order): out[dim] =
-// softmax(q K^T scale) V, the softmax exact in two passes and the weighted sum dim / 8 FMA chains in slot order.
-void attend_head(const float* query, const float* keys, const float* values, const int64_t* slots, int64_t count,
-                 int64_t dim, float scale, float* scores, float* out) {
-    for (int64_t i = 0; i < count; i += 4) {
+constexpr int64_t SLOT_BLOCK = 64;  // cached keys (or values) per block: 16 KB of a 64-float head, in L1
+
+// scores[i] = (q . keys[slots[i]]) * scale for i in [begin, end), four keys a pass (a short tail repeats the last
+// key and drops its extra results).
+void score(const float* query, const float* keys, const int64_t* slots, int64_t begin, int64_t end, int64_t dim,
+           float scale, float* scores) {
+    for (int64_t i = begin; i < end; i += 4) {
         const float* four[4];
-        for (int64_t j = 0; j < 4; ++j) four[j] = keys + slots[i + j < count ? i + j : count - 1] * dim;
+        for (int64_t j = 0; j < 4; ++j) four[j] = keys + slots[i + j < end ? i + j : end - 1] * dim;
         float dots[4];
         dot4(query, four, dim, dots);
-        for (int64_t j = 0; j < 4 && i + j < count; ++j) scores[i + j] = dots[j] * scale;
+        for (int64_t j = 0; j < 4 && i + j < end; ++j) scores[i + j] = dots[j] * scale;
     }
+}
+
+// The softmax weights of scores[0, count) in place, unnormalized (exp(score - max)); returns their sum, in order.
+float softmax_weights(float* scores, int64_t count) {
     float top = -INFINITY;
     for (int64_t i = 0; i < count; ++i) top = scores[i] > top ? scores[i] : top;
     for (int64_t i = 0; i < count; ++i) scores[i] -= top;
     exp_inplace(scores, count);
     float total = 0.0f;
     for (int64_t i = 0; i < count; ++i) total += scores[i];
+    return total;
+}
+
+// acc[dim] += sum over i in [begin, end) of weights[i] * values[slots[i]], dim / 8 FMA chains in slot order.
+void weigh(const float* weights, const float* values, const int64_t* slots, int64_t begin, int64_t end, int64_t dim,
+           float* acc) {
     const int64_t blocks = dim / 8;
     __m256 sum[MAX_DIM / 8];
-    for (int64_t b = 0; b < blocks; ++b) sum[b] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < count; ++i) {
-        const __m256 weight = _mm256_set1_ps(scores[i]);
+    for (int64_t b = 0; b < blocks; ++b) sum[b] = _mm256_loadu_ps(acc + 8 * b);
+    for (int64_t i = begin; i < end; ++i) {
+        const __m256 weight = _mm256_set1_ps(weights[i]);
         const float* value = values + slots[i] * dim;
         for (int64_t b = 0; b < blocks; ++b) sum[b] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * b), sum[b]);
     }
-    const __m256 divisor = _mm256_set1_ps(total);
-    for (int64_t b = 0; b < blocks; ++b) _mm256_storeu_ps(out + 8 * b, _mm256_div_ps(sum[b], divisor));
+    for (int64_t b = 0; b < blocks; ++b) _mm256_storeu_ps(acc + 8 * b, sum[b]);
 }
 
 }  // namespace
@@ -158,8 +169,10 @@ void fused_rope(float* states, int64_t rows, int64_t row_stride, int64_t heads, 
 // `visible` ([count, count] bytes, nonzero = visible; null = causal) shows. out [count, heads * dim].
 // Query head h reads key/value head h / (heads / kv_heads).
 //
-// A (row, head)'s arithmetic is the same whatever the other rows: each score one dot product, the softmax over its
-// own keys in position order, the weighted sum dim / 8 FMA chains over those keys in position order.
+// The cached keys and values are read in blocks of SLOT_BLOCK slots, each block used by every row and query head of
+// its group while it sits in L1. A (row, head)'s arithmetic is the same whatever the other rows: each score one dot
+// product, the softmax over its own keys in position order, the weighted sum dim / 8 FMA chains over those keys in
+// position order (a block boundary only parks the running sums in memory).
 void fused_attention(const float* qkv, int64_t count, int64_t row_stride, int64_t heads, int64_t kv_heads,
                      int64_t dim, float* keys, float* values, int64_t head_stride, int64_t past,
                      const uint8_t* visible, float scale, float* out) {
@@ -171,19 +184,53 @@ void fused_attention(const float* qkv, int64_t count, int64_t row_stride, int64_
                         dim * sizeof(float));
         }
     }
-    const int64_t group = heads / kv_heads;
-    std::vector<int64_t> slots(past + count);
-    std::vector<float> scores(past + count);
-    for (int64_t s = 0; s < past; ++s) slots[s] = s;
+    const int64_t group = heads / kv_heads, span = past + count;
+    std::vector<int64_t> slots(count * span);  // each row's visible slots: 0..past-1, then its step slots
+    std::vector<int64_t> seen(count);
     for (int64_t t = 0; t < count; ++t) {
-        int64_t seen = past;
+        int64_t* own = slots.data() + t * span;
+        for (int64_t s = 0; s < past; ++s) own[s] = s;
+        seen[t] = past;
         for (int64_t j = 0; j < count; ++j) {
-            if (visible == nullptr ? j <= t : visible[t * count + j] != 0) slots[seen++] = past + j;
+            if (visible == nullptr ? j <= t : visible[t * count + j] != 0) own[seen[t]++] = past + j;
         }
-        for (int64_t h = 0; h < heads; ++h) {
-            const int64_t g = h / group;
-            attend_head(qkv + t * row_stride + h * dim, keys + g * head_stride, values + g * head_stride,
-                        slots.data(), seen, dim, scale, scores.data(), out + (t * heads + h) * dim);
+    }
+    std::vector<float> scores(count * group * span), totals(count * group), acc(count * group * dim);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+        const float* head_keys = keys + g * head_stride;
+        const float* head_values = values + g * head_stride;
+        auto query = [&](int64_t t, int64_t k) { return qkv + t * row_stride + (g * group + k) * dim; };
+        for (int64_t begin = 0; begin < past; begin += SLOT_BLOCK) {
+            const int64_t end = begin + SLOT_BLOCK < past ? begin + SLOT_BLOCK : past;
+            for (int64_t t = 0; t < count; ++t) {
+                for (int64_t k = 0; k < group; ++k) {
+                    score(query(t, k), head_keys, slots.data() + t * span, begin, end, dim, scale,
+                          scores.data() + (t * group + k) * span);
+                }
+            }
+        }
+        for (int64_t t = 0; t < count; ++t) {
+            for (int64_t k = 0; k < group; ++k) {
+                float* own = scores.data() + (t * group + k) * span;
+                score(query(t, k), head_keys, slots.data() + t * span, past, seen[t], dim, scale, own);
+                totals[t * group + k] = softmax_weights(own, seen[t]);
+            }
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t begin = 0; begin < past; begin += SLOT_BLOCK) {
+            const int64_t end = begin + SLOT_BLOCK < past ? begin + SLOT_BLOCK : past;
+            for (int64_t p = 0; p < count * group; ++p) {
+                weigh(scores.data() + p * span, head_values, slots.data() + (p / group) * span, begin, end, dim,
+                      acc.data() + p * dim);
+            }
+        }
+        for (int64_t p = 0; p < count * group; ++p) {
+            const int64_t t = p / group;
+            float* sum = acc.data() + p * dim;
+            weigh(scores.data() + p * span, head_values, slots.data() + t * span, past, seen[t], dim, sum);
+            const __m256 divisor = _mm256_set1_ps(totals[p]);
+            float* target = out + (t * heads + g * group + p % group) * dim;
+            for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(target + d, _mm256_div_ps(_mm256_loadu_ps(sum + d), divisor));
         }
     }
 }
