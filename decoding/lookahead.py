@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from decoding.choice import greedy_ids, top_ids
 from decoding.logits import adjust_logits, needs_adjusting
 from decoding.packed import Slice
 from decoding.params import LookaheadConfig, SamplingParams
@@ -232,9 +233,9 @@ class LookaheadStep:
         if not self.top_k:
             return {}
         k = min(self.top_k, logits.shape[-1])
-        top = logits[: len(row_tokens)].topk(k, dim=-1).indices.tolist()
+        top = top_ids(logits[: len(row_tokens)], k)
         last_row = path[-1]  # a window chain's row lies past the tree's: read it on its own
-        runners_up = top[last_row] if last_row < len(top) else logits[last_row].topk(k).indices.tolist()
+        runners_up = top[last_row] if last_row < len(top) else top_ids(logits[last_row : last_row + 1], k)[0]
         return {"successors": tuple(zip(row_tokens, map(tuple, top), strict=True)), "runners_up": tuple(runners_up)}
 
     def _tell(self, outcome: Outcome, reach: dict[str, tuple[int, int]]) -> None:
@@ -265,7 +266,7 @@ class LookaheadStep:
         predicts: ``last``'s row the next index, a tree node's its depth past that, bottom window row column j's
         ``levels + j - 1`` past it (the window then converges on the sampled text, as on the greedy one)."""
         if self.sampling.greedy:
-            return list(argmax) if argmax is not None else scores.argmax(dim=-1).tolist()
+            return list(argmax) if argmax is not None else greedy_ids(scores)
         first = self.sequence.generated
         indices = {0: first}
         indices.update({1 + column: first + levels + column - 1 for column in range(width)})

@@ -121,6 +121,7 @@ class FusedOps:
             "fused_attention": [pointer, size, size, size, size, size, pointer, pointer, size, size, pointer, real,
                                 pointer],
             "fused_silu_mul": [pointer, size, size, pointer],
+            "fused_top_tokens": [pointer, size, size, size, pointer],
         }
         for name, argtypes in signatures.items():
             entry = getattr(library, name)
@@ -129,6 +130,7 @@ class FusedOps:
         self.rope = library.fused_rope
         self.attention = library.fused_attention
         self.silu_mul = library.fused_silu_mul
+        self.top_tokens = library.fused_top_tokens
 
 
 @functools.lru_cache(maxsize=1)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from decoding.choice import greedy_id, greedy_ids
 from decoding.params import SamplingParams
 
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
@@ -153,7 +154,7 @@ def sample_rows(scores: torch.Tensor, sampling: SamplingParams, seed: int, indic
     """The tokens sampled from ``scores`` ``[rows, vocab]`` (adjusted and masked logits), row r at output index
     ``indices[r]``: the perturbed argmax, one read of the ids (nothing else leaves the device)."""
     noise = gumbel([row_key(seed, index) for index in indices], scores.shape[-1], scores.device)
-    return (warp_scores(scores, sampling) + noise).argmax(dim=-1).tolist()
+    return greedy_ids(warp_scores(scores, sampling) + noise)
 
 
 class SampledRows:
@@ -197,5 +198,5 @@ def row_chooser(sampling: SamplingParams, seed: int, first_index: int) -> Callab
     """How ``verify_constrained`` picks the token of a ``[vocab]`` row ``depth`` tokens past ``first_index``:
     the argmax when greedy (``seed`` unused), else the sample at output index ``first_index + depth``."""
     if sampling.greedy:
-        return lambda row, depth: int(row.argmax())
+        return lambda row, depth: greedy_id(row)
     return lambda row, depth: sample_rows(row.unsqueeze(0), sampling, seed, [first_index + depth])[0]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoding.choice import greedy_id
 from decoding.grammar import Constraint
 from decoding.kv_cache import SlotCache
 from decoding.logits import adjust_logits, needs_adjusting
@@ -226,7 +227,7 @@ def choose(logits: torch.Tensor, sampling: SamplingParams, sequence: SequenceSta
     if sequence.constraint is not None:
         scores = sequence.constraint.mask(scores)
     if sampling.greedy:
-        return int(scores.argmax())
+        return greedy_id(scores)
     return sample_rows(scores.unsqueeze(0), sampling, sequence.seed, [sequence.generated])[0]
 
 

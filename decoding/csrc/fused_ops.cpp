@@ -256,6 +256,43 @@ void fused_silu_mul(const float* gate_up, int64_t rows, int64_t inner, float* ou
     }
 }
 
+// Each row's k highest scores' indices, highest first, the lower index first among equal scores (so k = 1 is
+// torch's argmax): scores [rows, width], out [rows, k] (k <= 64). NaN scores are never chosen.
+void fused_top_tokens(const float* scores, int64_t rows, int64_t width, int64_t k, int64_t* out) {
+    float best[64];
+    int64_t ids[64];
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* row = scores + r * width;
+        int64_t held = 0;
+        auto offer = [&](float value, int64_t id) {
+            if (held == k && !(value > best[k - 1])) return;
+            int64_t at = held < k ? held : k - 1;
+            while (at > 0 && value > best[at - 1]) {
+                best[at] = best[at - 1];
+                ids[at] = ids[at - 1];
+                --at;
+            }
+            best[at] = value;
+            ids[at] = id;
+            held = held < k ? held + 1 : k;
+        };
+        int64_t i = 0;
+        for (; i + 8 <= width; i += 8) {
+            const __m256 block = _mm256_loadu_ps(row + i);
+            if (held == k && _mm256_movemask_ps(_mm256_cmp_ps(block, _mm256_set1_ps(best[k - 1]), _CMP_GT_OQ)) == 0) {
+                continue;
+            }
+            for (int64_t j = 0; j < 8; ++j) {
+                if (row[i + j] == row[i + j]) offer(row[i + j], i + j);
+            }
+        }
+        for (; i < width; ++i) {
+            if (row[i] == row[i]) offer(row[i], i);
+        }
+        for (int64_t j = 0; j < k; ++j) out[r * k + j] = j < held ? ids[j] : 0;
+    }
+}
+
 }  // extern "C"
 
 #endif  // PANEL_WIDE
