@@ -83,14 +83,7 @@ class PanelGemm:
         return weight.detach().float().reshape(rows // lanes, lanes, columns).transpose(1, 2).contiguous()
 
     def __call__(self, rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-        """``rows`` [M, K] times the packed weight: [M, N] float32 (``rows`` is made contiguous float32). Under
-        ``torch.compile`` it is the ``lookahead::panel_gemm`` op (traceable); eagerly, the ctypes call."""
-        if torch.compiler.is_compiling():
-            return torch.ops.lookahead.panel_gemm(rows, panels)
-        return self.call(rows, panels)
-
-    def call(self, rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-        """``__call__`` run eagerly: the ctypes call."""
+        """``rows`` [M, K] times the packed weight: [M, N] float32 (``rows`` is made contiguous float32)."""
         rows = rows.contiguous().float()
         count, depth = rows.shape
         if panels.shape[1] != depth:
@@ -102,16 +95,7 @@ class PanelGemm:
 
     def quantized(self, kind: int, rows: torch.Tensor, panels: torch.Tensor, lanes: int, depth: int) -> torch.Tensor:
         """``rows`` [M, K] times a block-quantized weight packed in panels of ``lanes`` columns
-        (``decoding.quant_panels``: uint8 [N / lanes, K / 32, block bytes], format ``kind``): [M, N] float32.
-        Under ``torch.compile`` it is the ``lookahead::quant_gemm`` op (traceable); eagerly, the ctypes call."""
-        if torch.compiler.is_compiling():
-            return torch.ops.lookahead.quant_gemm(rows, panels, kind, lanes, depth)
-        return self.call_quantized(kind, rows, panels, lanes, depth)
-
-    def call_quantized(
-        self, kind: int, rows: torch.Tensor, panels: torch.Tensor, lanes: int, depth: int
-    ) -> torch.Tensor:
-        """``quantized`` run eagerly: the ctypes call."""
+        (``decoding.quant_panels``: uint8 [N / lanes, K / 32, block bytes], format ``kind``): [M, N] float32."""
         rows = rows.contiguous().float()
         count = rows.shape[0]
         if rows.shape[1] != depth:
@@ -207,10 +191,10 @@ def panel_gemm() -> PanelGemm | None:
     return PanelGemm(ctypes.CDLL(str(target)), wide_cpu())
 
 
-# --- the kernels as torch ops, so that torch.compile traces a forward through them -------------------------
+# --- the kernels as torch ops, so that torch.compile traces through them (``decoding.compiled``) ------------
 # Declared with ``torch.library.Library`` (a CPU kernel and a fake one) rather than ``torch.library.custom_op``:
-# a call costs ~2 us more than the ctypes call this way, ~16 us through ``custom_op``'s wrapper (measured on the
-# 2-core Xeon, one row of 576). Eager calls skip them all the same (``PanelGemm`` calls ctypes directly).
+# a call costs ~3 us more than the ctypes call this way, ~16 us more through ``custom_op``'s wrapper (the 2-core
+# Xeon, one row of 576). The eager forward calls ``PanelGemm`` directly.
 
 OPS = torch.library.Library("lookahead", "DEF")
 OPS.define("panel_gemm(Tensor rows, Tensor panels) -> Tensor")
@@ -218,14 +202,13 @@ OPS.define("quant_gemm(Tensor rows, Tensor panels, int kind, int lanes, int dept
 
 
 def _panel_gemm_op(rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """``PanelGemm.__call__`` as a torch op: ``rows`` [M, K] times float32 panels [N / L, K, L] -> [M, N]."""
-    return _loaded().call(rows, panels)
+    """``PanelGemm.__call__`` as the op ``lookahead::panel_gemm``: rows [M, K], panels [N / L, K, L] -> [M, N]."""
+    return _loaded()(rows, panels)
 
 
 def _quant_gemm_op(rows: torch.Tensor, panels: torch.Tensor, kind: int, lanes: int, depth: int) -> torch.Tensor:
-    """``PanelGemm.quantized`` as a torch op: ``rows`` [M, K] times quantized panels of ``lanes`` columns
-    -> [M, N]."""
-    return _loaded().call_quantized(kind, rows, panels, lanes, depth)
+    """``PanelGemm.quantized`` as the op ``lookahead::quant_gemm``: rows [M, K] -> [M, N]."""
+    return _loaded().quantized(kind, rows, panels, lanes, depth)
 
 
 @torch.library.register_fake("lookahead::panel_gemm", lib=OPS)
@@ -243,7 +226,7 @@ OPS.impl("quant_gemm", _quant_gemm_op, "CPU")
 
 
 def _loaded() -> PanelGemm:
-    """The loaded kernel (the ops run only where a ``PanelGemm`` already ran them)."""
+    """The loaded kernel (the ops run only where a ``PanelGemm`` was built)."""
     gemm = panel_gemm()
     if gemm is None:
         raise RuntimeError("the native kernel does not run here")
