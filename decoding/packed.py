@@ -34,6 +34,8 @@ from decoding import lean
 from decoding.kv_cache import SlotCache
 
 PACKED_ATTENTION = "lookahead_packed"
+# A model attribute naming the function that steps it in place of ``lean.forward`` (``decoding.compiled``).
+LEAN_FORWARD = "_lookahead_lean_forward"
 # Attention kernels of a packed forward on CUDA (no cuDNN: see the module docstring).
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -232,8 +234,9 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
     """Run one forward over every slice; return each slice's logits ``[len(logit_rows), vocab]`` in order.
 
     Each slice's cache grows by its token count. Raises ``CacheOverflowError`` if a cache would overflow. A
-    LLaMA-family model is stepped by ``decoding.lean`` (the same logits, less framework work per step); any
-    other goes through its public forward with the packed attention function selected.
+    LLaMA-family model is stepped by ``decoding.lean`` (the same logits, less framework work per step), or by the
+    function its ``LEAN_FORWARD`` attribute holds (``decoding.compiled``); any other goes through its public
+    forward with the packed attention function selected.
     """
     device = model.device
     group = query_group(model) if device.type == "cuda" else 1
@@ -253,7 +256,8 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
     position_ids, kept = torch.cat(positions).to(device), torch.cat(rows).to(device)
     with _attention_kernels(device):
         if lean.supports(model):
-            logits = lean.forward(model, input_ids, position_ids, kept, batch.attend)
+            forward = getattr(model, LEAN_FORWARD, lean.forward)
+            logits = forward(model, input_ids, position_ids, kept, batch.attend)
         else:
             logits = _public_forward(model, input_ids, position_ids, kept, batch)
     return list(torch.split(logits, [slice_.row_count for slice_ in slices]))
