@@ -151,7 +151,7 @@ def _layer(layer: torch.nn.Module) -> tuple[LayerSpec, LayerTensors] | None:
     return spec, tensors
 
 
-def _compile(function: Callable) -> Callable:
+def compile_graph(function: Callable) -> Callable:
     """``torch.compile`` of one of the graph functions: whole graphs, guards on tensors only (the spec and the
     structure are checked once, by ``CompiledForward.build``)."""
     options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
@@ -168,16 +168,16 @@ def _token_dim(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 class CompiledForward:
     """``decoding.lean.forward`` with the work between attentions compiled (see the module contract)."""
 
-    def __init__(self, spec: LayerSpec, layers: list[LayerTensors]) -> None:
-        self.layers = layers
-        self._inputs = _compile(attention_inputs)
-        self._between = _compile(between)
-        self._rest = _compile(layer_rest)
-        self.spec = spec
+    def __init__(self, spec: LayerSpec, layers: list[LayerTensors], compile: Callable[[Callable], Callable]) -> None:
+        self.spec, self.layers = spec, layers
+        self._inputs, self._between, self._rest = compile(attention_inputs), compile(between), compile(layer_rest)
 
     @classmethod
-    def build(cls, model: PreTrainedModel) -> CompiledForward | None:
-        """The compiled forward of ``model``, or None where it cannot run it (see the module contract)."""
+    def build(
+        cls, model: PreTrainedModel, compile: Callable[[Callable], Callable] = compile_graph
+    ) -> CompiledForward | None:
+        """The compiled forward of ``model``, or None where it cannot run it (see the module contract).
+        ``compile`` turns each graph function into what runs (tests pass the identity: the same functions, eager)."""
         first = next(model.parameters())
         if not lean.supports(model) or first.device.type != "cpu" or first.dtype != torch.float32:
             return None
@@ -187,7 +187,7 @@ class CompiledForward:
         layers = [_layer(layer) for layer in decoder.layers[: _layer_count(model)]]
         if any(layer is None for layer in layers) or len({spec for spec, _ in layers}) != 1:
             return None
-        return cls(layers[0][0], [tensors for _, tensors in layers])
+        return cls(layers[0][0], [tensors for _, tensors in layers], compile)
 
     def __call__(
         self, model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor,
