@@ -6,7 +6,9 @@ Contract: ``main(argv)`` loads the default model as the CPU preset loads it (one
 graphs a decode needs: a prefill chunk, one-token and multi-token steps), with the graph count and recompiles
 torch reports. Then it decodes each of the first ``--limit`` prompts of ``--dataset`` with greedy and with
 lookahead (the CPU preset's settings) both eagerly and compiled, alternating which goes first from prompt to
-prompt, and prints ms per token for each (median over prompts of each prompt's seconds / tokens), the ratios,
+prompt, and prints ms per token for each (median over prompts of each prompt's seconds / tokens; wall clock
+and this thread's CPU time, steadier on a shared machine), the ratios (of the medians; of CPU time, the median of
+each prompt's compiled / eager ratio),
 whether lookahead's output equalled greedy's under each, and whether the compiled outputs equalled the eager
 ones. ``--cold`` compiles into a fresh inductor cache (what a first start on a new machine pays); without it
 inductor's on-disk cache may hold the graphs from an earlier run. ``--json PATH`` writes the figures. Exit
@@ -86,6 +88,7 @@ def speed_figures(decoder: Decoder, compiled: CompiledForward, dataset: str, lim
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in load_dataset(dataset, limit)]
     decodes = decoders_of(decoder, max_tokens)
     times: dict[tuple[str, str], list[float]] = {(f, m): [] for f in FORWARDS for m in METHODS}
+    cpu: dict[tuple[str, str], list[float]] = {(f, m): [] for f in FORWARDS for m in METHODS}
     identical = dict.fromkeys(FORWARDS, 0)
     compiled_equals_eager = 0
     for index, ids in enumerate(prompts):
@@ -93,15 +96,20 @@ def speed_figures(decoder: Decoder, compiled: CompiledForward, dataset: str, lim
         for forward in FORWARDS if index % 2 == 0 else FORWARDS[::-1]:
             use_forward(decoder, compiled, forward)
             for method in METHODS if index % 2 == 0 else METHODS[::-1]:
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.thread_time()
                 decoded = decodes[method](ids)
                 times[forward, method].append(1000 * (time.perf_counter() - started) / len(decoded.output_ids))
+                cpu[forward, method].append(1000 * (time.thread_time() - started_cpu) / len(decoded.output_ids))
                 outputs[forward, method] = decoded.output_ids
             identical[forward] += outputs[forward, "greedy"] == outputs[forward, "lookahead"]
         compiled_equals_eager += all(outputs["eager", m] == outputs["compiled", m] for m in METHODS)
     use_forward(decoder, compiled, "eager")
     medians = {f"{f} {m}": statistics.median(times[f, m]) for f in FORWARDS for m in METHODS}
+    cpu_medians = {f"{f} {m}": statistics.median(cpu[f, m]) for f in FORWARDS for m in METHODS}
+    ratios = {m: statistics.median(c / e for c, e in zip(cpu["compiled", m], cpu["eager", m], strict=True))
+              for m in METHODS}
     return {"dataset": dataset, "prompts": len(prompts), "max_tokens": max_tokens, "ms_per_token": medians,
+            "cpu_ms_per_token": cpu_medians, "cpu_ratio": ratios,
             "lookahead_identical_to_greedy": identical, "compiled_identical_to_eager": compiled_equals_eager}
 
 
@@ -117,9 +125,11 @@ def report(figures: dict) -> str:
         ms = speed["ms_per_token"]
         lines.append(f"{speed['dataset']}, {speed['prompts']} prompts, {speed['max_tokens']} tokens, one thread:")
         for key, value in ms.items():
-            lines.append(f"  {key:20s} {value:7.2f} ms/token")
+            lines.append(f"  {key:20s} {value:7.2f} ms/token, {speed['cpu_ms_per_token'][key]:7.2f} ms of CPU")
         for method in METHODS:
-            lines.append(f"  {method}: compiled / eager = {ms[f'compiled {method}'] / ms[f'eager {method}']:.3f}x time")
+            ratio = ms[f"compiled {method}"] / ms[f"eager {method}"]
+            lines.append(f"  {method}: compiled / eager = {ratio:.3f}x time, {speed['cpu_ratio'][method]:.3f}x CPU "
+                         "(median of per-prompt ratios)")
         lines.append(f"  lookahead == greedy on {speed['lookahead_identical_to_greedy']} of {speed['prompts']}")
         lines.append(f"  compiled == eager (both methods) on {speed['compiled_identical_to_eager']} of "
                      f"{speed['prompts']}")
