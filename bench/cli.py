@@ -360,8 +360,8 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory``,
-    ``anatomy``, ``agent``, ``gpu``, ``weights`` or ``tune`` (``bench.tuning``) as the first argument runs that
-    module of ``bench`` with the rest."""
+    ``anatomy``, ``agent``, ``gpu``, ``weights``, ``compile`` (``bench.compiled``) or ``tune`` (``bench.tuning``)
+    as the first argument runs that module of ``bench`` with the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["heldout"]:
         from bench import heldout  # it builds on this module
@@ -391,6 +391,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import weights
 
         return weights.main(argv[1:])
+    if argv[:1] == ["compile"]:
+        from bench import compiled
+
+        return compiled.main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:

@@ -34,6 +34,8 @@ from decoding import fused, lean
 from decoding.kv_cache import SlotCache
 
 PACKED_ATTENTION = "lookahead_packed"
+# A model attribute naming the function that steps it in place of ``lean.forward`` (``decoding.compiled``).
+LEAN_FORWARD = "_lookahead_lean_forward"
 # Attention kernels of a packed forward on CUDA (no cuDNN: see the module docstring).
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -233,11 +235,12 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
 
     Each slice's cache grows by its token count. Raises ``CacheOverflowError`` if a cache would overflow. A
     LLaMA-family model on native CPU kernels takes the fused step (``decoding.fused``: its small operations in
-    native calls); another LLaMA-family model is stepped by ``decoding.lean`` (the same logits as its public
-    forward, less framework work per step); any other goes through its public forward with the packed attention
-    function selected.
+    native calls) unless its ``LEAN_FORWARD`` attribute names a forward (``decoding.compiled``, for the A/B of
+    ``python -m bench compile``); another LLaMA-family model is stepped by ``decoding.lean`` (the same logits as
+    its public forward, less framework work per step); any other goes through its public forward with the packed
+    attention function selected.
     """
-    plan = fused.plan_for(model)
+    plan = None if hasattr(model, LEAN_FORWARD) else fused.plan_for(model)
     if plan is not None:
         return plan.forward(slices)
     device = model.device
@@ -258,7 +261,8 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
     position_ids, kept = torch.cat(positions).to(device), torch.cat(rows).to(device)
     with _attention_kernels(device):
         if lean.supports(model):
-            logits = lean.forward(model, input_ids, position_ids, kept, batch.attend)
+            forward = getattr(model, LEAN_FORWARD, lean.forward)
+            logits = forward(model, input_ids, position_ids, kept, batch.attend)
         else:
             logits = _public_forward(model, input_ids, position_ids, kept, batch)
     return list(torch.split(logits, [slice_.row_count for slice_ in slices]))

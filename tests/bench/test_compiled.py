@@ -1,0 +1,33 @@
+"""``bench.compiled``: the report states the compile cost, each forward's ms per token, the compiled / eager
+ratios and the exactness counts; bad arguments exit with status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import compiled
+
+
+def test_the_report_gives_compile_cost_speeds_ratios_and_exactness():
+    figures = {
+        "compile": {"seconds": 95.0, "graphs": 6, "recompiles": 3, "cold": True},
+        "speed": {"dataset": "humaneval", "prompts": 2, "max_tokens": 64,
+                  "ms_per_token": {"eager greedy": 26.0, "eager lookahead": 20.0, "compiled greedy": 13.0,
+                                   "compiled lookahead": 15.0},
+                  "cpu_ms_per_token": {"eager greedy": 25.0, "eager lookahead": 19.0, "compiled greedy": 12.5,
+                                       "compiled lookahead": 14.0},
+                  "cpu_ratio": {"greedy": 0.5, "lookahead": 0.74},
+                  "lookahead_identical_to_greedy": {"eager": 2, "compiled": 2}, "compiled_identical_to_eager": 1},
+    }
+    text = compiled.report(figures)
+    assert "compile: 95.0 s (fresh inductor cache), 6 graphs, 3 recompiles" in text
+    assert "greedy: compiled / eager = 0.500x time, 0.500x CPU" in text
+    assert "lookahead: compiled / eager = 0.750x time, 0.740x CPU" in text
+    assert "eager greedy           26.00 ms/token,   25.00 ms of CPU" in text
+    assert "{'eager': 2, 'compiled': 2} of 2" in text and "compiled == eager (both methods) on 1 of 2" in text
+
+
+def test_bad_arguments_exit_with_status_2():
+    with pytest.raises(SystemExit) as caught:
+        compiled.main(["--limit", "0"])
+    assert caught.value.code == 2
