@@ -14,9 +14,10 @@ seven native calls and two additions (docs/benchmarks.md, "The fused CPU step").
 
 Exactness: every native call computes a row from that row alone, and attention visits a row's visible keys in
 position order with an exact two-pass softmax, so a token's logits are the same bits in a one-token step and in
-a lookahead step whose mask shows it the same tokens: greedy lookahead equals greedy exactly. A slice of more
-than ``NATIVE_ATTENTION_ROWS`` tokens (a prefill chunk) attends with torch's scaled-dot-product attention,
-which is faster there; its keys/values are stored the same way, and its rows are never a decode step's.
+a lookahead step whose mask shows it the same tokens: greedy lookahead equals greedy exactly. A prompt chunk (a
+causal slice with no tree) of more than ``NATIVE_ATTENTION_ROWS`` tokens attends with torch's scaled-dot-product
+attention, which is faster there; its keys/values are stored the same way. A decode step of any size (greedy's
+one token, a lookahead tree) attends natively.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from decoding.linears import KernelLinear, is_float32_cpu, shared_kernel
 if TYPE_CHECKING:
     from decoding.packed import Slice
 
-NATIVE_ATTENTION_ROWS = 32  # a slice of more tokens attends through torch's SDPA (a prefill chunk)
+NATIVE_ATTENTION_ROWS = 32  # a causal prompt chunk of more tokens attends through torch's SDPA
 MAX_HEAD_DIM = 256  # the widest attention head the native attention takes (csrc/fused_ops.cpp: MAX_DIM)
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -129,7 +130,7 @@ class FusedPlan:
         layer = slice_.cache.layers[index]
         keys, values = layer._key_buffer[0], layer._value_buffer[0]  # [kv_heads, capacity, dim]
         count, past = states.shape[0], slice_.cache.length
-        if count <= NATIVE_ATTENTION_ROWS:
+        if not _is_prefill_chunk(slice_, mask):
             pointer = 0 if mask is None else mask.data_ptr()
             self.ops.attention(states.data_ptr(), count, states.shape[1], self.heads, self.kv_heads, self.dim,
                                keys.data_ptr(), values.data_ptr(), keys.stride(0), past, pointer, self.scaling,
@@ -162,6 +163,13 @@ def _reserve(cache: SlotCache, count: int, kv_heads: int, dim: int) -> None:
         if not layer.is_initialized:
             shape = torch.empty((1, kv_heads, 0, dim))
             layer.lazy_initialization(shape, shape)
+
+
+def _is_prefill_chunk(slice_: Slice, mask: torch.Tensor | None) -> bool:
+    """Whether ``slice_`` is a causal prompt chunk of more than ``NATIVE_ATTENTION_ROWS`` tokens (no mask, no
+    tree): those attend through SDPA. Every decode step (greedy: one token; lookahead: a tree, however large)
+    attends natively, so greedy and lookahead rows are computed alike."""
+    return mask is None and slice_.parents is None and len(slice_.tokens) > NATIVE_ATTENTION_ROWS
 
 
 def _visible_bytes(slice_: Slice) -> torch.Tensor | None:

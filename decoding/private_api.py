@@ -120,7 +120,37 @@ def _fbgemm() -> bool:
 
 _SLOT_LAYER_HOOKS = ("lazy_initialization", "update", "get_seq_length", "get_mask_sizes", "get_max_length", "crop")
 
+def _own_op(name: str) -> Callable[[], bool]:
+    """A check that our op ``torch.ops.lookahead.<name>`` is defined once ``decoding.native`` is imported."""
+
+    def check() -> bool:
+        importlib.import_module("decoding.native")
+        return exists(f"torch.ops.lookahead.{name}")()
+
+    return check
+
+
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi(
+        "torch._dynamo.maybe_mark_dynamic",
+        "decoding.compiled",
+        "marks a graph input's token count dynamic so one graph serves every step size (python -m bench compile, "
+        "not the serving path; tests/decoding/test_compiled.py)",
+        exists("torch._dynamo.maybe_mark_dynamic"),
+    ),
+    PrivateApi(
+        "torch.ops.lookahead.panel_gemm",
+        "decoding.compiled",
+        "our own op (decoding.native's float32 panel product), listed because the scan cannot tell it from torch's",
+        _own_op("panel_gemm"),
+    ),
+    PrivateApi(
+        "torch.ops.lookahead.quant_gemm",
+        "decoding.compiled",
+        "our own op (decoding.native's quantized panel product), listed because the scan cannot tell it from "
+        "torch's",
+        _own_op("quant_gemm"),
+    ),
     PrivateApi(
         "torch.ops.aten._fused_rms_norm",
         "decoding.static_forward",

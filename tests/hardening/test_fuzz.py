@@ -125,8 +125,14 @@ def test_generation_routes_refuse_invalid_bodies(schema, live, path):
     assert statuses and all(400 <= status < 500 for status in statuses), statuses
 
 
+def test_the_corpus_route_refuses_invalid_bodies(schema, live):
+    statuses = fuzz(schema, live.base_url, "/v1/memory/corpus", "POST", GenerationMode.NEGATIVE, 20)
+    assert statuses and all(400 <= status < 500 for status in statuses), statuses
+
+
 @pytest.mark.parametrize("path, examples", [("/v1/models", 3), ("/v1/models/{model_id}", 15), ("/health", 3),
-                                            ("/metrics", 3), ("/v1/responses/{response_id}", 5)])
+                                            ("/metrics", 3), ("/v1/responses/{response_id}", 5),
+                                            ("/v1/memory", 3)])
 def test_read_routes(schema, live, path, examples):
     statuses = fuzz(schema, live.base_url, path, "GET", GenerationMode.POSITIVE, examples)
     assert statuses and set(statuses) <= {200, 404}, statuses  # 404: an unknown model id, or response id
