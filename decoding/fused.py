@@ -55,6 +55,20 @@ class _Layer:
     down: object  # rows [T, inner] -> [T, hidden]
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One forward's slices, their masks (``[t, t]`` bytes, None: causal), rotary tables ``[T, dim]`` and the
+    layers' scratch rows (``normed`` [T, hidden], ``attended`` [T, heads * dim], ``activated`` [T, inner])."""
+
+    slices: Sequence[Slice]
+    masks: list[torch.Tensor | None]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    normed: torch.Tensor
+    attended: torch.Tensor
+    activated: torch.Tensor
+
+
 class FusedPlan:
     """A model's layers prepared for the fused step (see the module contract)."""
 
@@ -81,9 +95,11 @@ class FusedPlan:
         hidden = decoder.embed_tokens(torch.tensor(tokens))  # [T, hidden]
         cos, sin = decoder.rotary_emb(hidden[None], positions[None])  # [1, T, dim]
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        masks = [_visible_bytes(slice_) for slice_ in slices]
+        count = hidden.shape[0]
+        step = _Step(slices, [_visible_bytes(slice_) for slice_ in slices], cos, sin, torch.empty_like(hidden),
+                     torch.empty((count, self.heads * self.dim)), torch.empty((count, self.inner)))
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, slices, masks)
+            self._layer(index, layer, hidden, step)
         for slice_ in slices:
             slice_.cache.advance(len(slice_.tokens))
         rows, start = [], 0
@@ -97,30 +113,24 @@ class FusedPlan:
         logits = self.model.lm_head(normed)
         return list(torch.split(logits, [slice_.row_count for slice_ in slices]))
 
-    def _layer(
-        self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        slices: Sequence[Slice], masks: Sequence[torch.Tensor | None],
-    ) -> torch.Tensor:
-        """``hidden`` [T, hidden] through decoder layer ``index``: attention (keys/values stored), then the MLP."""
-        ops, count, width = self.ops, hidden.shape[0], hidden.shape[1]
-        normed = torch.empty_like(hidden)
+    def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, step: _Step) -> None:
+        """``hidden`` [T, hidden] through decoder layer ``index``, in place: attention (keys/values stored), then
+        the MLP."""
+        ops, count, width, normed = self.ops, hidden.shape[0], hidden.shape[1], step.normed
         ops.rms_norm(hidden.data_ptr(), count, width, layer.input_norm.data_ptr(), self.eps, normed.data_ptr())
         states = layer.qkv(normed)  # [T, (heads + 2 kv_heads) * dim]
-        stride = states.shape[1]
-        ops.rope(states.data_ptr(), count, stride, self.heads + self.kv_heads, self.dim, cos.data_ptr(),
-                 sin.data_ptr())
-        attended = torch.empty((count, self.heads * self.dim))
+        ops.rope(states.data_ptr(), count, states.shape[1], self.heads + self.kv_heads, self.dim, step.cos.data_ptr(),
+                 step.sin.data_ptr())
         start = 0
-        for slice_, mask in zip(slices, masks, strict=True):
+        for slice_, mask in zip(step.slices, step.masks, strict=True):
             end = start + len(slice_.tokens)
-            self._attend(index, slice_, mask, states[start:end], attended[start:end])
+            self._attend(index, slice_, mask, states[start:end], step.attended[start:end])
             start = end
-        hidden = hidden + layer.output(attended)
+        hidden.add_(layer.output(step.attended))
         ops.rms_norm(hidden.data_ptr(), count, width, layer.post_norm.data_ptr(), self.eps, normed.data_ptr())
         both = layer.gate_up(normed)  # [T, 2 * inner]
-        activated = torch.empty((count, self.inner))
-        ops.silu_mul(both.data_ptr(), count, self.inner, activated.data_ptr())
-        return hidden.add_(layer.down(activated))
+        ops.silu_mul(both.data_ptr(), count, self.inner, step.activated.data_ptr())
+        hidden.add_(layer.down(step.activated))
 
     def _attend(
         self, index: int, slice_: Slice, mask: torch.Tensor | None, states: torch.Tensor, out: torch.Tensor
