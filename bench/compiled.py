@@ -1,19 +1,19 @@
-"""``python -m bench compile``: the CPU forward the server runs ("eager": the fused step, ``decoding.fused``, where
-it runs, else ``lean.forward``) against ``torch.compile``'s (``decoding.compiled``), side by side in one process
-on the default model.
+"""``python -m bench compile``: the CPU forwards side by side in one process on the default model: the fused step
+the server runs (``decoding.fused``), the lean step it replaced (``lean.forward``: the model's own modules, one
+ATen op at a time) and ``torch.compile``'s graphs around the native products (``decoding.compiled``).
 
-Contract: ``main(argv)`` loads the default model as the CPU preset loads it (one thread), builds its
-``CompiledForward`` and times the compile: one greedy and one lookahead decode of a short prompt with it (the
-graphs a decode needs: a prefill chunk, one-token and multi-token steps), with the graph count and recompiles
-torch reports. Then it decodes each of the first ``--limit`` prompts of ``--dataset`` with greedy and with
-lookahead (the CPU preset's settings) both eagerly and compiled, alternating which goes first from prompt to
-prompt, and prints ms per token for each (median over prompts of each prompt's seconds / tokens; wall clock
-and this thread's CPU time, steadier on a shared machine), the ratios (of the medians; of CPU time, the median of
-each prompt's compiled / eager ratio),
-whether lookahead's output equalled greedy's under each, and whether the compiled outputs equalled the eager
-ones. ``--cold`` compiles into a fresh inductor cache (what a first start on a new machine pays); without it
-inductor's on-disk cache may hold the graphs from an earlier run. ``--json PATH`` writes the figures. Exit
-status 2 on bad arguments or when the model is not one ``CompiledForward`` runs.
+Contract: ``main(argv)`` loads the default model as the CPU preset loads it (one thread). With ``compiled`` among
+``--forwards`` it builds the ``CompiledForward`` and times the compile: one greedy and one lookahead decode of a
+short prompt with it (the graphs a decode needs: a prefill chunk, one-token and multi-token steps), with the
+graph count and recompiles torch reports. Then it decodes each of the first ``--limit`` prompts of ``--dataset``
+with greedy and with lookahead (the CPU preset's settings) under each forward, alternating the order from prompt
+to prompt, and prints ms per token for each (median over prompts of each prompt's seconds / tokens; wall clock
+and this thread's CPU time, steadier on a shared machine), each forward's ratio to the lean step's (the median
+of each prompt's CPU-time ratio), whether lookahead's output equalled greedy's under each forward, and on how
+many prompts each forward's outputs equalled the lean step's. ``--cold`` compiles into a fresh inductor cache
+(what a first start on a new machine pays); without it inductor's on-disk cache may hold the graphs from an
+earlier run. ``--json PATH`` writes the figures. Exit status 2 on bad arguments or when the model is not one
+the asked forwards run.
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ import torch
 
 from bench.datasets import DatasetError, encode_prompt, load_dataset
 from bench.measure import Decoded, decode_greedy, decode_lookahead
+from decoding import fused, lean
 from decoding.compiled import CompiledForward
 from decoding.decoder import Decoder, configure_threads
 from decoding.packed import LEAN_FORWARD
 from decoding.params import StopCriteria
 from server.config import decoder_lookahead, load_config
 
-FORWARDS = ("eager", "compiled")
+FORWARDS = ("fused", "lean", "compiled")
+BASELINE = "lean"
 METHODS = ("greedy", "lookahead")
 WARMUP_PROMPT = "def fibonacci(n):\n    "
 
@@ -47,18 +49,21 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", default="humaneval", choices=("humaneval", "chat", "alpacaeval", "mtbench"))
     parser.add_argument("--limit", type=int, default=6, help="first N prompts (default 6)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per decode (default 128)")
+    parser.add_argument("--forwards", default=",".join(FORWARDS),
+                        help=f"comma-separated, from {', '.join(FORWARDS)} (default all; lean is the baseline)")
     parser.add_argument("--cold", action="store_true", help="compile into a fresh inductor cache")
     parser.add_argument("--json", help="write the figures here")
     return parser
 
 
-def use_forward(decoder: Decoder, compiled: CompiledForward, forward: str) -> None:
-    """Step ``decoder``'s model as the server does (``forward_packed``'s own choice) or with ``compiled``."""
+def use_forward(decoder: Decoder, compiled: CompiledForward | None, forward: str) -> None:
+    """Step ``decoder``'s model with ``forward``: ``fused`` as the server does (``forward_packed``'s own choice),
+    ``lean`` with ``lean.forward``, ``compiled`` with ``compiled``."""
     model = decoder.loaded.model
-    if forward == "compiled":
-        setattr(model, LEAN_FORWARD, compiled)
-    else:
+    if forward == "fused":
         model.__dict__.pop(LEAN_FORWARD, None)
+    else:
+        setattr(model, LEAN_FORWARD, compiled if forward == "compiled" else lean.forward)
 
 
 def decoders_of(decoder: Decoder, max_tokens: int) -> dict[str, Callable[[Sequence[int]], Decoded]]:
@@ -84,17 +89,19 @@ def compile_figures(decoder: Decoder, compiled: CompiledForward, max_tokens: int
             "recompiles": sum(counters["recompiles"].values())}
 
 
-def speed_figures(decoder: Decoder, compiled: CompiledForward, dataset: str, limit: int, max_tokens: int) -> dict:
-    """ms per token of greedy and lookahead, eager and compiled, alternated prompt by prompt; exactness counts."""
+def speed_figures(decoder: Decoder, compiled: CompiledForward | None, forwards: Sequence[str], dataset: str,
+                  limit: int, max_tokens: int) -> dict:
+    """ms per token of greedy and lookahead under each of ``forwards`` (the lean one among them), alternated prompt
+    by prompt; each forward's CPU-time ratio to the lean step's; exactness counts."""
     prompts = [encode_prompt(decoder.tokenizer, spec) for spec in load_dataset(dataset, limit)]
     decodes = decoders_of(decoder, max_tokens)
-    times: dict[tuple[str, str], list[float]] = {(f, m): [] for f in FORWARDS for m in METHODS}
-    cpu: dict[tuple[str, str], list[float]] = {(f, m): [] for f in FORWARDS for m in METHODS}
-    identical = dict.fromkeys(FORWARDS, 0)
-    compiled_equals_eager = 0
+    times: dict[tuple[str, str], list[float]] = {(f, m): [] for f in forwards for m in METHODS}
+    cpu: dict[tuple[str, str], list[float]] = {(f, m): [] for f in forwards for m in METHODS}
+    identical = dict.fromkeys(forwards, 0)
+    equals_baseline = dict.fromkeys(forwards, 0)
     for index, ids in enumerate(prompts):
         outputs = {}
-        for forward in FORWARDS if index % 2 == 0 else FORWARDS[::-1]:
+        for forward in forwards if index % 2 == 0 else forwards[::-1]:
             use_forward(decoder, compiled, forward)
             for method in METHODS if index % 2 == 0 else METHODS[::-1]:
                 started, started_cpu = time.perf_counter(), time.thread_time()
@@ -103,15 +110,16 @@ def speed_figures(decoder: Decoder, compiled: CompiledForward, dataset: str, lim
                 cpu[forward, method].append(1000 * (time.thread_time() - started_cpu) / len(decoded.output_ids))
                 outputs[forward, method] = decoded.output_ids
             identical[forward] += outputs[forward, "greedy"] == outputs[forward, "lookahead"]
-        compiled_equals_eager += all(outputs["eager", m] == outputs["compiled", m] for m in METHODS)
-    use_forward(decoder, compiled, "eager")
-    medians = {f"{f} {m}": statistics.median(times[f, m]) for f in FORWARDS for m in METHODS}
-    cpu_medians = {f"{f} {m}": statistics.median(cpu[f, m]) for f in FORWARDS for m in METHODS}
-    ratios = {m: statistics.median(c / e for c, e in zip(cpu["compiled", m], cpu["eager", m], strict=True))
-              for m in METHODS}
+        for forward in forwards:
+            equals_baseline[forward] += all(outputs[forward, m] == outputs[BASELINE, m] for m in METHODS)
+    use_forward(decoder, compiled, "fused")
+    medians = {f"{f} {m}": statistics.median(times[f, m]) for f in forwards for m in METHODS}
+    cpu_medians = {f"{f} {m}": statistics.median(cpu[f, m]) for f in forwards for m in METHODS}
+    ratios = {f"{f} {m}": statistics.median(c / e for c, e in zip(cpu[f, m], cpu[BASELINE, m], strict=True))
+              for f in forwards if f != BASELINE for m in METHODS}
     return {"dataset": dataset, "prompts": len(prompts), "max_tokens": max_tokens, "ms_per_token": medians,
             "cpu_ms_per_token": cpu_medians, "cpu_ratio": ratios,
-            "lookahead_identical_to_greedy": identical, "compiled_identical_to_eager": compiled_equals_eager}
+            "lookahead_identical_to_greedy": identical, "identical_to_lean": equals_baseline}
 
 
 def report(figures: dict) -> str:
@@ -127,32 +135,39 @@ def report(figures: dict) -> str:
         lines.append(f"{speed['dataset']}, {speed['prompts']} prompts, {speed['max_tokens']} tokens, one thread:")
         for key, value in ms.items():
             lines.append(f"  {key:20s} {value:7.2f} ms/token, {speed['cpu_ms_per_token'][key]:7.2f} ms of CPU")
-        for method in METHODS:
-            ratio = ms[f"compiled {method}"] / ms[f"eager {method}"]
-            lines.append(f"  {method}: compiled / eager = {ratio:.3f}x time, {speed['cpu_ratio'][method]:.3f}x CPU "
+        for key, ratio in speed["cpu_ratio"].items():
+            forward, method = key.split()
+            time_ratio = ms[key] / ms[f"{BASELINE} {method}"]
+            lines.append(f"  {method}: {forward} / {BASELINE} = {time_ratio:.3f}x time, {ratio:.3f}x CPU "
                          "(median of per-prompt ratios)")
         lines.append(f"  lookahead == greedy on {speed['lookahead_identical_to_greedy']} of {speed['prompts']}")
-        lines.append(f"  compiled == eager (both methods) on {speed['compiled_identical_to_eager']} of "
+        lines.append(f"  outputs == the lean step's (both methods) on {speed['identical_to_lean']} of "
                      f"{speed['prompts']}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad arguments or a model the compiled forward cannot run)."""
+    """Entry point; returns the exit status (2 on bad arguments or a model the asked forwards cannot run)."""
     args = parser().parse_args(argv)
+    forwards = [name.strip() for name in args.forwards.split(",") if name.strip()]
     if args.limit < 1 or args.max_tokens < 1:
         parser().error("--limit and --max-tokens must be >= 1")
+    if not set(forwards) <= set(FORWARDS) or BASELINE not in forwards or len(set(forwards)) != len(forwards):
+        parser().error(f"--forwards: distinct names from {', '.join(FORWARDS)}, {BASELINE} among them")
     configure_threads(1)
     if args.cold:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     decoder = Decoder.load("default", device="cpu")
-    compiled = CompiledForward.build(decoder.loaded.model)
-    if compiled is None:
-        print("error: the compiled forward does not run this model", file=sys.stderr)
+    model = decoder.loaded.model
+    compiled = CompiledForward.build(model) if "compiled" in forwards else None
+    if ("compiled" in forwards and compiled is None) or ("fused" in forwards and fused.plan_for(model) is None):
+        print("error: an asked forward does not run this model here", file=sys.stderr)
         return 2
-    figures: dict[str, object] = {"compile": {**compile_figures(decoder, compiled, 32), "cold": args.cold}}
+    figures: dict[str, object] = {}
+    if compiled is not None:
+        figures["compile"] = {**compile_figures(decoder, compiled, 32), "cold": args.cold}
     try:
-        figures["speed"] = speed_figures(decoder, compiled, args.dataset, args.limit, args.max_tokens)
+        figures["speed"] = speed_figures(decoder, compiled, forwards, args.dataset, args.limit, args.max_tokens)
     except DatasetError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
