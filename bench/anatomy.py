@@ -242,7 +242,7 @@ def forward_ops(model: LlamaForCausalLM, static: StaticStep | None, tokens: int)
     from decoding.packed import Slice, forward_packed
 
     prompt = anatomy_prompt(model.config.vocab_size)
-    cache = static.pool.acquire(len(prompt) + tokens) if static is not None else new_cache(model, 256)
+    cache = static.pool.acquire(len(prompt) + tokens) if static is not None else new_cache(model, len(prompt) + tokens)
     visible = torch.ones((tokens, tokens), dtype=torch.bool).tril_()
     with torch.inference_mode():
         forward_batch(model, [Slice(prompt, torch.arange(len(prompt)), None, torch.arange(1), cache)], static)

@@ -24,7 +24,7 @@ import torch
 from decoding.choice import greedy_ids, top_ids
 from decoding.logits import adjust_logits, needs_adjusting
 from decoding.packed import Slice
-from decoding.params import LookaheadConfig, SamplingParams
+from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams
 from decoding.proposers import COPY, MEMORY, POOL, PREDICTION, Context, Draft, JacobiProposer, Outcome, Proposer
 from decoding.proposers.base import common_prefix
 from decoding.sampling import SampledRows, row_chooser
@@ -206,19 +206,22 @@ class LookaheadStep:
         offered: list[tuple[str, tuple[Draft, ...]]] = []
         gain = 0.0
         prefixes: set[Draft] = set()
+        counted = 0  # kept drafts that count toward ``limit``
         for proposer in proposers:
-            room = self.config.copy_candidates if limit is None else limit - len(kept)
+            within = limit is not None and proposer.in_guess_set
+            room = self.config.copy_candidates if limit is None else limit - counted if within else MAX_STEP_TOKENS
             drafts = tuple(_cut(proposer.propose(self.context, room), self.sequence))
             if not drafts:
                 continue
             offered.append((proposer.name, drafts))
             taken = False
             for draft in drafts:
-                if limit is not None and len(kept) == limit:
+                if within and counted == limit:
                     break
                 strict = limit is None or self.sequence.constraint is not None
                 if draft in prefixes if strict else draft in kept:
                     continue
+                counted += within
                 kept.append(draft)
                 sources.append(proposer.name)
                 prefixes.update(draft[:end] for end in range(1, len(draft) + 1))

@@ -27,6 +27,7 @@ LOOKAHEAD_BOUNDS: dict[str, tuple[int, int]] = {
     "copy_min_match": (0, 8),
     "copy_candidates": (1, 8),
     "copy_stretch": (1, 8),
+    "recycled_tree": (0, 256),
 }
 MAX_STEP_TOKENS = 1024
 MAX_TOP_TOKENS = 16  # the most top tokens per row a source may keep (``LookaheadConfig.runner_up``, ``recycled``)
@@ -221,6 +222,10 @@ class LookaheadConfig:
     - ``recycled`` (0..``MAX_TOP_TOKENS``, 0 = off): the ``decoding.proposers.recycled`` source: every row a step
       reads leaves its input token's top ``recycled`` next tokens in a table, and a tree of them grown from
       ``last`` is guessed (Token Recycling).
+    - ``recycled_tree`` (0..256): the recycled tree's shape. 0: ``recycled`` children of ``last``, 2 under each,
+      then 1, down to N-1 tokens. n > 0: the n nodes likeliest to be accepted, grown best first by each successor
+      rank's measured odds, up to ``decoding.proposers.recycled.TREE_DEPTH`` tokens deep (past N-1). Either way
+      its root-to-leaf paths are guesses within G, ahead of the pool's.
     - ``jump_forward``: the ``decoding.proposers.jump`` source: with a grammar, the tokens it forces next (a JSON
       key, closing brackets) are offered as a guess.
     """
@@ -242,6 +247,7 @@ class LookaheadConfig:
     shared_memory: bool = True
     runner_up: int = 0
     recycled: int = 0
+    recycled_tree: int = 0
     jump_forward: bool = True
 
     @property
@@ -251,10 +257,12 @@ class LookaheadConfig:
 
     @property
     def step_tokens(self) -> int:
-        """Input tokens of the largest step: (N-1)·(W+G), plus up to 2·copy_candidates copies of copy_length
-        (the context's and the shared memory's), the best of each stretched to ``copy_stretch`` times that."""
+        """Input tokens of the largest step: (N-1)·(W+G), plus ``recycled_tree`` (with ``recycled``), plus up to
+        2·copy_candidates copies of copy_length (the context's and the shared memory's), the best of each stretched
+        to ``copy_stretch`` times that."""
         copies = 2 * (self.copy_candidates + self.copy_stretch - 1) * self.copy_length
-        return self.levels * (self.window_size + self.guess_set_size) + copies + (1 if copies else 0)
+        tree = self.recycled_tree if self.recycled else 0  # a best-first tree's paths may reach past N-1 tokens
+        return self.levels * (self.window_size + self.guess_set_size) + tree + copies + (1 if copies else 0)
 
     def validate(self) -> None:
         """Raise ``InvalidParameterError`` if W, N or G is out of range or the step would be absurdly large."""

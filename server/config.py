@@ -114,6 +114,11 @@ class LookaheadSettings(BaseModel):
         description="recycled logits: each token's top next tokens, kept from the rows every step reads, offered as a "
         "tree from the last token (0: off)",
     )
+    recycled_tree: int = _lookahead_field(
+        "recycled_tree",
+        "recycled logits' tree: this many nodes grown best first by each rank's measured acceptance, deeper than "
+        "N-1 (0: the recycled successors, 2 under each, then 1, down to N-1 tokens)",
+    )
     jump_forward: bool = Field(
         _LIBRARY.jump_forward, description="with a grammar, offer the tokens it forces next as a guess",
     )

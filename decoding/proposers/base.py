@@ -71,6 +71,7 @@ class Proposer(Protocol):
     name: str
     standalone: bool
     top_k: int  # top tokens per logits row it wants to hear (0: none)
+    in_guess_set: bool  # its drafts count toward G (``guess_set_size``) when it joins the window's step
 
     @property
     def expected(self) -> float: ...

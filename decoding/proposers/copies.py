@@ -23,6 +23,7 @@ class CopyProposer(GatedCopies):
 
     name = COPY
     standalone = True
+    in_guess_set = True
     top_k = 0
 
     def __init__(self, config: LookaheadConfig) -> None:

@@ -28,6 +28,7 @@ class JacobiProposer:
 
     name = POOL
     standalone = False
+    in_guess_set = True
     top_k = 0
 
     def __init__(self, config: LookaheadConfig, context: Context) -> None:

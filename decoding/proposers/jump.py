@@ -24,6 +24,7 @@ class JumpProposer:
 
     name = JUMP
     standalone = True
+    in_guess_set = True
     top_k = 0
 
     def __init__(self, config: LookaheadConfig, constraint: Constraint) -> None:

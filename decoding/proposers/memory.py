@@ -25,6 +25,7 @@ class MemoryProposer(GatedCopies):
 
     name = MEMORY
     top_k = 0
+    in_guess_set = True
 
     def __init__(self, config: LookaheadConfig, memory: NGramMemory) -> None:
         self.standalone = bool(config.copy_length)

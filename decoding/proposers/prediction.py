@@ -31,6 +31,7 @@ class PredictionProposer(GatedCopies):
 
     name = PREDICTION
     standalone = True
+    in_guess_set = True
     top_k = 0
 
     def __init__(self, config: LookaheadConfig, prediction: Sequence[int]) -> None:

@@ -23,6 +23,7 @@ class RunnerUpProposer:
 
     name = RUNNER_UP
     standalone = False
+    in_guess_set = True
 
     def __init__(self, config: LookaheadConfig) -> None:
         self.config = config

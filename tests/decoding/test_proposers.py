@@ -16,6 +16,7 @@ from decoding.engine import DecodeStream, StepCounts, generate_autoregressive
 from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.proposers import PROPOSERS, Context, Gate, Outcome
+from decoding.proposers.recycled import RecycledProposer
 from tests.decoding.stubs import cycle_model
 
 PROMPTS = [
@@ -33,6 +34,7 @@ class Counting:
 
     name = "counting"
     top_k = 0
+    in_guess_set = True
 
     def __init__(self, standalone: bool, period: int = 8, length: int = 6) -> None:
         self.standalone, self.period, self.length = standalone, period, length
@@ -137,8 +139,11 @@ def test_drafts_longer_than_the_cache_has_room_for_are_cut_to_fit():
 
 
 @pytest.mark.parametrize("sources", [dict(runner_up=4), dict(recycled=4), dict(runner_up=3, recycled=8),
-                                     dict(runner_up=2, recycled=2, window_chains=True, copy_length=8)],
-                         ids=["runner-up", "recycled", "both", "with-chains-and-copies"])
+                                     dict(runner_up=2, recycled=2, window_chains=True, copy_length=8),
+                                     dict(recycled=8, recycled_tree=24), dict(recycled=3, recycled_tree=40,
+                                                                              copy_length=8, window_chains=True)],
+                         ids=["runner-up", "recycled", "both", "with-chains-and-copies", "best-first-tree",
+                              "best-first-tree-with-copies"])
 @pytest.mark.parametrize("window_size, ngram_size, guess_set_size", GRID)
 def test_runner_up_and_recycled_sources_keep_greedy_output(tiny_model, window_size, ngram_size, guess_set_size,
                                                            sources):
@@ -163,6 +168,33 @@ def test_recycled_successors_are_guessed_and_accepted_on_a_counting_stub():
     counts = sum((step.stats.counts() for step in steps), StepCounts())
     assert counts.source("recycled")[1] > 10
     assert len(steps) < len(plain)
+
+
+def test_a_best_first_recycled_tree_reaches_past_n_minus_1_beside_a_full_guess_set():
+    """On the counting stub the table's best successors are the text: a best-first tree follows them deeper than
+    N-1 (steps accept more than N-1 guesses) and its paths do not take the pool's G slots (G=1 here)."""
+    model = cycle_model(period=8)
+    prompt = [5, 3, 0, 2]
+    stop = StopCriteria(max_tokens=60)
+    fixed = LookaheadConfig(1, 3, 1, recycled=2)
+    deep = LookaheadConfig(1, 3, 1, recycled=2, recycled_tree=16)
+    steps = {name: list(DecodeStream(model, prompt, stop, lookahead=config))
+             for name, config in (("fixed", fixed), ("deep", deep))}
+    assert tokens_of(steps["deep"]) == tokens_of(steps["fixed"]) == [(3 + k) % 8 for k in range(60)]
+    assert max(step.stats.accepted for step in steps["deep"]) > deep.levels
+    assert max(step.stats.accepted for step in steps["fixed"]) <= fixed.levels
+    assert len(steps["deep"]) < len(steps["fixed"])
+
+
+def test_recycled_rank_odds_learn_which_ranks_are_accepted():
+    """Ranks whose successors the text takes gain odds; ranks it never takes lose theirs."""
+    source = RecycledProposer(LookaheadConfig(1, 4, 2, recycled=2, recycled_tree=4), {1: (2, 3), 2: (4, 5)})
+    context = Context([0, 1], 1, None, frozenset())
+    before = (source.odds[0], source.odds[1])
+    for _ in range(20):
+        source.propose(context, budget=8)
+        source.feedback(context, Outcome(3, accepted=(2, 4), reach=2))
+    assert source.odds[0] > before[0] and source.odds[1] < before[1]
 
 
 def test_runner_up_first_tokens_are_guessed_on_a_stub_whose_runner_up_is_the_next_token():
