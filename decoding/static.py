@@ -51,7 +51,7 @@ from decoding.static_forward import (
 log = logging.getLogger(__name__)
 
 SEQUENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)  # the CUDA preset's steps reach ~340
 MIN_ATTENDED = 64  # attended lengths: MIN_ATTENDED doubled until a pool row's capacity
 MAX_BUCKET_TOKENS = 1024  # sequences x tokens of the largest bucket
 MODES = ("eager", "compile", "graphs")
@@ -82,8 +82,8 @@ def bucket_shape(
     """``(sequences, tokens)`` rounded up to a bucket's (at most ``max_sequences`` sequences and ``max_tokens``
     tokens in all); None when no bucket holds them. The rule both the static step and the batch planner use.
 
-    >>> bucket_shape(3, 20), bucket_shape(1, 300)
-    ((4, 32), None)
+    >>> bucket_shape(3, 20), bucket_shape(1, 300), bucket_shape(4, 300)
+    ((4, 32), (1, 384), None)
     """
     rounded = (_round_up(sequences, [size for size in SEQUENCE_BUCKETS if size <= max_sequences]),
                _round_up(tokens, TOKEN_BUCKETS))
