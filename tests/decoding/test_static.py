@@ -306,4 +306,5 @@ def test_the_planner_prices_the_padded_bucket():
     eager, static = BatchPolicy(), BatchPolicy(static_step="graphs")
     assert eager.padded_tokens([1, 20, 1, 0]) == 22
     assert static.padded_tokens([1, 20, 1, 0]) == 4 * 32  # 3 sequences -> 4, 20 tokens -> 32
-    assert static.padded_tokens([300]) == 300  # no bucket: priced as it runs, eagerly
+    assert static.padded_tokens([300]) == 384  # one sequence of 300 tokens -> the 384-token bucket
+    assert static.padded_tokens([300, 300, 300]) == 900  # no bucket (4 x 384 > 1024): priced as it runs, eagerly
