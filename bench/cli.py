@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import subprocess
 import sys
@@ -87,7 +88,9 @@ from server.config import LOOKAHEAD_STEP_FIELDS, config_flags
 
 SERVER_DEFAULT = "default: the server's"
 PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config.load_config(device_preset=...)``)
-
+# ``python -m bench NAME ...``: the module of ``bench`` that runs subcommand NAME with the rest of the arguments.
+SUBCOMMANDS = {"heldout": "heldout", "memory": "memory", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
+               "tune": "tuning", "weights": "weights", "compile": "compiled"}
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m bench`` argument parser; flags the server configures default to None (filled later)."""
@@ -359,42 +362,11 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). ``heldout``, ``memory``,
-    ``anatomy``, ``agent``, ``gpu``, ``weights``, ``compile`` (``bench.compiled``) or ``tune`` (``bench.tuning``)
+    """Entry point; returns the exit status (2 on bad arguments or unreadable prompts). A name of ``SUBCOMMANDS``
     as the first argument runs that module of ``bench`` with the rest."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["heldout"]:
-        from bench import heldout  # it builds on this module
-
-        return heldout.main(argv[1:])
-    if argv[:1] == ["memory"]:
-        from bench import memory
-
-        return memory.main(argv[1:])
-    if argv[:1] == ["anatomy"]:
-        from bench import anatomy
-
-        return anatomy.main(argv[1:])
-    if argv[:1] == ["agent"]:
-        from bench import agent
-
-        return agent.main(argv[1:])
-    if argv[:1] == ["gpu"]:
-        from bench import gpu
-
-        return gpu.main(argv[1:])
-    if argv[:1] == ["tune"]:
-        from bench import tuning
-
-        return tuning.main(argv[1:])
-    if argv[:1] == ["weights"]:
-        from bench import weights
-
-        return weights.main(argv[1:])
-    if argv[:1] == ["compile"]:
-        from bench import compiled
-
-        return compiled.main(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:  # each builds on this module: imported only when asked for
+        return importlib.import_module(f"bench.{SUBCOMMANDS[argv[0]]}").main(argv[1:])
     resolved = parse(build_parser(), argv)
     args = resolved.args
     try:
