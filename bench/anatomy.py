@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.report import write_json
 from bench.settings import batch_policy
 from decoding import lean
 from decoding.batch import BatchPolicy, finish_batch, forward_batch, plan_batch
@@ -364,8 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"G={settings['guess_set_size']}, {DEPTH}-layer width-48 LLaMA, CPU thread time per step")
     print(table(report))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        write_json(args.json, report)
     return 0
 
 

@@ -69,6 +69,7 @@ from bench.report import (
     summarize,
     to_json,
     total_rows,
+    write_json,
 )
 from bench.settings import Resolved, describe, preset_digest, resolve
 from decoding.decoder import (
@@ -185,12 +186,6 @@ def print_progress(total: int) -> Callable[[RunRecord], None]:
         )
 
     return report
-
-
-def write_json(path: str, payload: Mapping[str, object]) -> None:
-    """Write the final payload and say so."""
-    Path(path).write_text(to_json(payload), encoding="utf-8")
-    print(f"wrote {path}")
 
 
 def saving_progress(

@@ -19,7 +19,6 @@ the asked forwards run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch
 
 from bench.datasets import DatasetError, encode_prompt, load_dataset
 from bench.measure import Decoded, decode_greedy, decode_lookahead
+from bench.report import write_json
 from decoding import fused, lean
 from decoding.compiled import CompiledForward
 from decoding.decoder import Decoder, configure_threads
@@ -174,8 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures["machine"] = {"threads": torch.get_num_threads(), "linears": decoder.linears}
     print(report(figures))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(figures, handle, indent=2)
+        write_json(args.json, figures)
     return 0
 
 

@@ -42,11 +42,10 @@ from bench.cli import (
     measure_prompts,
     start,
     transformers_twin,
-    write_json,
 )
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
 from bench.measure import WARMUP_TOKENS, RunRecord, parse_methods
-from bench.report import by_method, first_difference, format_table, summarize
+from bench.report import by_method, first_difference, format_table, summarize, write_json
 from bench.settings import SERVER_MEMORY_TOKENS, Resolved, resolve
 from decoding.decoder import Decoder, check_linear_options
 from decoding.errors import DecodingError

@@ -19,10 +19,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from bench.cli import write_json
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
 from bench.measure import decode_greedy
-from bench.report import format_table
+from bench.report import format_table, write_json
 from decoding.decoder import Decoder, configure_threads
 from decoding.engine import MEMORY_PROMPT_TAIL
 from decoding.errors import DecodingError

@@ -287,6 +287,12 @@ def to_json(payload: Mapping[str, object]) -> str:
     return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
+def write_json(path: str, payload: Mapping[str, object]) -> None:
+    """Write the final payload and say so."""
+    Path(path).write_text(to_json(payload), encoding="utf-8")
+    print(f"wrote {path}")
+
+
 def header(env: Mapping[str, object], lines: Sequence[str]) -> str:
     """The machine/library/model lines every report starts with, then ``lines``."""
     first = f"machine: {env['machine']} | torch {env['torch']} | transformers {env['transformers']}"

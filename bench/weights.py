@@ -28,6 +28,7 @@ import torch
 
 from bench.datasets import DatasetError, encode_prompt, load_dataset
 from bench.measure import STEP_COST_KS, decode_greedy, decode_lookahead, measure_step_cost
+from bench.report import write_json
 from decoding.decoder import Decoder, configure_threads
 from decoding.params import StopCriteria
 from server.config import decoder_lookahead, load_config
@@ -158,8 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures["machine"] = {"threads": torch.get_num_threads()}
     print(report(figures))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(figures, handle, indent=2)
+        write_json(args.json, figures)
     return 0
 
 
