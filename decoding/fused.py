@@ -10,7 +10,7 @@ with the eager forward's to float tolerance, not bit for bit.
 
 Why: a one-token step of SmolLM2-135M on the GGUF weights spent ~12.5 ms in its 121 products and as long again
 dispatching ~1,250 small ATen ops (norms, rotary, attention, activation, views) from Python; here a layer is
-seven native calls and two additions (docs/benchmarks.md, "The fused CPU step").
+its four products, five native calls and two additions (docs/benchmarks.md, "The fused CPU step").
 
 Exactness: every native call computes a row from that row alone, and attention visits a row's visible keys in
 position order with an exact two-pass softmax, so a token's logits are the same bits in a one-token step and in
@@ -150,11 +150,11 @@ class FusedPlan:
         heads, kv_heads = self.heads, self.kv_heads
         keys[:, past : past + count] = split[heads : heads + kv_heads]
         values[:, past : past + count] = split[heads + kv_heads :]
-        additive = None
-        if mask is not None or past > 0:
-            visible = mask.bool() if mask is not None else torch.ones((count, count), dtype=torch.bool).tril_()
+        additive = None  # a prompt chunk is causal: over an empty cache SDPA's own causal mask is the same
+        if past > 0:
             additive = torch.zeros((count, past + count))
-            additive[:, past:].masked_fill_(~visible, torch.finfo(torch.float32).min)
+            additive[:, past:].masked_fill_(torch.ones((count, count), dtype=torch.bool).triu_(1),
+                                            torch.finfo(torch.float32).min)
         output = torch.nn.functional.scaled_dot_product_attention(
             split[None, :heads], keys[None, :, : past + count], values[None, :, : past + count],
             attn_mask=additive, is_causal=additive is None, scale=self.scaling, enable_gqa=True,
