@@ -78,6 +78,11 @@ class BatchPolicy:
         (x0, y0), (x1, y1) = points[index - 1], points[index]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
+    def stream_cost(self, tokens: int) -> float:
+        """The relative cost of a forward over one stream's ``tokens`` (padded as ``padded_tokens`` says): what
+        a stream's drafts are priced on (``DecodeStream.propose``)."""
+        return self.cost(self.padded_tokens([tokens]))
+
     def padded_tokens(self, budgets: Sequence[int]) -> int:
         """The input tokens a forward over streams with these token ``budgets`` (0: sits out) costs: their sum
         eagerly; with a static step, its bucket's ``sequences x tokens`` (the sum when it fits no bucket).
@@ -153,7 +158,7 @@ def plan_batch(
     proposals: dict[int, Proposal] = {}
     for index, stream in enumerate(streams):
         try:
-            proposals[index] = stream.propose()
+            proposals[index] = stream.propose(policy.stream_cost)
         except Exception as error:  # one stream's failure ends that stream only
             results[index] = error
     order = list(proposals)

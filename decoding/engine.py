@@ -20,7 +20,7 @@ tokens stay the same.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -186,14 +186,16 @@ class DecodeStream:
             self.pool.release(self.sequence.cache)
         self.sequence.cache = None
 
-    def propose(self) -> Proposal:
-        """What the next step wants; call once per step, before ``plan``."""
+    def propose(self, cost: Callable[[int], float] | None = None) -> Proposal:
+        """What the next step wants; call once per step, before ``plan``. ``cost``: a forward's relative cost by
+        input tokens (``BatchPolicy.cost``), which prices a lookahead step's drafts (None: they are free, and the
+        gates' ``break_even`` alone decides)."""
         remaining = self.sequence.prompt_length - self.sequence.cache.length
         if remaining > 0:
             if self.sampling.prompt_logprobs is not None:  # every row's logits: bound the chunk's memory
                 remaining = min(remaining, PROMPT_LOGPROBS_CHUNK)
             return Proposal(remaining, prefill=True)
-        return self._policy.propose()
+        return self._policy.propose(cost)
 
     def plan(self, budget: int) -> Slice:
         """The slice of the next forward, using at most ``budget`` (>= 1) input tokens."""

@@ -1,15 +1,17 @@
 """The lookahead step: drafts from the proposers -> token tree -> fit to the budget -> verify -> KV commit -> feedback.
 
 Contract: ``LookaheadStep`` plans and finishes the steps of one lookahead decode after its prefill. It knows no
-candidate source: each step it asks the standalone proposers (``decoding.proposers``: copies, the shared memory,
-the prediction), then, unless a lazy-window step verifies those alone, the others (the Jacobi window's pool,
-...) for drafts, cuts every draft before the first token a grammar forbids, merges them into one token tree
-beside the Jacobi window's rows (``decoding.window.step_layout``), shrinks that to the batch's token budget
-(candidates last first, then the window: a verification-only step, then a plain one), verifies the tree (and
-the window's own chains, with ``window_chains``) against the model's choices (``decoding.verify``), commits the
-accepted run (``SequenceState.accept``), keeps the KV of the committed path (``SlotCache.commit``), feeds the
-window its new row, and tells every proposer what happened (``Outcome``: how far its verified drafts reached).
-Greedy output equals the plain loop's whatever the drafts; a sampled step is the same walk over the sampled rows.
+candidate source: each step (``propose(cost)``, ``cost`` the batch policy's step-cost curve or None) it asks the
+standalone proposers (``decoding.proposers``: copies, the shared memory, the prediction), then, unless a lazy-window
+step verifies those alone, the others (the Jacobi window's pool, ...) for drafts, each proposer told the price of
+more tokens at that point of the step (``Context.price``: ``step_price`` of what the step holds so far, free without
+a curve), cuts every draft before the first token a grammar forbids, merges them into one token tree beside the
+Jacobi window's rows (``decoding.window.step_layout``), shrinks that to the batch's token budget (candidates last
+first, then the window: a verification-only step, then a plain one), verifies the tree (and the window's own chains,
+with ``window_chains``) against the model's choices (``decoding.verify``), commits the accepted run
+(``SequenceState.accept``), keeps the KV of the committed path (``SlotCache.commit``), feeds the window its new row,
+and tells every proposer what happened (``Outcome``: how far its verified drafts reached). Greedy output equals the
+plain loop's whatever the drafts; a sampled step is the same walk over the sampled rows.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from decoding.logits import adjust_logits, needs_adjusting
 from decoding.packed import Slice
 from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams
 from decoding.proposers import COPY, MEMORY, POOL, PREDICTION, Context, Draft, JacobiProposer, Outcome, Proposer
-from decoding.proposers.base import common_prefix
+from decoding.proposers.base import Price, common_prefix, free
 from decoding.sampling import SampledRows, row_chooser
 from decoding.steps import (
     Finisher,
@@ -85,15 +87,17 @@ class LookaheadStep:
         self.top_k = max(proposer.top_k for proposer in self.proposers)  # top tokens per row to hand back (0: none)
         self._wanted = _Shape(False)
 
-    def propose(self) -> Proposal:
-        """Gather this step's drafts and decide whether to verify them; say how many tokens that takes."""
+    def propose(self, cost: Callable[[int], float] | None = None) -> Proposal:
+        """Gather this step's drafts, priced on ``cost`` (a forward's relative cost by input tokens; None: drafts
+        are free and the gates' ``break_even`` alone decides), and decide whether to verify them; say how many
+        tokens that takes."""
         config = self.config
-        copies = self._drafts([proposer for proposer in self.proposers if proposer.standalone], None)
+        copies = self._drafts([proposer for proposer in self.proposers if proposer.standalone], None, cost, 1, 0.0)
         if copies.candidates and config.lazy_window:
             self._wanted = copies
             return Proposal(1 + len(copies.tree), copies.gain, copies.gain < config.break_even, smallest=2)
         found = self._drafts([proposer for proposer in self.proposers if not proposer.standalone],
-                             config.guess_set_size)
+                             config.guess_set_size, cost, 1 + len(copies.tree), copies.gain)
         window = bool(found.candidates) or self.jacobi.wants_window
         shape = self._wanted = _Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
                                       copies.offered + found.offered, max(copies.gain, found.gain))
@@ -196,20 +200,23 @@ class LookaheadStep:
                     step_logprobs(logits, rows, sequence.chosen(committed), self.sampling),
                     stop_token=sequence.stop_token)
 
-    def _drafts(self, proposers: Sequence[Proposer], limit: int | None) -> _Shape:
+    def _drafts(self, proposers: Sequence[Proposer], limit: int | None, cost: Callable[[int], float] | None,
+                base: int, gain: float) -> _Shape:
         """The ``proposers``' drafts (each cut by the grammar), merged in order: standalone ones (``limit`` None,
         each proposer at most ``copy_candidates``) skip a draft covered by one kept before; the others keep at
         most ``limit`` drafts in all and skip exact repeats (and, under a grammar, covered ones). Every proposer is
-        asked, in registry order, with the room left (0 once the guesses are full): a gate counts its calls."""
+        asked, in registry order, with the room left (0 once the guesses are full; a gate counts its calls) and
+        the price of more tokens on a step that already holds ``base`` tokens plus the drafts kept before it and
+        expects the best gain among ``gain`` and their proposers' (``step_price`` on ``cost``)."""
         kept: list[Draft] = []
         sources: list[str] = []
         offered: list[tuple[str, tuple[Draft, ...]]] = []
-        gain = 0.0
         prefixes: set[Draft] = set()
         counted = 0  # kept drafts that count toward ``limit``
         for proposer in proposers:
             within = limit is not None and proposer.in_guess_set
             room = self.config.copy_candidates if limit is None else limit - counted if within else MAX_STEP_TOKENS
+            self.context.price = free if cost is None else step_price(cost, base + len(prefixes), gain)
             drafts = tuple(_cut(proposer.propose(self.context, room), self.sequence))
             if not drafts:
                 continue
@@ -228,6 +235,7 @@ class LookaheadStep:
                 taken = True
             if taken:
                 gain = max(gain, proposer.expected)
+        self.context.price = free
         return _Shape(False, tuple(kept), tuple(sources), tuple(offered), gain)
 
     def _top(self, logits: torch.Tensor, row_tokens: Sequence[int], path: Sequence[int]) -> dict[str, tuple]:
@@ -284,6 +292,19 @@ class LookaheadStep:
             choose = row_chooser(self.sampling, self.sequence.seed, self.sequence.generated)
             return verify_constrained(logits, candidates, candidate_row, constraint, choose)
         return verify_greedy(predicted, candidates, candidate_row)
+
+
+def step_price(cost: Callable[[int], float], base: int, gain: float) -> Price:
+    """The price of draft tokens on a step of ``base`` input tokens that expects to commit ``1 + gain``: the
+    accepted guesses ``t`` more tokens must bring for the step to commit as many tokens per unit of ``cost``,
+    ``(1 + gain) * (cost(base + t) / cost(base) - 1)``.
+
+    >>> cost = lambda tokens: 1.0 + 0.25 * (tokens - 1)
+    >>> step_price(cost, base=1, gain=0.0)(4), step_price(cost, base=5, gain=0.5)(4)
+    (1.0, 0.75)
+    """
+    start = cost(base)
+    return lambda tokens: (1.0 + gain) * (cost(base + tokens) / start - 1.0)
 
 
 def _cut(drafts: Sequence[Draft], sequence: SequenceState) -> list[Draft]:

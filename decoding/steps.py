@@ -274,8 +274,8 @@ class PlainStep:
         self.sequence = sequence
         self.sampling = sampling
 
-    def propose(self) -> Proposal:
-        """One token, always."""
+    def propose(self, cost: Callable[[int], float] | None = None) -> Proposal:
+        """One token, always (``cost`` is not needed)."""
         return Proposal(1)
 
     def plan(self, budget: int) -> tuple[Slice, Finisher]:

@@ -7,7 +7,11 @@ implements ``propose(context, budget)``: up to ``budget`` drafts, each a run of 
 tokens it expects a step verifying its drafts to accept (its gate's running mean), and ``feedback(context,
 outcome)`` hears, after every step, what was committed and, when some of its drafts were verified, how many of the
 accepted guesses they proposed (``Outcome.reach``). A proposer applies its own gate in ``propose`` (returning no
-drafts while verifying them does not pay) and updates it in ``feedback``. A proposer with ``top_k`` > 0 also hears
+drafts while verifying them does not pay) and updates it in ``feedback``. What paying means is priced per step:
+``Context.price(tokens)`` is the accepted guesses that ``tokens`` more input tokens must bring for the step to
+commit as many tokens per unit of step cost as it would without them (the step sets it from the step-cost curve
+before it asks each proposer; 0 without a curve), and a gate pays at ``break_even(config, context, tokens)``:
+that price for the drafts' tree, never below ``LookaheadConfig.break_even``. A proposer with ``top_k`` > 0 also hears
 the model's top-k next tokens at every row the step read (``Outcome.successors``, keyed by each row's input token)
 and at the row that chose the new ``last`` (``Outcome.runners_up``): the step computes them only when some
 proposer asks.
@@ -18,7 +22,7 @@ greedy output or a sampled one's distribution, only how many tokens a step commi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,18 +34,26 @@ MAX_PROBE_INTERVAL = 64
 ACCEPT_SMOOTHING = 0.3
 
 Draft = tuple[int, ...]
+Price = Callable[[int], float]  # input tokens -> the accepted guesses they must bring to pay for themselves
+
+
+def free(tokens: int) -> float:
+    """The price of any number of draft tokens where no step-cost curve is known: nothing."""
+    return 0.0
 
 
 @dataclass
 class Context:
     """What proposers read of one decode: ``tokens`` (the live list of committed tokens, prompt first;
     ``tokens[-1]`` is ``last``), ``prompt_length``, ``index`` (where each token occurs in the prompt and output, as
-    ``LookaheadConfig.prompt_pool`` / ``output_pool`` say; the step keeps it up to date) and ``stop_token_ids``."""
+    ``LookaheadConfig.prompt_pool`` / ``output_pool`` say; the step keeps it up to date), ``stop_token_ids`` and
+    ``price``, what draft tokens cost in accepted guesses at this point of this step (module contract)."""
 
     tokens: list[int]
     prompt_length: int
     index: ContextIndex
     stop_token_ids: frozenset[int]
+    price: Price = free
 
     @property
     def last(self) -> int:
@@ -151,9 +163,10 @@ class GatedCopies:
     def expected(self) -> float:
         return self.gate.expected
 
-    def gated(self, drafts: Sequence[Draft]) -> Sequence[Draft]:
-        """``drafts``, or none while the gate says verifying them does not pay (each call with drafts counts)."""
-        if drafts and not self.gate.pays(self.config.break_even):
+    def gated(self, context: Context, drafts: Sequence[Draft]) -> Sequence[Draft]:
+        """``drafts``, or none while the gate says verifying them does not pay at their price (each call with
+        drafts counts)."""
+        if drafts and not self.gate.pays(break_even(self.config, context, tree_size(drafts))):
             return ()
         return drafts
 
@@ -163,6 +176,21 @@ class GatedCopies:
             self.gate.update(outcome.reach)
             if self.span is not None:
                 self.span.update(outcome.reach)
+
+
+def break_even(config: LookaheadConfig, context: Context, tokens: int) -> float:
+    """The accepted guesses a gate needs to verify ``tokens`` draft tokens: their price on this step, at least
+    ``config.break_even``."""
+    return max(config.break_even, context.price(tokens))
+
+
+def tree_size(drafts: Sequence[Draft]) -> int:
+    """Input tokens ``drafts`` take merged into one token tree (their distinct prefixes).
+
+    >>> tree_size([(1, 2, 3), (1, 2, 4), (5,)])
+    5
+    """
+    return len({tuple(draft[:end]) for draft in drafts for end in range(1, len(draft) + 1)})
 
 
 def stretched(found: Sequence[Draft], length: int) -> list[Draft]:

@@ -35,4 +35,4 @@ class CopyProposer(GatedCopies):
         config = self.config
         found = context.index.best_copies(context.tokens, self.span.length, config.copy_min_match,
                                           min(budget, config.copy_candidates))
-        return self.gated(stretched(found, config.copy_length))
+        return self.gated(context, stretched(found, config.copy_length))

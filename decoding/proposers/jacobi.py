@@ -3,12 +3,12 @@
 Contract: ``JacobiProposer`` owns the 2-D Jacobi window (``decoding.window.Window``), the n-gram pool it fills
 (``decoding.pool.NGramPool``) and the gate of verifying steps. ``propose`` returns up to ``budget`` n-grams (N-1
 tokens) after ``last``: with ``rank_by_context``, the prompt's and output's continuations best matching the
-preceding context first (``Context.index``), then the pool's, most recent first; none while its gate says
-verifying does not pay (``LookaheadConfig.break_even``). ``wants_window`` says whether the step should run the
-window even without a candidate (it pays and the window is not lazy). The step reads ``window`` for its
-lookahead branch and reports back through ``advance`` (the window ran: its new bottom row) or ``skip`` (it did
-not), then ``feedback``, which folds the step's accepted guesses into the gate and, without ``rank_by_context``,
-adds the new output's n-grams to the pool.
+preceding context first (``Context.index``), then the pool's, most recent first; none while its gate says verifying
+does not pay at their price with the window's tokens (``decoding.proposers.base.break_even``). ``wants_window`` says
+whether the step should run the window even without a candidate (it pays and the window is not lazy). The step reads
+``window`` for its lookahead branch and reports back through ``advance`` (the window ran: its new bottom row) or
+``skip`` (it did not), then ``feedback``, which folds the step's accepted guesses into the gate and, without
+``rank_by_context``, adds the new output's n-grams to the pool.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from decoding.params import LookaheadConfig
 from decoding.pool import NGramPool
-from decoding.proposers.base import Context, Draft, Gate, Outcome
+from decoding.proposers.base import Context, Draft, Gate, Outcome, break_even, tree_size
 from decoding.window import Window, context_filler
 
 POOL = "pool"
@@ -60,9 +60,13 @@ class JacobiProposer:
     def propose(self, context: Context, budget: int) -> Sequence[Draft]:
         """Up to ``budget`` n-grams: ranked context continuations, then the pool's (module contract)."""
         config = self.config
-        self.paying = self.gate.pays(config.break_even)
-        if not self.paying or budget <= 0:
-            return ()
+        found = self._found(context, budget) if budget > 0 else []
+        self.paying = self.gate.pays(break_even(config, context, self.window_tokens + tree_size(found)))
+        return found if self.paying else ()
+
+    def _found(self, context: Context, budget: int) -> list[Draft]:
+        """Up to ``budget`` n-grams after ``last``: ranked context continuations, then the pool's."""
+        config = self.config
         found = context.index.candidates(context.tokens, config.levels, budget) if config.rank_by_context else []
         for candidate in self.pool.candidates(context.last, budget):
             if len(found) == budget:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from decoding.grammar import Constraint
 from decoding.params import LookaheadConfig
-from decoding.proposers.base import Context, Draft, Gate, Outcome
+from decoding.proposers.base import Context, Draft, Gate, Outcome, break_even
 
 JUMP = "jump"
 JUMP_LENGTH = 32  # the most forced tokens one draft holds
@@ -39,7 +39,7 @@ class JumpProposer:
     def propose(self, context: Context, budget: int) -> Sequence[Draft]:
         """The forced run after ``last``, when there is one and it pays."""
         forced = tuple(self.constraint.forced(JUMP_LENGTH)) if budget > 0 else ()
-        if not forced or not self.gate.pays(self.config.break_even):
+        if not forced or not self.gate.pays(break_even(self.config, context, len(forced))):
             return ()
         return [forced]
 

@@ -40,5 +40,6 @@ class MemoryProposer(GatedCopies):
         if self.standalone:
             found = self.memory.candidates(context.tokens, self.span.length, min(budget, config.copy_candidates),
                                            config.copy_min_match)
-            return self.gated(stretched(found, config.copy_length))
-        return self.gated(self.memory.candidates(context.tokens, config.levels, budget, config.copy_min_match))
+            return self.gated(context, stretched(found, config.copy_length))
+        found = self.memory.candidates(context.tokens, config.levels, budget, config.copy_min_match)
+        return self.gated(context, found)

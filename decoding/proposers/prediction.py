@@ -43,5 +43,5 @@ class PredictionProposer(GatedCopies):
     def propose(self, context: Context, budget: int) -> Sequence[Draft]:
         """The prediction's continuations of ``last``, while they pay."""
         config = self.config
-        return self.gated(self.memory.candidates(context.tokens, prediction_copy_length(config),
+        return self.gated(context, self.memory.candidates(context.tokens, prediction_copy_length(config),
                                                  min(budget, config.copy_candidates), max(1, config.copy_min_match)))

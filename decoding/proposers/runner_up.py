@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from decoding.params import LookaheadConfig
-from decoding.proposers.base import Context, Draft, Gate, Outcome
+from decoding.proposers.base import Context, Draft, Gate, Outcome, break_even, tree_size
 
 RUNNER_UP = "runner_up"
 
@@ -46,7 +46,7 @@ class RunnerUpProposer:
             extended[-1] = token
             found = context.index.candidates(extended, length, 1) if length > 0 else []
             drafts.append((token, *found[0]) if found else (token,))
-        if not self.gate.pays(self.config.break_even):
+        if not self.gate.pays(break_even(self.config, context, tree_size(drafts))):
             return ()
         return drafts
 

@@ -137,7 +137,7 @@ def test_one_forward_per_batch_step():
 def test_a_failing_stream_ends_alone(tiny_model):
     good = make_stream(tiny_model, PROMPTS[0], CONFIGS[0])
     bad = make_stream(tiny_model, PROMPTS[1], CONFIGS[0])
-    bad.propose = lambda: (_ for _ in ()).throw(RuntimeError("broken stream"))
+    bad.propose = lambda cost=None: (_ for _ in ()).throw(RuntimeError("broken stream"))
     results = step_batch([good, bad], BatchPolicy())
     assert isinstance(results[1], RuntimeError) and not isinstance(results[0], BaseException)
     assert results[0].token_ids  # the prefill committed the first token
@@ -220,7 +220,7 @@ def test_engine_a_failing_request_leaves_alone(tiny_model):
     engine = BatchEngine(tiny_model)
     engine.add("good", PROMPTS[0], StopCriteria(10), SamplingParams(), CONFIGS[0])
     engine.add("bad", PROMPTS[1], StopCriteria(10), SamplingParams(), CONFIGS[0])
-    engine._streams["bad"].propose = lambda: (_ for _ in ()).throw(RuntimeError("broken stream"))
+    engine._streams["bad"].propose = lambda cost=None: (_ for _ in ()).throw(RuntimeError("broken stream"))
     results = dict(engine.step())
     assert isinstance(results["bad"], RuntimeError) and results["good"].token_ids
     assert "bad" not in engine and "good" in engine

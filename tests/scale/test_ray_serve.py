@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import json
 import os
 import shutil
@@ -177,7 +178,7 @@ def test_chat_and_incremental_stream_through_the_proxy(two_replicas):
     assert finish in ("stop", "length") and len(pieces) >= 5
     # incremental: each chunk arrives when its decoding step ends (one token a step here, several ms apart even on a
     # fast machine), not in one burst at the end, where the gaps would be the microseconds of parsing a buffer
-    gaps = sorted(later - earlier for earlier, later in zip(arrivals, arrivals[1:]))
+    gaps = sorted(later - earlier for earlier, later in itertools.pairwise(arrivals))
     assert gaps[len(gaps) // 2] > 0.002, arrivals
 
 
