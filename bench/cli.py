@@ -16,6 +16,8 @@ threads) come from ``server.config.load_config`` with the preset of the resolved
 ``--preset cpu|cuda`` takes the lookahead settings and the batch policy from that preset instead (the model still
 loads as this device's preset says), so any prompt file can be counted at either preset's settings: on a CPU,
 ``--preset cuda --methods lookahead`` counts the GPU setting's tokens per step.
+``--baseline REV`` adds ``base_greedy`` and ``base_lookahead`` to the methods: commit REV's greedy loop and lookahead,
+run as that commit's benchmark ran them, in a child process (``bench.baseline``).
 Our methods run on the model with its linears prepared as the server prepares them; when that packs them,
 ``generate`` and ``prompt_lookup`` run on a second copy with transformers' ``nn.Linear``, as transformers
 users run them.
@@ -36,6 +38,7 @@ from pathlib import Path
 import transformers
 from transformers import PreTrainedModel
 
+from bench.baseline import BASE_METHODS, BaselineError, add_baseline_flag, check_baseline, comparison, start_baseline
 from bench.datasets import (
     DATASETS,
     DatasetError,
@@ -104,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per decode (default 256)")
     add_lookahead_flags(parser)
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(METHODS)}")
+    add_baseline_flag(parser)
     parser.add_argument("--preset", choices=PRESETS,
                         help="whose lookahead settings and batch policy (default: this device's); the model loads "
                         "as this device's preset says either way")
@@ -251,21 +255,42 @@ def measure_prompts(
     """Print the header, run ``methods`` on ``prompts`` interleaved (``bench.measure.run_benchmark``) with
     progress lines (saved to ``output`` as they come when given); return the runs and the JSON settings. With
     ``memory``, every lookahead decode (warm-up included) shares it; after the warm-up ``reset_memory`` (default:
-    ``memory.clear``) puts it back as it was before."""
+    ``memory.clear``) puts it back as it was before. Base methods run in one ``--baseline`` child process, ended
+    when the runs are (its settings under the JSON ``baseline``; the child resets its own memory too)."""
     args = resolved.args
     config = lookahead_config(args)
     env = environment(loaded, args.threads, linears)
     print(header(env, benchmark_lines(source, len(prompts), args.max_tokens, methods, config)), flush=True)
-    runners = make_runners(methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy, memory,
-                           gguf_file(args) if "llama_cpp" in methods else None, args.threads or os.cpu_count() or 1)
-    eos = Decoder(loaded).eos_token_ids()
-    settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos)}
-    progress = print_progress(len(prompts) * len(methods))
-    if output:
-        progress = saving_progress(output, settings, progress)
-    forget = reset_memory or (memory.clear if memory is not None else None)  # the warm-up's outputs must not stay
-    runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress, forget)
+    baseline = start_baseline(resolved, methods)
+    try:
+        runners = make_runners(
+            methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy, memory,
+            gguf_file(args) if "llama_cpp" in methods else None, args.threads or os.cpu_count() or 1, baseline,
+        )
+        eos = Decoder(loaded).eos_token_ids()
+        settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos),
+                    "baseline": None if baseline is None else {"commit": baseline.commit, **baseline.ready}}
+        progress = print_progress(len(prompts) * len(methods))
+        if output:
+            progress = saving_progress(output, settings, progress)
+        forget = reset_memory or (memory.clear if memory is not None else None)  # the warm-up's outputs must go
+        if baseline is not None:
+            forget = _then(forget, baseline.reset)
+        runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress, forget)
+    finally:
+        if baseline is not None:
+            baseline.close()
     return runs, settings
+
+
+def _then(first: Callable[[], None] | None, second: Callable[[], None]) -> Callable[[], None]:
+    """``first`` (when given), then ``second``."""
+    def both() -> None:
+        if first is not None:
+            first()
+        second()
+
+    return both
 
 
 def run_decode_benchmark(
@@ -284,11 +309,15 @@ def run_decode_benchmark(
     summaries = summarize(runs)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(runs), left=2))
     print("\ntotal\n" + format_table(TOTAL_HEADERS, total_rows(summaries)), flush=True)
-    return {
+    payload = {
         "config": settings,
         "runs": [asdict(run) for run in runs],
         "summary": {"methods": [asdict(summary) for summary in summaries]},
     }
+    if any(name in BASE_METHODS for name in methods):
+        table, payload["summary"]["baseline"] = comparison(runs, settings["baseline"])
+        print(f"\nagainst {args.baseline}\n" + table, flush=True)
+    return payload
 
 
 def gguf_file(args: argparse.Namespace) -> Path:
@@ -337,7 +366,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
     if args.max_tokens < 1 or args.warmup < 0 or args.repeats < 1 or args.prompt_lookup_tokens < 1:
         parser.error("--max-tokens, --repeats and --prompt-lookup-tokens must be >= 1, --warmup >= 0")
     try:
-        parse_methods(args.methods)
+        check_baseline(args, parse_methods(args.methods))
         resolved = resolve(args, args.preset)
         lookahead_config(resolved.args)
         check_linear_options(resolved.args.quantize, resolved.args.weight_layout, resolved.args.weights)
@@ -370,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             payload = run_step_cost(resolved, loaded, linears)
         else:
             payload = run_decode_benchmark(resolved, loaded, linears, transformers_twin(args, linears))
-    except (DecodingError, DatasetError, PromptFileError) as error:
+    except (DecodingError, DatasetError, PromptFileError, BaselineError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:

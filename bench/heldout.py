@@ -22,6 +22,15 @@ names whose lookahead settings and batch policy run (default: this device's); th
 loads as this device's preset says either way. ``--preset cuda --methods lookahead,prompt_lookup`` on a CPU
 counts the GPU setting's tokens per step, which is what it buys where a step's cost hardly grows with its size;
 its times on a CPU say nothing about a GPU. Every other flag overrides one setting, as in ``python -m bench``.
+
+``--baseline REV`` runs an earlier commit in the same run (``bench.baseline``): ``--methods greedy,lookahead,
+base_greedy,base_lookahead --baseline 507a7ad`` adds that commit's greedy loop and lookahead, each run as that
+commit's ``bench heldout`` ran it (its own preset, model loading and timing), in a child process on a detached
+worktree under ``<cache>/baselines/``, interleaved per prompt with ours. A second table then gives per prompt the
+base methods' speed-ups over our greedy, our lookahead's over base lookahead, and whether base greedy's output is
+our greedy's (a commit that expanded GGUF weights to float32 can leave it after a while: reported, not failed) and
+base lookahead's is base greedy's; the totals add our greedy's and lookahead's speed-ups over the commit's (JSON
+``summary.baseline``). With ``--memory-tokens``/``--memory-file`` the child builds its own shared memory alike.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedModel
 
+from bench.baseline import BASE_METHODS, BaselineError, add_baseline_flag, check_baseline, comparison
 from bench.cli import (
     PRESETS,
     add_lookahead_flags,
@@ -52,7 +62,7 @@ from decoding.errors import DecodingError
 from decoding.loading import LoadedModel
 from decoding.memory import MemoryFileError, NGramMemory, load_memory
 
-HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup", "llama_cpp")
+HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup", "llama_cpp", *BASE_METHODS)
 DEFAULT_HELDOUT_METHODS = "greedy,lookahead,prompt_lookup"  # llama_cpp where asked: an optional extra
 SAME_WEIGHTS = ("greedy", "lookahead")  # the methods whose outputs must be identical (lookahead's guarantee)
 CODE_MAX_TOKENS = 256
@@ -93,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=PRESETS, help="whose lookahead settings and batch policy (this device's)")
     parser.add_argument("--methods", default=DEFAULT_HELDOUT_METHODS,
                         help=f"comma list of {', '.join(HELDOUT_METHODS)} (lookahead required; default "
-                        f"{DEFAULT_HELDOUT_METHODS})")
+                        f"{DEFAULT_HELDOUT_METHODS}; base_* with --baseline)")
+    add_baseline_flag(parser)
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (10)")
     parser.add_argument("--memory-tokens", type=int, default=0,
                         help="lookahead's decodes share a server-wide n-gram memory of this many tokens, as the "
@@ -113,7 +124,8 @@ def parse_heldout_methods(text: str) -> list[str]:
     """``--methods`` as a list: names among ``HELDOUT_METHODS``, lookahead among them; raises ``ValueError``."""
     methods = parse_methods(text)
     if not set(methods) <= set(HELDOUT_METHODS) or "lookahead" not in methods:
-        raise ValueError(f"--methods: lookahead and any of greedy, prompt_lookup, llama_cpp (got {text!r})")
+        others = ", ".join(name for name in HELDOUT_METHODS if name != "lookahead")
+        raise ValueError(f"--methods: lookahead and any of {others} (got {text!r})")
     return methods
 
 
@@ -128,7 +140,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
     if args.max_tokens < 1 or min(args.warmup, args.limit, args.memory_tokens) < 0 or args.prompt_lookup_tokens < 1:
         parser.error("--max-tokens and --prompt-lookup-tokens must be >= 1, --warmup, --limit and --memory-tokens >= 0")
     try:
-        parse_heldout_methods(args.methods)
+        check_baseline(args, parse_heldout_methods(args.methods))
         resolved = resolve(args, args.preset)
         lookahead_config(resolved.args)
         check_linear_options(resolved.args.quantize, resolved.args.weight_layout, resolved.args.weights)
@@ -279,6 +291,9 @@ def run_heldout(
     totals, summary = total_lines(runs, rows)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(rows)))
     print("\ntotal\n" + totals, flush=True)
+    if any(name in BASE_METHODS for name in methods):
+        table, summary["baseline"] = comparison(runs, settings["baseline"])
+        print(f"\nper prompt, against {args.baseline}\n" + table, flush=True)
     return {
         "config": settings,
         "runs": [asdict(run) for run in runs],
@@ -295,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_split(args.dataset, args.split, 1)  # fetch the prompt set before the model
         loaded, linears = start(resolved)
         payload = run_heldout(resolved, loaded, linears, transformers_twin(args, linears))
-    except (DecodingError, DatasetError, MemoryFileError) as error:
+    except (DecodingError, DatasetError, MemoryFileError, BaselineError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.output:

@@ -13,7 +13,8 @@ Methods: ``greedy`` (our reference loop), ``lookahead`` (our generator, stepped 
 ``decoding.step_batch`` with the server's ``BatchPolicy`` when one is given: the server's code path; a lone
 stream is never limited by the policy's budgets), ``generate`` and ``prompt_lookup`` (transformers'
 ``model.generate``, plain and with prompt-lookup decoding), ``llama_cpp`` (llama.cpp on the model's GGUF file,
-``bench.llama_cpp``: an optional extra).
+``bench.llama_cpp``: an optional extra), ``base_greedy`` and ``base_lookahead`` (an earlier commit's greedy and
+lookahead in a child process, ``bench.baseline``: their seconds are the child's, timed around the decode alone).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -39,7 +41,13 @@ from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.static import StaticStep, build_static_step
 
-METHODS = ("greedy", "lookahead", "generate", "prompt_lookup", "generate_compiled", "llama_cpp")
+if TYPE_CHECKING:  # bench.baseline builds on this module
+    from bench.baseline import BaselineChild
+
+METHODS = (
+    "greedy", "lookahead", "generate", "prompt_lookup", "generate_compiled", "llama_cpp",
+    "base_greedy", "base_lookahead",  # an earlier commit's, with --baseline (bench.baseline)
+)
 DEFAULT_METHODS = "greedy,lookahead,generate"
 STEP_COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
 WARMUP_TOKENS = 16
@@ -47,12 +55,14 @@ WARMUP_TOKENS = 16
 
 @dataclass(frozen=True)
 class Decoded:
-    """What one decode produced: new token ids (no stop token), forward passes, guessed tokens offered/accepted."""
+    """What one decode produced: new token ids (no stop token), forward passes, guessed tokens offered/accepted,
+    and ``seconds`` when the runner timed the decode itself (a child process: ``time_run`` reports those)."""
 
     output_ids: list[int]
     steps: int | None
     offered: int | None = None
     accepted: int | None = None
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -213,12 +223,14 @@ def make_runners(
     memory: NGramMemory | None = None,
     gguf_path: Path | None = None,
     threads: int = 1,
+    baseline: BaselineChild | None = None,
 ) -> dict[str, Runner]:
     """Map each method name (see ``METHODS``) to its runner, in the given order. ``transformers_model``, when
     given, is the model ``generate`` and ``prompt_lookup`` run on (the others run on the benchmark's model);
     ``policy`` and ``memory``, when given, are the ``BatchPolicy`` lookahead steps under and the n-gram memory
     all its decodes share (see ``decode_lookahead``). ``llama_cpp`` runs llama.cpp on ``gguf_path`` with
-    ``threads`` threads (``bench.llama_cpp``); asking for it without a GGUF file raises ``ValueError``."""
+    ``threads`` threads (``bench.llama_cpp``); asking for it without a GGUF file raises ``ValueError``, as does
+    asking for ``base_greedy`` or ``base_lookahead`` without the ``baseline`` child that runs them."""
     transformers_methods: dict[str, Runner] = {
         "generate": decode_generate,
         "prompt_lookup": partial(decode_generate, prompt_lookup_tokens=prompt_lookup_tokens),
@@ -235,6 +247,11 @@ def make_runners(
         if gguf_path is None:
             raise ValueError("the llama_cpp method needs the model's GGUF file (--gguf PATH)")
         table["llama_cpp"] = llama_cpp_runner(gguf_path, threads)
+    for name in ("base_greedy", "base_lookahead"):
+        if name in methods:
+            if baseline is None:
+                raise ValueError(f"the {name} method needs a baseline commit (--baseline REV)")
+            table[name] = baseline.runner(name)
     return {name: table[name] for name in methods}
 
 
@@ -258,13 +275,14 @@ def _synchronize(device: torch.device) -> None:
 def time_run(
     model: PreTrainedModel, prompt_id: str, method: str, runner: Runner, prompt_ids: Sequence[int], stop: StopCriteria
 ) -> RunRecord:
-    """Run one decode and time it end to end (prefill included)."""
+    """Run one decode and time it end to end (prefill included); a runner that timed the decode itself
+    (``Decoded.seconds``) gives the seconds instead."""
     gc.collect()
     _synchronize(model.device)
     started = time.perf_counter()
     decoded = runner(model, prompt_ids, stop)
     _synchronize(model.device)
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started if decoded.seconds is None else decoded.seconds
     return RunRecord(
         id=prompt_id,
         method=method,

@@ -132,3 +132,13 @@ def test_lookahead_under_a_batch_policy_steps_as_the_generator_does(model) -> No
     assert batched == plain and batched.steps < len(batched.output_ids)
     runners = measure.make_runners(["lookahead"], config, 3, policy=BatchPolicy(max_step_tokens=4))
     assert runners["lookahead"](model, [5, 9, 11, 5, 9, 11, 5, 9], stop) == plain  # a lone stream is never capped
+
+
+def test_a_runner_that_timed_its_decode_gives_the_seconds_and_base_methods_need_their_child(model) -> None:
+    def timed(_model, prompt_ids, stop) -> measure.Decoded:
+        return measure.Decoded([7], 1, seconds=0.25)
+
+    record = measure.time_run(model, "a", "base_greedy", timed, [1, 2], StopCriteria(1))
+    assert (record.seconds, record.output_ids, record.steps) == (0.25, [7], 1)
+    with pytest.raises(ValueError, match="--baseline"):
+        measure.make_runners(["greedy", "base_lookahead"], LookaheadConfig(2, 3, 2), prompt_lookup_tokens=3)
