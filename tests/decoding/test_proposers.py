@@ -15,7 +15,10 @@ from decoding.batch import BatchEngine, BatchPolicy
 from decoding.engine import DecodeStream, StepCounts, generate_autoregressive
 from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.pool import ContextIndex
 from decoding.proposers import PROPOSERS, Context, Gate, Outcome
+from decoding.proposers.base import break_even
+from decoding.proposers.copies import CopyProposer
 from decoding.proposers.recycled import RecycledProposer
 from tests.decoding.stubs import cycle_model
 
@@ -238,3 +241,77 @@ def test_an_engine_with_a_memory_shares_one_recycled_table_among_its_decodes(tin
                              successors=engine.successors)
     assert opted_out.successors is None  # a decode opted out of the memory keeps its own table
     assert BatchEngine(tiny_model).successors is None
+
+
+# Pricing: what draft tokens cost, from the batch policy's step-cost curve (Context.price, step_price)
+
+FLAT = BatchPolicy(step_cost=((1, 1.0), (4096, 1.0)))
+STEEP = BatchPolicy(step_cost=((1, 1.0), (2, 10.0), (4096, 10_000.0)))  # no guess is worth a second token
+
+
+def batched_tokens(model, prompt: list[int], stop: StopCriteria, config: LookaheadConfig | None,
+                   policy: BatchPolicy) -> tuple[list[int], int]:
+    """One decode through the engine under ``policy``: its tokens and how many forwards it took."""
+    engine = BatchEngine(model, policy)
+    engine.add(0, prompt, stop, SamplingParams(), config)
+    tokens, forwards = [], 0
+    while engine.has_work:
+        forwards += 1
+        for _, step in engine.step():
+            assert not isinstance(step, BaseException), step
+            tokens.extend(step.token_ids)
+    return tokens, forwards
+
+
+def copy_context(tokens: list[int]) -> Context:
+    index = ContextIndex()
+    index.extend(tokens, len(tokens))
+    return Context(tokens, len(tokens), index, frozenset())
+
+
+def test_a_copy_gate_pays_at_its_drafts_price_never_below_break_even():
+    config = LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1, break_even=1.0)
+    context = copy_context([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])
+    assert CopyProposer(config).propose(context, 4) == [(3, 4, 5, 6, 7, 8, 9, 10)]  # free: the gate starts at 8
+    context.price = lambda tokens: 1.5 * tokens  # 8 tokens cost 12 accepted guesses: more than the gate expects
+    assert CopyProposer(config).propose(context, 4) == ()
+    assert break_even(config, context, 0) == 1.0 and break_even(config, context, 2) == 3.0
+
+
+def test_a_best_first_recycled_tree_keeps_the_nodes_that_pay_for_themselves():
+    """Node scores (prior odds 0.5 for rank 0, 0.15 for rank 1), best first: (2) .5, (2, 4) .25, (3) .15,
+    (2, 4, 7) .125, ...; at 0.2 accepted guesses a token, the first two pay most (0.75 - 0.4)."""
+    table = {1: (2, 3), 2: (4, 5), 3: (6,), 4: (7,), 5: (8,)}
+    config = LookaheadConfig(ngram_size=4, recycled=2, recycled_tree=6)
+    context = Context([0, 1], 1, None, frozenset())
+    assert RecycledProposer(config, table).propose(context, budget=8) == [(2, 4, 7), (2, 5), (3, 6)]
+    context.price = lambda tokens: 0.2 * tokens
+    source = RecycledProposer(config, table)
+    assert source.propose(context, budget=8) == [(2, 4)] and list(source.offered) == [(2,), (2, 4)]
+    context.price = lambda tokens: 0.6 * tokens
+    assert RecycledProposer(config, table).propose(context, budget=8) == ()
+
+
+@pytest.mark.parametrize("config", [
+    LookaheadConfig(1, 3, 2, lazy_window=True, break_even=0.0, copy_length=8, copy_min_match=1),
+    LookaheadConfig(4, 4, 4, copy_length=16, copy_candidates=4, copy_stretch=4, recycled=4, recycled_tree=32),
+    LookaheadConfig(2, 3, 2, runner_up=2, recycled=3, window_chains=True),
+], ids=["cpu-like", "cuda-like", "runner-up-and-recycled"])
+@pytest.mark.parametrize("policy", [FLAT, BatchPolicy(), STEEP], ids=["flat", "default-curve", "steep"])
+def test_priced_steps_keep_greedy_output(tiny_model, config, policy):
+    stop = StopCriteria(max_tokens=30)
+    for prompt in PROMPTS:
+        expected = tokens_of(generate_autoregressive(tiny_model, prompt, stop))
+        assert batched_tokens(tiny_model, prompt, stop, config, policy)[0] == expected
+
+
+def test_a_steep_curve_leaves_only_probes_of_guesses_that_a_flat_one_verifies():
+    """On the counting stub every guess is right: a flat curve verifies them at every step, a curve on which no
+    guess pays for its token verifies them only on the gates' probes, so the same text takes many more forwards."""
+    model = cycle_model(period=8)
+    config = LookaheadConfig(1, 4, 2, break_even=0.0, copy_length=8, copy_min_match=1, recycled=2)
+    stop = StopCriteria(max_tokens=60)
+    flat, flat_forwards = batched_tokens(model, [5, 3, 0, 2], stop, config, FLAT)
+    steep, steep_forwards = batched_tokens(model, [5, 3, 0, 2], stop, config, STEEP)
+    assert flat == steep == [(3 + k) % 8 for k in range(60)]
+    assert flat_forwards < 25 and steep_forwards > 2 * flat_forwards, (flat_forwards, steep_forwards)
