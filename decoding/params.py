@@ -192,7 +192,9 @@ class LookaheadConfig:
       step (the multi-token step's cost ratio minus one: ~0.5 on a 2-core CPU, ~0 on a GPU). While a
       sequence's running mean of accepted guesses is below it, steps are plain one-token steps, with verifying
       probes that back off (after ``PROBE_INTERVAL`` steps, then twice the previous wait, up to
-      ``MAX_PROBE_INTERVAL``). ``0`` never falls back. Greedy output is unchanged.
+      ``MAX_PROBE_INTERVAL``). ``0`` never falls back. It is a floor: stepped under a batch policy, each
+      source's drafts must also pay their price on the step-cost curve (``decoding.proposers.base.break_even``).
+      Greedy output is unchanged.
     - ``copy_length`` (0 = off, needs ``rank_by_context``): when the last ``copy_min_match`` tokens of the text
       also precede an earlier occurrence of ``last``, the step verifies that occurrence's continuation, up to
       ``copy_length`` tokens (prompt-lookup style): copying text such as code can then commit many more than N

@@ -80,8 +80,8 @@ class LookaheadSettings(BaseModel):
     )
     break_even: float = Field(
         _LIBRARY.break_even, ge=0.0,
-        description="accepted guesses per verifying step below which a request falls back to one-token steps "
-        "(capped at N-1; 0: never)",
+        description="accepted guesses per verifying step below which a request falls back to one-token steps: "
+        "a floor under each source's price on the step-cost curve (capped at N-1)",
     )
     copy_length: int = _lookahead_field(
         "copy_length", "copy steps: verify up to this many tokens copied from a matching context (0: off)"
