@@ -76,6 +76,27 @@ def test_a_prediction_copy_commits_its_length_plus_one_on_a_stub():
     assert (copy.offered, copy.accepted, copy.prediction_accepted) == (32, 32, 32)
 
 
+def test_where_long_copies_cost_a_prediction_stretches_from_the_copy_length():
+    """On a CPU-like curve (a token costs 0.2 accepted guesses: 24 more tokens cost 4.8) the prediction's copies
+    start at ``copy_length`` and double after whole copies up to 32 tokens: committed 9, 17, 33; on a flat curve
+    they are 32 tokens from the first."""
+    model = cycle_model(period=100, vocab_size=128)
+    config = LookaheadConfig(1, 2, 0, copy_length=8, copy_min_match=1, prompt_pool=False, output_pool=False)
+    steep = BatchPolicy(step_cost=((1, 1.0), (1025, 205.8)))  # 1 + 0.2 a token
+    flat = BatchPolicy(step_cost=((1, 1.0), (4096, 1.0)))
+    committed = {}
+    for name, policy in (("steep", steep), ("flat", flat)):
+        engine = BatchEngine(model, policy)
+        engine.add(0, [0, 1, 2], StopCriteria(max_tokens=80), lookahead=config, prediction=list(range(3, 100)))
+        steps = []
+        while engine.has_work:
+            steps.extend(step for _, step in engine.step())
+        assert tokens_of(steps) == list(range(3, 83))
+        committed[name] = [step.stats.committed for step in steps if step.stats.prediction_accepted]
+    assert committed["steep"][:3] == [9, 17, 33]
+    assert committed["flat"][0] == PREDICTION_COPY_LENGTH + 1
+
+
 def test_a_prediction_is_ignored_without_lookahead(tiny_model):
     stop = StopCriteria(max_tokens=30)
     expected = greedy(tiny_model, PROMPTS[0], stop)
