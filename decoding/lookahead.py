@@ -92,12 +92,13 @@ class LookaheadStep:
         are free and the gates' ``break_even`` alone decides), and decide whether to verify them; say how many
         tokens that takes."""
         config = self.config
-        copies = self._drafts([proposer for proposer in self.proposers if proposer.standalone], None, cost, 1, 0.0)
+        base = 1 if config.lazy_window else 1 + self.jacobi.window_tokens  # a step that is not lazy runs the window
+        copies = self._drafts([proposer for proposer in self.proposers if proposer.standalone], None, cost, base, 0.0)
         if copies.candidates and config.lazy_window:
             self._wanted = copies
             return Proposal(1 + len(copies.tree), copies.gain, copies.gain < config.break_even, smallest=2)
         found = self._drafts([proposer for proposer in self.proposers if not proposer.standalone],
-                             config.guess_set_size, cost, 1 + len(copies.tree), copies.gain)
+                             config.guess_set_size, cost, base + len(copies.tree), copies.gain)
         window = bool(found.candidates) or self.jacobi.wants_window
         shape = self._wanted = _Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
                                       copies.offered + found.offered, max(copies.gain, found.gain))

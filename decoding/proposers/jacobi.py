@@ -4,11 +4,12 @@ Contract: ``JacobiProposer`` owns the 2-D Jacobi window (``decoding.window.Windo
 (``decoding.pool.NGramPool``) and the gate of verifying steps. ``propose`` returns up to ``budget`` n-grams (N-1
 tokens) after ``last``: with ``rank_by_context``, the prompt's and output's continuations best matching the
 preceding context first (``Context.index``), then the pool's, most recent first; none while its gate says verifying
-does not pay at their price with the window's tokens (``decoding.proposers.base.break_even``). ``wants_window`` says
-whether the step should run the window even without a candidate (it pays and the window is not lazy). The step reads
-``window`` for its lookahead branch and reports back through ``advance`` (the window ran: its new bottom row) or
-``skip`` (it did not), then ``feedback``, which folds the step's accepted guesses into the gate and, without
-``rank_by_context``, adds the new output's n-grams to the pool.
+does not pay at their price, the window's tokens included where the window is lazy (it then runs for them alone;
+``decoding.proposers.base.break_even``). ``wants_window`` says whether the step should run the window even without a
+candidate (it pays and the window is not lazy). The step reads ``window`` for its lookahead branch and reports back
+through ``advance`` (the window ran: its new bottom row) or ``skip`` (it did not), then ``feedback``, which folds
+the step's accepted guesses into the gate and, without ``rank_by_context``, adds the new output's n-grams to the
+pool.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class JacobiProposer:
         """Up to ``budget`` n-grams: ranked context continuations, then the pool's (module contract)."""
         config = self.config
         found = self._found(context, budget) if budget > 0 else []
-        self.paying = self.gate.pays(break_even(config, context, self.window_tokens + tree_size(found)))
+        window = self.window_tokens if config.lazy_window else 0  # a lazy window runs for these drafts alone
+        self.paying = self.gate.pays(break_even(config, context, window + tree_size(found)))
         return found if self.paying else ()
 
     def _found(self, context: Context, budget: int) -> list[Draft]:

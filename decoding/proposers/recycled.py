@@ -7,14 +7,13 @@ the window's bottom row, every tree node), so the table holds at most one entry 
 ints each). The table is the decode's own, or one an engine shares among its decodes (``Inputs.successors``: then
 one request's rows warm the next one's guesses, as the shared memory does; guesses only, never text). ``propose``
 grows a tree from ``last`` through the table and offers its root-to-leaf paths, at most ``budget`` of them, in one
-of two shapes (``LookaheadConfig.recycled_tree``): 0, the fixed one, ``recycled`` children at depth 1, ``BRANCH``
-at depth 2, one below, down to N-1 tokens, best ranks first; n > 0, best first: a node's score is the product, down
-its path, of the measured chance that a successor of that rank is the next token given that its parent was
-(``RankOdds``, learned from every step's outcome, starting from ``PRIOR``), and of the n best-scoring nodes, at
-most ``TREE_DEPTH`` deep, the first k make the tree, its leaves offered in the order they were taken: k is where
-the nodes' summed scores (the tokens the tree expects to have accepted) most exceed the step's price of k tokens
-(``Context.price``; all n where draft tokens are free). It joins the window's step,
-gated by its own running mean. Its drafts are guesses like any other: greedy output does not change.
+of two shapes (``LookaheadConfig.recycled_tree``): 0, the fixed one, ``recycled`` children at depth 1, ``BRANCH`` at
+depth 2, one below, down to N-1 tokens, best ranks first; n > 0, best first: a node's score is the product, down its
+path, of the measured chance that a successor of that rank is the next token given that its parent was
+(``RankOdds``, learned from every step's outcome, starting from ``PRIOR``), and the n best-scoring nodes, at most
+``TREE_DEPTH`` deep, make the tree, its leaves offered in the order they were taken. It joins the window's step,
+gated by its own running mean against the tree's price (``decoding.proposers.base.break_even``). Its drafts are
+guesses like any other: greedy output does not change.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import heapq
 from collections.abc import Sequence
 
 from decoding.params import LookaheadConfig
-from decoding.proposers.base import Context, Draft, Gate, Outcome, Price, break_even, tree_size
+from decoding.proposers.base import Context, Draft, Gate, Outcome, break_even, tree_size
 
 RECYCLED = "recycled"
 BRANCH = 2  # the fixed shape's children per node at depth 2 (depth 1 takes all ``recycled``, deeper nodes one)
@@ -90,7 +89,7 @@ class RecycledProposer:
             return ()
         drafts: list[Draft] = []
         if self.config.recycled_tree:
-            self.offered = self._best_first(context.last, self.config.recycled_tree, context.price)
+            self.offered = self._best_first(context.last, self.config.recycled_tree)
             parents = {path[:-1] for path in self.offered}
             drafts = [path for path in self.offered if path not in parents][:budget]
         else:
@@ -115,9 +114,8 @@ class RecycledProposer:
                 return
             self._grow((*path, child), child, drafts, budget)
 
-    def _best_first(self, last: int, nodes: int, price: Price) -> dict[Draft, int]:
-        """Of the best ``nodes`` nodes under ``last``, the leading ones that pay most over their ``price`` (module
-        contract), in the order taken (best first): each one's path and rank."""
+    def _best_first(self, last: int, nodes: int) -> dict[Draft, int]:
+        """The best ``nodes`` nodes under ``last``, in the order taken (best first): each one's path and rank."""
         heap: list[tuple[float, int, Draft, int]] = []
         order = 0
 
@@ -131,15 +129,11 @@ class RecycledProposer:
 
         push((), 1.0, last)
         taken: dict[Draft, int] = {}
-        expected, best, paying = 0.0, 0.0, 0
         while heap and len(taken) < nodes:
             negative, _, path, rank = heapq.heappop(heap)
             taken[path] = rank
-            expected -= negative
-            if expected - price(len(taken)) >= best:
-                best, paying = expected - price(len(taken)), len(taken)
             push(path, -negative, path[-1])
-        return dict(list(taken.items())[:paying])
+        return taken
 
     def feedback(self, context: Context, outcome: Outcome) -> None:
         """Store each read row's top successors under its input token; learn the ranks' odds from a best-first

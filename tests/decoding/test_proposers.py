@@ -278,18 +278,18 @@ def test_a_copy_gate_pays_at_its_drafts_price_never_below_break_even():
     assert break_even(config, context, 0) == 1.0 and break_even(config, context, 2) == 3.0
 
 
-def test_a_best_first_recycled_tree_keeps_the_nodes_that_pay_for_themselves():
-    """Node scores (prior odds 0.5 for rank 0, 0.15 for rank 1), best first: (2) .5, (2, 4) .25, (3) .15,
-    (2, 4, 7) .125, ...; at 0.2 accepted guesses a token, the first two pay most (0.75 - 0.4)."""
+def test_a_recycled_tree_is_offered_while_its_mean_pays_for_its_nodes():
+    """The tree keeps its node budget whatever the price; its gate (starting at 1 accepted guess) offers it when
+    its 6 nodes are free, not when they cost 0.6 accepted guesses each."""
     table = {1: (2, 3), 2: (4, 5), 3: (6,), 4: (7,), 5: (8,)}
     config = LookaheadConfig(ngram_size=4, recycled=2, recycled_tree=6)
     context = Context([0, 1], 1, None, frozenset())
     assert RecycledProposer(config, table).propose(context, budget=8) == [(2, 4, 7), (2, 5), (3, 6)]
-    context.price = lambda tokens: 0.2 * tokens
-    source = RecycledProposer(config, table)
-    assert source.propose(context, budget=8) == [(2, 4)] and list(source.offered) == [(2,), (2, 4)]
     context.price = lambda tokens: 0.6 * tokens
-    assert RecycledProposer(config, table).propose(context, budget=8) == ()
+    source = RecycledProposer(config, table)
+    assert not source.propose(context, budget=8) and not source.offered
+    context.price = lambda tokens: 0.1 * tokens
+    assert source.propose(context, budget=8) == [(2, 4, 7), (2, 5), (3, 6)]
 
 
 @pytest.mark.parametrize("config", [
@@ -309,9 +309,22 @@ def test_a_steep_curve_leaves_only_probes_of_guesses_that_a_flat_one_verifies():
     """On the counting stub every guess is right: a flat curve verifies them at every step, a curve on which no
     guess pays for its token verifies them only on the gates' probes, so the same text takes many more forwards."""
     model = cycle_model(period=8)
-    config = LookaheadConfig(1, 4, 2, break_even=0.0, copy_length=8, copy_min_match=1, recycled=2)
+    config = LookaheadConfig(1, 4, 2, lazy_window=True, break_even=0.0, copy_length=8, copy_min_match=1, recycled=2)
     stop = StopCriteria(max_tokens=60)
     flat, flat_forwards = batched_tokens(model, [5, 3, 0, 2], stop, config, FLAT)
     steep, steep_forwards = batched_tokens(model, [5, 3, 0, 2], stop, config, STEEP)
     assert flat == steep == [(3 + k) % 8 for k in range(60)]
     assert flat_forwards < 25 and steep_forwards > 2 * flat_forwards, (flat_forwards, steep_forwards)
+
+
+def test_a_step_that_runs_its_window_anyway_prices_drafts_on_top_of_it():
+    """Without a lazy window every step pays for the window's tokens, so a copy is priced at what it adds to that
+    step (on STEEP, 9 tokens over the window's 4 cost 1.5 accepted guesses, not 28.5 over a one-token step): the
+    counting stub's copies keep being verified."""
+    model = cycle_model(period=8)
+    config = LookaheadConfig(1, 4, 2, lazy_window=False, break_even=0.0, copy_length=8, copy_min_match=1)
+    stop = StopCriteria(max_tokens=60)
+    tokens, forwards = batched_tokens(model, [5, 3, 0, 2], stop, config, STEEP)
+    lazy_tokens, lazy_forwards = batched_tokens(model, [5, 3, 0, 2], stop, replace(config, lazy_window=True), STEEP)
+    assert tokens == lazy_tokens == [(3 + k) % 8 for k in range(60)]
+    assert forwards < 20 and lazy_forwards > 2 * forwards, (forwards, lazy_forwards)
