@@ -4,31 +4,31 @@ Contract: ``LookaheadStep`` plans and finishes the steps of one lookahead decode
 candidate source: each step (``propose(cost)``, ``cost`` the batch policy's step-cost curve or None) it asks the
 standalone proposers (``decoding.proposers``: copies, the shared memory, the prediction), then, unless a lazy-window
 step verifies those alone, the others (the Jacobi window's pool, ...) for drafts, each proposer told the price of
-more tokens at that point of the step (``Context.price``: ``step_price`` of what the step holds so far, free without
-a curve), cuts every draft before the first token a grammar forbids, merges them into one token tree beside the
-Jacobi window's rows (``decoding.window.step_layout``), shrinks that to the batch's token budget (candidates last
-first, then the window: a verification-only step, then a plain one), verifies the tree (and the window's own chains,
-with ``window_chains``) against the model's choices (``decoding.verify``), commits the accepted run
-(``SequenceState.accept``), keeps the KV of the committed path (``SlotCache.commit``), feeds the window its new row,
-and tells every proposer what happened (``Outcome``: how far its verified drafts reached). Greedy output equals the
-plain loop's whatever the drafts; a sampled step is the same walk over the sampled rows.
+more tokens at that point of the step (``Context.price``: ``decoding.drafts.step_price`` of what the step holds so
+far, free without a curve), cuts every draft before the first token a grammar forbids, merges them into one token
+tree beside the Jacobi window's rows (``decoding.window.step_layout``), shrinks that to the batch's token budget
+(candidates last first, then the window: a verification-only step, then a plain one), verifies the tree (and the
+window's own chains, with ``window_chains``) against the model's choices (``decoding.verify``), commits the accepted
+run (``SequenceState.accept``), keeps the KV of the committed path (``SlotCache.commit``), feeds the window its new
+row, and tells every proposer what happened (``Outcome``: how far its verified drafts reached). Greedy output equals
+the plain loop's whatever the drafts; a sampled step is the same walk over the sampled rows.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from decoding.choice import greedy_ids, top_ids
+from decoding.drafts import Shape, gather
 from decoding.logits import adjust_logits, needs_adjusting
 from decoding.packed import Slice
-from decoding.params import MAX_STEP_TOKENS, LookaheadConfig, SamplingParams
+from decoding.params import LookaheadConfig, SamplingParams
 from decoding.proposers import COPY, MEMORY, POOL, PREDICTION, Context, Draft, JacobiProposer, Outcome, Proposer
-from decoding.proposers.base import Price, common_prefix, free
+from decoding.proposers.base import common_prefix
 from decoding.sampling import SampledRows, row_chooser
 from decoding.steps import (
     Finisher,
@@ -43,29 +43,6 @@ from decoding.steps import (
 from decoding.tree import TokenTree
 from decoding.verify import ChosenRows, Verdict, verify_constrained, verify_greedy
 from decoding.window import step_layout, window_chains, window_logit_row
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """A step's shape: the window (or not), the drafts it verifies, best first, with each one's source; ``offered``
-    every proposer's drafts as proposed (grammar-cut), to credit those merged into another's; ``gain`` the best
-    running mean of the proposers whose drafts it holds."""
-
-    window: bool
-    candidates: tuple[Draft, ...] = ()
-    sources: tuple[str, ...] = ()
-    offered: tuple[tuple[str, tuple[Draft, ...]], ...] = ()
-    gain: float = 0.0
-
-    @functools.cached_property
-    def tree(self) -> TokenTree:
-        """The candidates merged into one token tree (built once per shape)."""
-        return TokenTree.build(self.candidates)
-
-    def keep(self, count: int, window: bool | None = None) -> _Shape:
-        """The same step with only its first ``count`` candidates (and the window when ``window`` says so)."""
-        window = self.window if window is None else window
-        return _Shape(window, self.candidates[:count], self.sources[:count], self.offered, self.gain)
 
 
 @dataclass(frozen=True)
@@ -85,7 +62,7 @@ class LookaheadStep:
         self.proposers = list(proposers)
         self.jacobi = next(proposer for proposer in self.proposers if isinstance(proposer, JacobiProposer))
         self.top_k = max(proposer.top_k for proposer in self.proposers)  # top tokens per row to hand back (0: none)
-        self._wanted = _Shape(False)
+        self._wanted = Shape(False)
 
     def propose(self, cost: Callable[[int], float] | None = None) -> Proposal:
         """Gather this step's drafts, priced on ``cost`` (a forward's relative cost by input tokens; None: drafts
@@ -93,14 +70,13 @@ class LookaheadStep:
         tokens that takes."""
         config = self.config
         base = 1 if config.lazy_window else 1 + self.jacobi.window_tokens  # a step that is not lazy runs the window
-        copies = self._drafts([proposer for proposer in self.proposers if proposer.standalone], None, cost, base, 0.0)
+        copies = self._gather(True, None, cost, base, 0.0)
         if copies.candidates and config.lazy_window:
             self._wanted = copies
             return Proposal(1 + len(copies.tree), copies.gain, copies.gain < config.break_even, smallest=2)
-        found = self._drafts([proposer for proposer in self.proposers if not proposer.standalone],
-                             config.guess_set_size, cost, base + len(copies.tree), copies.gain)
+        found = self._gather(False, config.guess_set_size, cost, base + len(copies.tree), copies.gain)
         window = bool(found.candidates) or self.jacobi.wants_window
-        shape = self._wanted = _Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
+        shape = self._wanted = Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
                                       copies.offered + found.offered, max(copies.gain, found.gain))
         if not window and not shape.candidates:
             return Proposal(1)
@@ -124,7 +100,7 @@ class LookaheadStep:
         else:
             width, levels, tokens = 1, 1, [last]
         tree = shape.tree
-        chains = self._chains(tokens, width, levels) if shape.window else _Chains()
+        chains = _chains(self.config, self.sampling, sequence, tokens, width, levels) if shape.window else _Chains()
         layout = step_layout(width, levels, tree.parents, bool(chains.indices))
         tokens += tree.tokens
         positions = [position + offset for offset in layout.offset_values]
@@ -134,7 +110,14 @@ class LookaheadStep:
         return slice_, lambda logits, argmax: self._finish(logits, argmax, shape, width, levels, position, chains,
                                                            row_tokens)
 
-    def _fit(self, shape: _Shape, budget: int) -> _Shape:
+    def _gather(self, standalone: bool, limit: int | None, cost: Callable[[int], float] | None, base: int,
+                gain: float) -> Shape:
+        """The drafts of the standalone proposers or of the others (``decoding.drafts.gather``)."""
+        proposers = [proposer for proposer in self.proposers if proposer.standalone == standalone]
+        return gather(proposers, self.context, self.sequence.constraint, self.config.copy_candidates, limit, cost,
+                      base, gain)
+
+    def _fit(self, shape: Shape, budget: int) -> Shape:
         """Drop candidates (last first), then the window, until the step holds at most ``budget`` tokens; when
         not even the first candidate fits whole, it is shortened to the room left."""
         window_tokens = self.jacobi.window_tokens if shape.window else 1
@@ -146,17 +129,17 @@ class LookaheadStep:
         count = _fitting(tree, budget - 1)
         if count or not shape.candidates or budget < 2:
             return shape.keep(count, window=False)
-        return _Shape(False, (shape.candidates[0][: budget - 1],), shape.sources[:1], shape.offered, shape.gain)
+        return Shape(False, (shape.candidates[0][: budget - 1],), shape.sources[:1], shape.offered, shape.gain)
 
     def _finish_plain(self, logits: torch.Tensor, argmax: Sequence[int] | None = None) -> Step:
         """A plain one-token step: the window only re-aligns."""
         last = self.sequence.tokens[-1]
         step = finish_one_token(self.sequence, self.sampling, logits, argmax)
         self.jacobi.skip(step.stats.committed)
-        self._tell(Outcome(step.stats.committed, **self._top(logits, [last], [0])), {})
+        self._tell(Outcome(step.stats.committed, **_top(logits, self.top_k, [last], [0])), {})
         return step
 
-    def _finish(self, logits: torch.Tensor, argmax: Sequence[int] | None, shape: _Shape, width: int, levels: int,
+    def _finish(self, logits: torch.Tensor, argmax: Sequence[int] | None, shape: Shape, width: int, levels: int,
                 position: int, chains: _Chains, row_tokens: Sequence[int]) -> Step:
         """Verify the tree (and the window's chains), commit, fix up the KV cache, feed the window and the
         proposers."""
@@ -170,8 +153,8 @@ class LookaheadStep:
 
         verified = [*shape.candidates, *chains.tokens]
         scores = _adjust(logits, self.sampling, sequence, tree, width)
-        predicted = self._chosen(scores, argmax if scores is logits else None, tree, width, levels)
-        verdict = self._verify(scores, predicted, verified, candidate_row)
+        predicted = _chosen(self.sampling, sequence, scores, argmax if scores is logits else None, tree, width, levels)
+        verdict = _verify(self.sampling, sequence, scores, predicted, verified, candidate_row)
         committed = sequence.accept(verdict.tokens)
         slots: Sequence[int] = ()
         if verdict.candidate is not None:
@@ -191,7 +174,7 @@ class LookaheadStep:
         rows = [0] + ([candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
                       if verdict.candidate is not None else [])
         reach = _reach(shape.offered, verified, [*shape.sources, *[POOL] * len(chains.tokens)], accepted_run)
-        self._tell(Outcome(len(committed), accepted_run, **self._top(logits, row_tokens, rows)), reach)
+        self._tell(Outcome(len(committed), accepted_run, **_top(logits, self.top_k, row_tokens, rows)), reach)
         accepted, depth = min(verdict.num_accepted, len(committed)), max(map(len, verified), default=0)
         stats = StepStats(window_tokens + len(tree), len(committed), depth, accepted,
                           tuple(k < accepted for k in range(depth)), **_exclusive(reach, accepted),
@@ -201,55 +184,6 @@ class LookaheadStep:
                     step_logprobs(logits, rows, sequence.chosen(committed), self.sampling),
                     stop_token=sequence.stop_token)
 
-    def _drafts(self, proposers: Sequence[Proposer], limit: int | None, cost: Callable[[int], float] | None,
-                base: int, gain: float) -> _Shape:
-        """The ``proposers``' drafts (each cut by the grammar), merged in order: standalone ones (``limit`` None,
-        each proposer at most ``copy_candidates``) skip a draft covered by one kept before; the others keep at
-        most ``limit`` drafts in all and skip exact repeats (and, under a grammar, covered ones). Every proposer is
-        asked, in registry order, with the room left (0 once the guesses are full; a gate counts its calls) and
-        the price of more tokens on a step that already holds ``base`` tokens plus the drafts kept before it and
-        expects the best gain among ``gain`` and their proposers' (``step_price`` on ``cost``)."""
-        kept: list[Draft] = []
-        sources: list[str] = []
-        offered: list[tuple[str, tuple[Draft, ...]]] = []
-        prefixes: set[Draft] = set()
-        counted = 0  # kept drafts that count toward ``limit``
-        for proposer in proposers:
-            within = limit is not None and proposer.in_guess_set
-            room = self.config.copy_candidates if limit is None else limit - counted if within else MAX_STEP_TOKENS
-            self.context.price = free if cost is None else step_price(cost, base + len(prefixes), gain)
-            drafts = tuple(_cut(proposer.propose(self.context, room), self.sequence))
-            if not drafts:
-                continue
-            offered.append((proposer.name, drafts))
-            taken = False
-            for draft in drafts:
-                if within and counted == limit:
-                    break
-                strict = limit is None or self.sequence.constraint is not None
-                if draft in prefixes if strict else draft in kept:
-                    continue
-                counted += within
-                kept.append(draft)
-                sources.append(proposer.name)
-                prefixes.update(draft[:end] for end in range(1, len(draft) + 1))
-                taken = True
-            if taken:
-                gain = max(gain, proposer.expected)
-        self.context.price = free
-        return _Shape(False, tuple(kept), tuple(sources), tuple(offered), gain)
-
-    def _top(self, logits: torch.Tensor, row_tokens: Sequence[int], path: Sequence[int]) -> dict[str, tuple]:
-        """``Outcome``'s ``successors`` (each read row's input token and top-k next tokens) and ``runners_up`` (the
-        top-k of ``path[-1]``, the row that chose the new ``last``), when a proposer asks for them (``top_k``)."""
-        if not self.top_k:
-            return {}
-        k = min(self.top_k, logits.shape[-1])
-        top = top_ids(logits[: len(row_tokens)], k)
-        last_row = path[-1]  # a window chain's row lies past the tree's: read it on its own
-        runners_up = top[last_row] if last_row < len(top) else top_ids(logits[last_row : last_row + 1], k)[0]
-        return {"successors": tuple(zip(row_tokens, map(tuple, top), strict=True)), "runners_up": tuple(runners_up)}
-
     def _tell(self, outcome: Outcome, reach: dict[str, tuple[int, int]]) -> None:
         """Index the new output (when it is a source), then hand each proposer the outcome with its own reach."""
         if self.config.output_pool and self.config.rank_by_context:
@@ -258,63 +192,55 @@ class LookaheadStep:
             far = reach.get(proposer.name)
             proposer.feedback(self.context, replace(outcome, reach=None if far is None else far[1]))
 
-    def _chains(self, tokens: Sequence[int], width: int, levels: int) -> _Chains:
-        """The window's causal chains (``decoding.window.window_chains``) over this step's window ``tokens``, when
-        ``window_chains`` is on and the step verifies greedily with unadjusted logits (no grammar, no logit
-        processors: the chains' rows are read as they are, and sampling verification needs candidates that agree
-        on a prefix to read the same rows)."""
-        sequence = self.sequence
-        if not self.config.window_chains or not self.sampling.greedy or sequence.constraint is not None \
-                or needs_adjusting(self.sampling, sequence.stop, sequence.generated):
-            return _Chains()
-        indices = window_chains(width, levels)
-        return _Chains(indices, tuple(tuple(tokens[index] for index in chain) for chain in indices))
 
-    def _chosen(
-        self, scores: torch.Tensor, argmax: Sequence[int] | None, tree: TokenTree, width: int, levels: int
-    ) -> ChosenRows:
-        """The token the plain loop would choose at each row of a step: the argmax ids (``argmax`` when the
-        forward gave them for these very scores), or, when sampling, each row's sample at the output index it
-        predicts: ``last``'s row the next index, a tree node's its depth past that, bottom window row column j's
-        ``levels + j - 1`` past it (the window then converges on the sampled text, as on the greedy one)."""
-        if self.sampling.greedy:
-            return list(argmax) if argmax is not None else greedy_ids(scores)
-        first = self.sequence.generated
-        indices = {0: first}
-        indices.update({1 + column: first + levels + column - 1 for column in range(width)})
-        indices.update({1 + width + node: first + depth for node, depth in enumerate(tree.depths)})
-        return SampledRows(scores, self.sampling, self.sequence.seed, indices)
-
-    def _verify(self, logits: torch.Tensor, predicted: ChosenRows, candidates: list[Draft],
-                candidate_row: Callable[[int, int], int]) -> Verdict:
-        """The greedy walk over the chosen rows; under a grammar, the walk that masks each row it reaches."""
-        constraint = self.sequence.constraint
-        if constraint is not None:
-            choose = row_chooser(self.sampling, self.sequence.seed, self.sequence.generated)
-            return verify_constrained(logits, candidates, candidate_row, constraint, choose)
-        return verify_greedy(predicted, candidates, candidate_row)
+def _top(logits: torch.Tensor, k: int, row_tokens: Sequence[int], path: Sequence[int]) -> dict[str, tuple]:
+    """``Outcome``'s ``successors`` (each read row's input token and top-``k`` next tokens) and ``runners_up`` (the
+    top-k of ``path[-1]``, the row that chose the new ``last``), when a proposer asks for them (``k`` > 0)."""
+    if not k:
+        return {}
+    k = min(k, logits.shape[-1])
+    top = top_ids(logits[: len(row_tokens)], k)
+    last_row = path[-1]  # a window chain's row lies past the tree's: read it on its own
+    runners_up = top[last_row] if last_row < len(top) else top_ids(logits[last_row : last_row + 1], k)[0]
+    return {"successors": tuple(zip(row_tokens, map(tuple, top), strict=True)), "runners_up": tuple(runners_up)}
 
 
-def step_price(cost: Callable[[int], float], base: int, gain: float) -> Price:
-    """The price of draft tokens on a step of ``base`` input tokens that expects to commit ``1 + gain``: the
-    accepted guesses ``t`` more tokens must bring for the step to commit as many tokens per unit of ``cost``,
-    ``(1 + gain) * (cost(base + t) / cost(base) - 1)``.
+def _chains(config: LookaheadConfig, sampling: SamplingParams, sequence: SequenceState, tokens: Sequence[int],
+            width: int, levels: int) -> _Chains:
+    """The window's causal chains (``decoding.window.window_chains``) over this step's window ``tokens``, when
+    ``window_chains`` is on and the step verifies greedily with unadjusted logits (no grammar, no logit
+    processors: the chains' rows are read as they are, and sampling verification needs candidates that agree
+    on a prefix to read the same rows)."""
+    if not config.window_chains or not sampling.greedy or sequence.constraint is not None \
+            or needs_adjusting(sampling, sequence.stop, sequence.generated):
+        return _Chains()
+    indices = window_chains(width, levels)
+    return _Chains(indices, tuple(tuple(tokens[index] for index in chain) for chain in indices))
 
-    >>> cost = lambda tokens: 1.0 + 0.25 * (tokens - 1)
-    >>> step_price(cost, base=1, gain=0.0)(4), step_price(cost, base=5, gain=0.5)(4)
-    (1.0, 0.75)
-    """
-    start = cost(base)
-    return lambda tokens: (1.0 + gain) * (cost(base + tokens) / start - 1.0)
+
+def _chosen(sampling: SamplingParams, sequence: SequenceState, scores: torch.Tensor, argmax: Sequence[int] | None,
+            tree: TokenTree, width: int, levels: int) -> ChosenRows:
+    """The token the plain loop would choose at each row of a step: the argmax ids (``argmax`` when the
+    forward gave them for these very scores), or, when sampling, each row's sample at the output index it
+    predicts: ``last``'s row the next index, a tree node's its depth past that, bottom window row column j's
+    ``levels + j - 1`` past it (the window then converges on the sampled text, as on the greedy one)."""
+    if sampling.greedy:
+        return list(argmax) if argmax is not None else greedy_ids(scores)
+    first = sequence.generated
+    indices = {0: first}
+    indices.update({1 + column: first + levels + column - 1 for column in range(width)})
+    indices.update({1 + width + node: first + depth for node, depth in enumerate(tree.depths)})
+    return SampledRows(scores, sampling, sequence.seed, indices)
 
 
-def _cut(drafts: Sequence[Draft], sequence: SequenceState) -> list[Draft]:
-    """``drafts`` as tuples, each cut before the first token the grammar forbids (emptied ones dropped)."""
+def _verify(sampling: SamplingParams, sequence: SequenceState, logits: torch.Tensor, predicted: ChosenRows,
+            candidates: list[Draft], candidate_row: Callable[[int, int], int]) -> Verdict:
+    """The greedy walk over the chosen rows; under a grammar, the walk that masks each row it reaches."""
     constraint = sequence.constraint
-    if constraint is None:
-        return [tuple(draft) for draft in drafts]
-    cut = [tuple(draft[: constraint.valid_prefix(draft)]) for draft in drafts]
-    return [draft for draft in cut if draft]
+    if constraint is not None:
+        choose = row_chooser(sampling, sequence.seed, sequence.generated)
+        return verify_constrained(logits, candidates, candidate_row, constraint, choose)
+    return verify_greedy(predicted, candidates, candidate_row)
 
 
 def _adjust(logits: torch.Tensor, sampling: SamplingParams, sequence: SequenceState, tree: TokenTree,
