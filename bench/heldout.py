@@ -275,8 +275,7 @@ def run_heldout(
 
         def reset() -> None:
             memory.clear()
-            for document in saved:
-                memory.add(document)
+            memory.add_documents(saved)
 
         source += (f", shared memory of {args.memory_tokens} tokens starting with {memory.documents} documents of "
                    f"{args.memory_file} (then the earlier prompts')")

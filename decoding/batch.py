@@ -321,11 +321,7 @@ class BatchEngine:
         """Store each token run of ``documents`` as one document of the shared memory (its bound holds: the oldest
         documents are evicted); the memory's usage after, or None (nothing stored) when the engine has none. Call
         it between steps, on the thread that steps the engine."""
-        if self.memory is None:
-            return None
-        for document in documents:
-            self.memory.add(document)
-        return self.memory.usage()
+        return None if self.memory is None else self.memory.add_documents(documents)
 
     def memory_usage(self) -> MemoryUsage | None:
         """The shared memory's tokens, documents and capacity; None when the engine has none."""

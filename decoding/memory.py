@@ -138,6 +138,12 @@ class NGramMemory:
         self._documents.append((start, end))
         self._next = end
 
+    def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage:
+        """``add`` each of ``documents`` in order (a corpus, a memory file); the usage after."""
+        for document in documents:
+            self.add(document)
+        return self.usage()
+
     def snapshot(self) -> list[list[int]]:
         """The stored documents, oldest first (``add``-ing them in order to an empty memory of the same size
         rebuilds this one)."""
@@ -338,6 +344,5 @@ def load_memory(memory: NGramMemory, path: str | Path, vocabulary: str) -> int:
     )
     if not valid:
         raise MemoryFileError(f"{path}: documents must be lists of token ids")
-    for document in documents:
-        memory.add(document)
+    memory.add_documents(documents)
     return len(documents)

@@ -203,11 +203,7 @@ class ScriptedEngine:
 
     def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None:
         self.decoder.memory_added_on.append(threading.current_thread().name)
-        if self.memory is None:
-            return None
-        for document in documents:
-            self.memory.add(document)
-        return self.memory.usage()
+        return None if self.memory is None else self.memory.add_documents(documents)
 
     def memory_usage(self) -> MemoryUsage | None:
         return None if self.memory is None else self.memory.usage()
