@@ -281,8 +281,14 @@ class KVPool:
         return index
 
     def defer(self, row: int, keep: int, sources: Sequence[int]) -> None:
-        """Record a commit of row ``row`` (``SlotCache.commit``'s ``keep`` and ``sources``) for ``flush``."""
-        self._moves.append((row, keep, list(sources)))
+        """Record a commit of row ``row`` (``SlotCache.commit``'s ``keep`` and ``sources``, ascending) for
+        ``flush``. Raises ``IndexError`` for slots outside the row (checked here, on the host: on a GPU an index
+        out of range in ``apply_moves`` would be a device-side assert that poisons the CUDA context)."""
+        sources = list(sources)
+        if not 0 <= row <= self.sequences or (sources and not (keep <= sources[0] and sources[-1] < self.row_capacity)):
+            raise IndexError(f"KV pool commit out of range: row {row} of {self.sequences + 1}, keep {keep}, "
+                             f"sources {sources[:1]}..{sources[-1:]} of {self.row_capacity} slots")
+        self._moves.append((row, keep, sources))
 
     def flush(self) -> None:
         """Apply every deferred commit: one copy of host ints (pinned, not blocking on CUDA), then one gather and

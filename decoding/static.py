@@ -20,7 +20,14 @@ The forward itself is ``decoding.static_forward``: plain torch over fixed shapes
 
 Modes: ``"eager"`` calls ``static_forward``; ``"compile"`` wraps one copy of it per bucket in ``torch.compile``
 (one code object per bucket: one graph each, and no bucket evicts another from Dynamo's cache); ``"graphs"``
-(CUDA) captures each bucket as a ``torch.cuda.CUDAGraph`` sharing one memory pool and replays it.
+(CUDA) captures each bucket as a ``torch.cuda.CUDAGraph`` sharing one memory pool and replays it. ``"graphs"`` off
+CUDA rehearses the capture: the forward takes CUDA's code path (``prepare_weights(path="cuda")``: grouped heads
+folded, attention outputs with CUDA's strides), each bucket gets the capture's warm-up runs on the capture's
+inputs and writes the shared output buffers, and a replay is a plain call; only the CUDA graph API is left out.
+
+Every index a step's kernels use is checked on the host before they run (``check_inputs``): a bad index is a
+``StaticInputError`` naming the bucket, never a device-side assert (which would poison the CUDA context for the
+life of the process). A ``Bucket`` that cannot hold its tokens cannot be built.
 """
 
 from __future__ import annotations
@@ -57,13 +64,32 @@ MAX_BUCKET_TOKENS = 1024  # sequences x tokens of the largest bucket
 MODES = ("eager", "compile", "graphs")
 
 
+class StaticInputError(ValueError):
+    """A static step's inputs index outside its bucket, the KV pool or the vocabulary (the message names which)."""
+
+
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """A static step's shape: ``sequences`` x ``tokens`` input tokens, attending over ``attended`` cache slots."""
+    """A static step's shape: ``sequences`` x ``tokens`` input tokens, attending over ``attended`` cache slots.
+
+    A bucket whose tokens do not fit its attended slots cannot be built: its keys/values would be written past
+    the slots it attends over.
+
+    >>> Bucket(1, 96, 64)
+    Traceback (most recent call last):
+    ...
+    ValueError: Bucket(sequences=1, tokens=96, attended=64) cannot hold its tokens: 96 tokens > 64 attended slots
+    """
 
     sequences: int
     tokens: int
     attended: int
+
+    def __post_init__(self) -> None:
+        if min(self.sequences, self.tokens) < 1:
+            raise ValueError(f"{self} has no tokens")
+        if self.tokens > self.attended:
+            raise ValueError(f"{self} cannot hold its tokens: {self.tokens} tokens > {self.attended} attended slots")
 
     @property
     def input_size(self) -> int:
@@ -95,13 +121,14 @@ def bucket_shape(
 def build_static_step(model: PreTrainedModel, mode: str, sequences: int) -> StaticStep | None:
     """A static step in ``mode`` over a new KV pool of ``sequences`` rows, each of the model's context length plus
     the largest lookahead step (``MAX_STEP_TOKENS``) and the largest bucket's padding; None, with a warning, for a
-    model it cannot run (``supports``). ``"graphs"`` off CUDA runs ``"eager"``, with a warning."""
+    model it cannot run (``supports``). ``"graphs"`` off CUDA rehearses the capture (module contract), with a
+    warning."""
     if not supports(model):
         log.warning("static step %s: %s is not a model it runs; every step runs eagerly", mode, type(model).__name__)
         return None
     if mode == "graphs" and model.device.type != "cuda":
-        log.warning("static step graphs needs CUDA; running it eagerly on %s", model.device)
-        mode = "eager"
+        log.warning("static step graphs needs CUDA: rehearsing the capture on %s (CUDA's code path, no graphs)",
+                    model.device)
     pool = KVPool(model, sequences, context_length(model) + MAX_STEP_TOKENS, scratch_tokens=TOKEN_BUCKETS[-1])
     return StaticStep(model, pool, mode)
 
@@ -110,7 +137,7 @@ def warm_buckets(static: StaticStep, longest: int = 1024) -> list[Bucket]:
     """The buckets a server builds at start: one sequence, every token bucket, attended lengths up to
     ``longest`` (the rest are built, or captured, on first use)."""
     attended = [length for length in static.attended if length <= longest] or [static.attended[0]]
-    return [Bucket(1, tokens, length) for tokens in TOKEN_BUCKETS for length in attended]
+    return [Bucket(1, tokens, length) for tokens in TOKEN_BUCKETS for length in attended if tokens <= length]
 
 
 def attended_lengths(row_capacity: int) -> tuple[int, ...]:
@@ -126,11 +153,60 @@ def attended_lengths(row_capacity: int) -> tuple[int, ...]:
     return (*lengths, row_capacity)
 
 
+def input_bounds(bucket: Bucket, pool_rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(low, high)``: for each int of ``bucket``'s input buffer (module contract), the range ``[low, high)`` the
+    kernels that use it can index: token ids below ``vocab``; rows read within the step's tokens; pool rows
+    (written and read) below ``pool_rows``; write slots below the attended length; each token's parent -1 or an
+    earlier token of its sequence; cache lengths that leave room for the step's tokens."""
+    count, tokens, sequences = bucket.sequences * bucket.tokens, bucket.tokens, bucket.sequences
+    unbounded = 2**62
+    within = torch.arange(tokens).repeat(sequences)  # each token's index in its sequence
+    ranges = {
+        "token_ids": (0, vocab), "positions": (0, unbounded), "parents": (-1, within), "read_rows": (0, count),
+        "write_rows": (0, pool_rows), "write_slots": (0, bucket.attended),
+        "lengths": (0, bucket.attended - tokens + 1), "rows": (0, pool_rows),
+    }
+    low, high = [], []
+    for name in (*TOKEN_FIELDS, *SEQUENCE_FIELDS):
+        size = count if name in TOKEN_FIELDS else sequences
+        for bounds, value in zip((low, high), ranges[name], strict=True):
+            bounds.append(value if isinstance(value, torch.Tensor) else torch.full((size,), value))
+    return torch.cat(low), torch.cat(high)
+
+
+def check_inputs(values: torch.Tensor, bucket: Bucket, bounds: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Raise ``StaticInputError``, naming ``bucket``, the field and the value, unless every int of the host input
+    buffer ``values`` lies in its range (``bounds``: ``input_bounds(bucket, ...)``). Three small ops when all is
+    well (a few microseconds); a step that passes cannot index out of range on the device.
+
+    >>> bucket = Bucket(1, 2, 64)
+    >>> bounds = input_bounds(bucket, pool_rows=3, vocab=10)
+    >>> check_inputs(torch.tensor([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 62, 63, 62, 0]), bucket, bounds)
+    >>> check_inputs(torch.tensor([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 63, 64, 63, 0]), bucket, bounds)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    decoding.static.StaticInputError: Bucket(sequences=1, tokens=2, attended=64): write_slots[1] holds 64, ...
+    """
+    low, high = bounds
+    outside = torch.logical_or(values < low, values >= high)
+    if not outside.any():
+        return
+    index = int(outside.nonzero()[0])
+    count = bucket.sequences * bucket.tokens
+    field = index // count if index < len(TOKEN_FIELDS) * count else len(TOKEN_FIELDS) + (
+        index - len(TOKEN_FIELDS) * count) // bucket.sequences
+    offset = index % count if field < len(TOKEN_FIELDS) else (index - len(TOKEN_FIELDS) * count) % bucket.sequences
+    name = (*TOKEN_FIELDS, *SEQUENCE_FIELDS)[field]
+    raise StaticInputError(f"{bucket}: {name}[{offset}] holds {int(values[index])}, outside "
+                           f"[{int(low[index])}, {int(high[index])})")
+
+
 class _Compiled:
     """One bucket's device buffers and callable (eager, compiled, or a replayed CUDA graph)."""
 
-    def __init__(self, bucket: Bucket, device: torch.device, pinned: bool) -> None:
+    def __init__(self, bucket: Bucket, device: torch.device, pinned: bool, pool_rows: int, vocab: int) -> None:
         self.bucket = bucket
+        self.bounds = input_bounds(bucket, pool_rows, vocab)
         self.host = torch.zeros(bucket.input_size, dtype=torch.long, pin_memory=pinned)
         self.inputs = torch.zeros(bucket.input_size, dtype=torch.long, device=device)
         self.run: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -142,7 +218,8 @@ class StaticStep:
     ``mode``: one of ``MODES``; ``"graphs"`` needs CUDA. ``backend`` is ``torch.compile``'s in ``"compile"`` mode.
     ``runs`` counts the steps it ran, ``eager`` the steps its caller ran eagerly because they fit no bucket
     (``decoding.batch.forward_batch`` counts them), ``replays`` and ``captures`` the graph replays and captures
-    (``capture_seconds`` their total time).
+    (``capture_seconds`` their total time; a rehearsal counts its own), ``capture_failures`` the captures that
+    failed on a device still usable (the step then runs eagerly, logged once). ``rehearsal``: ``"graphs"`` off CUDA.
     """
 
     def __init__(
@@ -151,16 +228,15 @@ class StaticStep:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode == "graphs" and pool.storage.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model and its KV pool on a CUDA device")
         if not supports(model):
             raise ValueError(f"the static step cannot run a {type(model).__name__}")
         self.model, self.pool, self.mode, self.backend = model, pool, mode, backend
-        self.weights = prepare_weights(model)
         self.device = pool.storage.device
+        self.rehearsal = mode == "graphs" and self.device.type != "cuda"
+        self.weights = prepare_weights(model, "cuda" if mode == "graphs" else None)
         self.max_bucket_tokens = max_bucket_tokens
         self.attended = attended_lengths(pool.row_capacity)
-        self.runs = self.eager = self.replays = self.captures = 0
+        self.runs = self.eager = self.replays = self.captures = self.capture_failures = 0
         self.capture_seconds = 0.0
         self._buckets: dict[Bucket, _Compiled] = {}
         self._graph_pool = None
@@ -197,6 +273,7 @@ class StaticStep:
         self.pool.flush()
         compiled = self._compiled(bucket)
         self._fill(compiled.host, slices, bucket)
+        check_inputs(compiled.host, bucket, compiled.bounds)
         compiled.inputs.copy_(compiled.host, non_blocking=True)
         return compiled
 
@@ -258,7 +335,8 @@ class StaticStep:
         compiled = self._buckets.get(bucket)
         if compiled is not None:
             return compiled
-        compiled = _Compiled(bucket, self.device, pinned=self.device.type == "cuda")
+        compiled = _Compiled(bucket, self.device, self.device.type == "cuda", self.pool.sequences + 1,
+                             self.weights.embed.shape[0])
         caches = self._views(bucket.attended)
         if self.mode == "compile":
             function = torch.compile(fresh_forward(), fullgraph=True, dynamic=False, backend=self.backend)
@@ -267,15 +345,31 @@ class StaticStep:
         call = functools.partial(function, self.weights, caches, compiled.inputs, bucket.sequences, bucket.tokens)
         if self.mode != "graphs":
             compiled.run = self._kernels(call)
+        elif self.rehearsal:
+            compiled.run = self._rehearse(functools.partial(call, self._outputs()), compiled)
         else:
             try:
                 compiled.run = self._capture(functools.partial(call, self._outputs()), compiled)
-            except Exception:  # a capture that fails must not take the server down: run eagerly from now on
-                log.exception("CUDA graph capture of %s failed; the static step runs eagerly from now on", bucket)
-                self.mode = "eager"
+            except StaticInputError:
+                raise
+            except Exception:
+                self._fall_back(bucket)
                 compiled.run = self._kernels(call)
         self._buckets[bucket] = compiled
         return compiled
+
+    def _fall_back(self, bucket: Bucket) -> None:
+        """After a failed capture of ``bucket``: run eagerly from now on (logged, counted) when the device still
+        works; re-raise when it does not (a device-side error poisons the CUDA context: nothing after it can run,
+        and a server must fail its start loudly rather than answer 503 forever)."""
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.zeros(1, device=self.device).add_(1).item()
+        except Exception as error:
+            raise RuntimeError(f"CUDA graph capture of {bucket} failed and left {self.device} unusable") from error
+        log.exception("CUDA graph capture of %s failed; the static step runs eagerly from now on", bucket)
+        self.capture_failures += 1
+        self.mode = "eager"
 
     def _kernels(self, call: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Callable:
         """``call`` run with ``decoding.packed``'s attention kernels on CUDA (no cuDNN), as is elsewhere."""
@@ -318,6 +412,22 @@ class StaticStep:
 
         return replay
 
+    def _rehearse(self, call: Callable[[], tuple[torch.Tensor, torch.Tensor]], compiled: _Compiled) -> Callable:
+        """``_capture`` without the CUDA graph API: the same warm-up runs on the same inputs, then the run a
+        capture would record; its replay calls ``call`` again (into the same output buffers)."""
+        started = time.perf_counter()
+        self._point_at_scratch(compiled)
+        for _ in range(3):  # two warm-up runs and the captured one
+            call()
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - started
+
+        def replay() -> tuple[torch.Tensor, torch.Tensor]:
+            self.replays += 1
+            return call()
+
+        return replay
+
     def _point_at_scratch(self, compiled: _Compiled) -> None:
         """Fill the bucket's device inputs with a step of padding sequences only (scratch row, no cache)."""
         bucket = compiled.bucket
@@ -328,6 +438,7 @@ class StaticStep:
         host[rows_field : rows_field + count] = self.pool.scratch_row
         host[5 * count : 6 * count] = torch.arange(bucket.tokens).repeat(bucket.sequences)
         host[6 * count + bucket.sequences :] = self.pool.scratch_row
+        check_inputs(host, bucket, compiled.bounds)
         compiled.inputs.copy_(host)
 
     def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:

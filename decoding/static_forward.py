@@ -60,6 +60,7 @@ class StaticWeights:
     head_dim: int
     scaling: float
     fold_groups: bool  # fold grouped query heads into the query length (CUDA's memory-efficient kernel)
+    cuda_layout: bool  # attention outputs laid out as CUDA's kernels return them (a rehearsal's, off CUDA)
     unrotated: torch.Tensor  # [1, 2, 1, d]: cos 1, sin 0 (the v heads' "rotation"), on the device
     kv_columns: torch.Tensor  # arange(2 kv) on the device: the pool's key and value heads
 
@@ -118,9 +119,15 @@ def _prepare_layer(layer: nn.Module, head_dim: int) -> _Layer:
                   layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.weight.detach().t())
 
 
-def prepare_weights(model: PreTrainedModel) -> StaticWeights:
+def prepare_weights(model: PreTrainedModel, path: str | None = None) -> StaticWeights:
     """``model``'s weights laid out for ``static_forward`` (``supports(model)`` must hold). The q/k/v and
-    gate/up ``nn.Linear`` weights are re-pointed at views of the fused matrices: one copy of the model stays."""
+    gate/up ``nn.Linear`` weights are re-pointed at views of the fused matrices: one copy of the model stays.
+
+    ``path`` is the device type whose code path the forward takes (default: the model's). ``"cuda"`` on a CPU
+    model rehearses CUDA's: grouped query heads folded into the query length, and attention outputs with the
+    strides CUDA's flash and memory-efficient kernels give them (``[B, H, T, d]`` over ``[B, T, H, d]`` memory),
+    so that a shape or stride assumption of the CUDA path fails on the CPU first."""
+    path = path or model.device.type
     config = model.config.get_text_config(decoder=True)
     decoder = model.model
     heads = config.num_attention_heads
@@ -140,7 +147,8 @@ def prepare_weights(model: PreTrainedModel) -> StaticWeights:
         kv_heads=kv_heads,
         head_dim=head_dim,
         scaling=float(decoder.layers[0].self_attn.scaling),
-        fold_groups=model.device.type == "cuda" and heads > kv_heads,
+        fold_groups=path == "cuda" and heads > kv_heads,
+        cuda_layout=path == "cuda" and model.device.type != "cuda",
         unrotated=torch.tensor([1.0, 0.0], dtype=model.dtype, device=model.device).view(1, 2, 1, 1).expand(
             1, 2, 1, head_dim).contiguous(),
         kv_columns=torch.arange(2 * kv_heads, device=model.device),
@@ -250,12 +258,24 @@ def _attention_block(
     query = query.view(sequences, tokens, heads, dim).transpose(1, 2)  # [B, heads, T, d]
     if weights.fold_groups:
         folded = query.reshape(sequences, kv_heads, (heads // kv_heads) * tokens, dim)
-        output = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=weights.scaling)
-        output = output.view(sequences, heads, tokens, dim)
+        output = _attend(weights, folded, keys, values, mask, gqa=False)
+        output = output.reshape(sequences, heads, tokens, dim)  # CUDA's output is not contiguous: no view
     else:
-        output = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=weights.scaling,
-                                                enable_gqa=kv_heads != heads)
+        output = _attend(weights, query, keys, values, mask, gqa=kv_heads != heads)
     return torch.addmm(hidden, output.transpose(1, 2).reshape(count, heads * dim), layer.out)
+
+
+def _attend(
+    weights: StaticWeights, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    gqa: bool,
+) -> torch.Tensor:
+    """Scaled dot-product attention ``[B, H, T, d]``; in a rehearsal (``cuda_layout``) its output is given the
+    strides of CUDA's flash and memory-efficient kernels (heads inside tokens in memory), same values."""
+    output = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=weights.scaling,
+                                            enable_gqa=gqa)
+    if weights.cuda_layout:
+        output = output.transpose(1, 2).contiguous().transpose(1, 2)
+    return output
 
 
 def fresh_forward() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

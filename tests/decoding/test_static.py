@@ -279,15 +279,17 @@ def test_the_decoder_builds_the_static_step_its_policy_names():
     model = tiny_llama()
     decoder = Decoder(LoadedModel(model, None, "tiny", "", model.device, model.dtype), "torch")
     assert decoder.batch_engine(BatchPolicy()).static is None
-    engine = decoder.batch_engine(BatchPolicy(static_step="graphs", static_sequences=2))  # no CUDA here: eager
-    assert (engine.static.mode, engine.static.pool.sequences, engine.policy.static_step) == ("eager", 2, "graphs")
-    assert len(engine.static._buckets) > 10  # the common buckets were built at start
+    engine = decoder.batch_engine(BatchPolicy(static_step="graphs", static_sequences=2))  # no CUDA: rehearsed
+    static = engine.static
+    assert (static.mode, static.rehearsal, static.pool.sequences, engine.policy.static_step) == ("graphs", True, 2,
+                                                                                                  "graphs")
+    assert len(static._buckets) > 10 and static.captures == len(static._buckets)  # every common bucket, at start
     engine.add("a", PROMPTS[0], StopCriteria(8), lookahead=LookaheadConfig(4, 4, 4))
     paths = []
     while engine.has_work:
         engine.step()
         paths.append(engine.last_forward)
-    assert set(paths) == {"static"}  # the prompt too: it fits a bucket
+    assert set(paths) == {"graph"} and static.replays == len(paths)  # the prompt too: it fits a bucket
 
 
 def test_a_model_the_static_step_cannot_run_keeps_the_eager_path():

@@ -1,0 +1,216 @@
+"""The CUDA path of the static step, run on the CPU: the forward under CUDA's code path and attention output
+layouts, every bucket a valid shape, every index checked on the host, and the capture's warm-ups rehearsed over
+every bucket a server builds at start (what broke the first GPU server, 2026-11-27, caught here first)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decoding.batch import BatchPolicy
+from decoding.kv_cache import KVPool, new_cache
+from decoding.packed import Slice, forward_packed
+from decoding.params import MAX_STEP_TOKENS
+from decoding.static import (
+    SEQUENCE_BUCKETS,
+    TOKEN_BUCKETS,
+    Bucket,
+    StaticInputError,
+    StaticStep,
+    check_inputs,
+    input_bounds,
+    warm_buckets,
+)
+from decoding.window import step_layout
+from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
+
+CPU_BACKENDS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}
+
+
+def long_tiny_llama() -> LlamaForCausalLM:
+    """A tiny LLaMA with the default model's context (8192 positions): the same attended lengths and buckets."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY_SIZES, "max_position_embeddings": 8192})).eval()
+
+
+def cuda_preset_step(model, sequences: int = 4) -> StaticStep:
+    """A static step in ``"graphs"`` mode over a pool shaped as the server builds it (``build_static_step``)."""
+    capacity = model.config.max_position_embeddings + MAX_STEP_TOKENS
+    return StaticStep(model, KVPool(model, sequences, capacity, scratch_tokens=TOKEN_BUCKETS[-1]), "graphs")
+
+
+@pytest.mark.parametrize("backend", sorted(CPU_BACKENDS))
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_each_code_path_and_attention_layout_gives_the_packed_forward(make, mode, backend):
+    model, reference = make(), make()
+    runner = StaticStep(model, KVPool(model, 2, 64, scratch_tokens=64), mode)
+    weights = runner.weights
+    assert (weights.fold_groups, weights.cuda_layout) == ((True, True) if mode == "graphs" else (False, False))
+    cache, own = runner.pool.acquire(60), new_cache(reference, 60)
+    layout = step_layout(3, 2, (-1, 0, -1))
+    with torch.inference_mode(), sdpa_kernel([CPU_BACKENDS[backend]]):
+        for ids, step in (([3, 9, 4, 1, 7], None), ([5, 6, 7, 8, 9, 10, 12, 13, 14][: layout.num_tokens], layout)):
+            slices = []
+            for slice_cache in (cache, own):
+                start = slice_cache.length
+                if step is None:
+                    slices.append(Slice(ids, torch.arange(start, start + len(ids)), None, torch.arange(len(ids)),
+                                        slice_cache))
+                else:
+                    slices.append(Slice(ids, step.offsets + start, step.visible, step.logit_rows, slice_cache,
+                                        step.parents))
+            (logits,), (argmax,) = runner.run(slices[:1])
+            (expected,) = forward_packed(reference, slices[1:])
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+            assert argmax == expected.argmax(dim=-1).tolist()
+
+
+def test_the_rehearsed_attention_output_has_cudas_strides():
+    runner = StaticStep(tiny_llama(), KVPool(tiny_llama(), 1, 64, scratch_tokens=64), "graphs")
+    seen = []
+    original = torch.Tensor.reshape
+
+    def spy(tensor, *shape):
+        if len(shape) == 4 and tensor.dim() == 4:
+            seen.append(tensor.is_contiguous())
+        return original(tensor, *shape)
+
+    cache = runner.pool.acquire(60)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "reshape", spy)
+        runner.run([Slice([1, 2, 3], torch.arange(3), None, torch.arange(3), cache)])
+    assert seen and not any(seen)  # the folded output reshaped per layer is not contiguous, as on CUDA
+
+
+def fake_slices(step: StaticStep, sequences: int, tokens: int, length: int) -> list[Slice]:
+    """``sequences`` slices of ``tokens`` tokens each over pool rows whose caches hold ``length`` tokens."""
+    slices = []
+    for _ in range(sequences):
+        cache = step.pool.acquire(step.pool.capacity)
+        cache.advance(length)
+        slices.append(Slice([1] * tokens, None, None, None, cache, host_positions=range(length, length + tokens),
+                            host_rows=[tokens - 1]))
+    return slices
+
+
+def assert_valid(bucket: Bucket, step: StaticStep, slices: list[Slice]) -> None:
+    """``bucket`` holds ``slices`` within the pool: every write lands in an attended slot of a real row."""
+    assert bucket.tokens <= bucket.attended and bucket.attended in step.attended
+    assert bucket.attended <= step.pool.row_capacity and bucket.tokens <= step.pool.row_capacity - step.pool.capacity
+    assert len(slices) <= bucket.sequences <= step.pool.sequences and bucket.sequences in SEQUENCE_BUCKETS
+    assert bucket.sequences * bucket.tokens <= step.max_bucket_tokens
+    assert all(slice_.cache.length + bucket.tokens <= bucket.attended for slice_ in slices)
+
+
+def test_every_bucket_a_step_can_pick_is_a_valid_shape():
+    step = cuda_preset_step(long_tiny_llama(), sequences=8)
+    picked = set()
+    for sequences, tokens in itertools.product(range(1, step.pool.sequences + 1), sorted({*TOKEN_BUCKETS, 3, 95, 97})):
+        for length in sorted({0, 1, 63, 64, 65, 511, 4000, step.pool.capacity - tokens}):
+            slices = fake_slices(step, sequences, tokens, length)
+            bucket = step.bucket(slices)
+            if bucket is not None:
+                assert_valid(bucket, step, slices)
+                picked.add(bucket)
+            for slice_ in slices:
+                step.pool.release(slice_.cache)
+    assert len(picked) > 100
+
+
+def test_a_bucket_that_cannot_hold_its_tokens_is_never_built():
+    with pytest.raises(ValueError, match="cannot hold its tokens"):
+        Bucket(1, 96, 64)
+    step = cuda_preset_step(long_tiny_llama())
+    buckets = warm_buckets(step)
+    assert Bucket(1, 512, 512) in buckets and Bucket(1, 64, 64) in buckets
+    assert {bucket.tokens for bucket in buckets} == set(TOKEN_BUCKETS)
+    assert all(bucket.tokens <= bucket.attended for bucket in buckets)
+
+
+def test_the_server_start_rehearses_the_capture_of_every_warm_bucket():
+    from decoding.decoder import Decoder
+    from decoding.loading import LoadedModel
+
+    model = long_tiny_llama()
+    decoder = Decoder(LoadedModel(model, None, "tiny", "", model.device, model.dtype), "torch")
+    static = decoder.static_step(BatchPolicy(static_step="graphs", static_sequences=2))
+    names = warm_buckets(static)
+    assert static.rehearsal and static.captures == len(names) == len(static._buckets) == 53  # 13 x 5, less 12
+
+    assert static.capture_failures == 0
+
+
+def input_buffer(bucket: Bucket, **fields: list[int]) -> torch.Tensor:
+    """A valid input buffer for ``bucket`` (one token per sequence chained, rows 0..), with ``fields`` replaced."""
+    count = bucket.sequences * bucket.tokens
+    values = {
+        "token_ids": [1] * count, "positions": list(range(count)),
+        "parents": [-1 if index % bucket.tokens == 0 else index % bucket.tokens - 1 for index in range(count)],
+        "read_rows": list(range(count)), "write_rows": [0] * count,
+        "write_slots": [index % bucket.tokens for index in range(count)],
+        "lengths": [0] * bucket.sequences, "rows": [0] * bucket.sequences,
+    }
+    values.update(fields)
+    return torch.tensor([value for field in values.values() for value in field])
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("token_ids", [1, 64]), ("token_ids", [-1, 1]), ("read_rows", [0, 2]), ("write_rows", [0, 3]),
+    ("write_slots", [0, 8]), ("rows", [3]), ("parents", [-1, 1]), ("parents", [-2, 0]), ("lengths", [7]),
+])
+def test_an_index_out_of_range_is_an_error_naming_the_bucket_and_field(field, value):
+    bucket = Bucket(1, 2, 8)
+    bounds = input_bounds(bucket, pool_rows=3, vocab=64)
+    check_inputs(input_buffer(bucket), bucket, bounds)
+    with pytest.raises(StaticInputError, match=rf"Bucket\(sequences=1, tokens=2, attended=8\): {field}\["):
+        check_inputs(input_buffer(bucket, **{field: value}), bucket, bounds)
+
+
+def test_every_field_of_a_batched_bucket_is_named_where_it_fails():
+    bucket = Bucket(4, 8, 64)
+    bounds = input_bounds(bucket, pool_rows=5, vocab=64)
+    check_inputs(input_buffer(bucket), bucket, bounds)
+    rows = [0, 1, 2, 5]
+    with pytest.raises(StaticInputError, match=r": rows\[3\] holds 5, outside \[0, 5\)"):
+        check_inputs(input_buffer(bucket, rows=rows), bucket, bounds)
+    slots = [slot if index != 17 else 64 for index, slot in enumerate(input_buffer(bucket)[160:192].tolist())]
+    with pytest.raises(StaticInputError, match=r": write_slots\[17\] holds 64"):
+        check_inputs(input_buffer(bucket, write_slots=slots), bucket, bounds)
+
+
+def test_a_step_with_a_bad_token_fails_on_the_host_before_its_forward():
+    step = StaticStep(tiny_llama(), KVPool(tiny_llama(), 1, 64, scratch_tokens=64), "graphs")
+    cache = step.pool.acquire(60)
+    runs = step.runs
+    with torch.inference_mode(), pytest.raises(StaticInputError, match=r"token_ids\[1\] holds 64"):
+        step.run([Slice([1, 64], torch.arange(2), None, torch.arange(2), cache)])
+    assert step.runs == runs and cache.length == 0
+
+
+def test_a_failed_capture_falls_back_only_while_the_device_works(monkeypatch):
+    step = StaticStep(tiny_llama(), KVPool(tiny_llama(), 1, 64, scratch_tokens=64), "graphs")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    step._fall_back(Bucket(1, 1, 64))
+    assert (step.mode, step.capture_failures) == ("eager", 1)
+
+    def broken(device=None):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    with pytest.raises(RuntimeError, match="unusable"):
+        step._fall_back(Bucket(1, 2, 64))
+    assert step.capture_failures == 1
+
+
+def test_a_pool_commit_outside_its_row_is_an_error_on_the_host():
+    pool = KVPool(tiny_llama(), 2, 32, scratch_tokens=8)
+    pool.defer(0, 3, [5, 39])  # the last slot of a row: fine
+    for row, keep, sources in ((3, 0, [1]), (-1, 0, [1]), (0, 4, [2]), (1, 0, [40])):
+        with pytest.raises(IndexError, match="KV pool commit out of range"):
+            pool.defer(row, keep, sources)
+    assert len(pool._moves) == 1
