@@ -38,7 +38,7 @@ from decoding.errors import InvalidParameterError
 from decoding.grammar import GrammarCompiler
 from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.static import StaticStep, bucket_shape
+from decoding.static import StaticStats, StaticStep, bucket_shape
 
 if TYPE_CHECKING:
     from decoding.memory import MemoryUsage, NGramMemory
@@ -316,6 +316,10 @@ class BatchEngine:
             if isinstance(result, BaseException) or result.finish_reason is not None:
                 self.cancel(request_id)
         return reported
+
+    def static_stats(self) -> StaticStats | None:
+        """The static step's buckets and captures so far (``decoding.static.StaticStats``); None without one."""
+        return None if self.static is None else self.static.stats()
 
     def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None:
         """Store each token run of ``documents`` as one document of the shared memory (its bound holds: the oldest

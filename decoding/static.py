@@ -22,8 +22,8 @@ Modes: ``"eager"`` calls ``static_forward``; ``"compile"`` wraps one copy of it 
 (one code object per bucket: one graph each, and no bucket evicts another from Dynamo's cache); ``"graphs"``
 (CUDA) captures each bucket as a ``torch.cuda.CUDAGraph`` sharing one memory pool and replays it. ``"graphs"`` off
 CUDA rehearses the capture: the forward takes CUDA's code path (``prepare_weights(path="cuda")``: grouped heads
-folded, attention outputs with CUDA's strides), each bucket gets the capture's warm-up runs on the capture's
-inputs and writes the shared output buffers, and a replay is a plain call; only the CUDA graph API is left out.
+folded, attention outputs with CUDA's strides), each bucket is run on the capture's warm-up inputs into the shared
+output buffers, and a replay is a plain call; only the CUDA graph API is left out.
 
 Every index a step's kernels use is checked on the host before they run (``check_inputs``): a bad index is a
 ``StaticInputError`` naming the bucket, never a device-side assert (which would poison the CUDA context for the
@@ -62,6 +62,19 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)  # the CUD
 MIN_ATTENDED = 64  # attended lengths: MIN_ATTENDED doubled until a pool row's capacity
 MAX_BUCKET_TOKENS = 1024  # sequences x tokens of the largest bucket
 MODES = ("eager", "compile", "graphs")
+
+
+@dataclass(frozen=True)
+class StaticStats:
+    """What a static step has built so far (plain data, for metrics): its mode (``"graphs (rehearsed)"`` off
+    CUDA), buckets built, captures (rehearsed ones included) and their seconds, captures failed on a working
+    device."""
+
+    mode: str
+    buckets: int
+    captures: int
+    capture_failures: int
+    capture_seconds: float
 
 
 class StaticInputError(ValueError):
@@ -243,6 +256,12 @@ class StaticStep:
         self._output_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._attended_views: dict[int, tuple[torch.Tensor, ...]] = {}
 
+    def stats(self) -> StaticStats:
+        """The step's ``StaticStats`` now."""
+        mode = f"{self.mode} (rehearsed)" if self.rehearsal and self.mode == "graphs" else self.mode
+        return StaticStats(mode, len(self._buckets), self.captures, self.capture_failures,
+                           round(self.capture_seconds, 3))
+
     def bucket(self, slices: Sequence[Slice]) -> Bucket | None:
         """The bucket ``slices`` run in, or None when they do not fit one (run them eagerly)."""
         widest = max(max(len(slice_.tokens), slice_.row_count) for slice_ in slices)  # rows may repeat
@@ -413,12 +432,12 @@ class StaticStep:
         return replay
 
     def _rehearse(self, call: Callable[[], tuple[torch.Tensor, torch.Tensor]], compiled: _Compiled) -> Callable:
-        """``_capture`` without the CUDA graph API: the same warm-up runs on the same inputs, then the run a
-        capture would record; its replay calls ``call`` again (into the same output buffers)."""
+        """``_capture`` without the CUDA graph API: a run on the capture's inputs, into the shared output buffers
+        (the capture's two warm-ups and its recorded run repeat that same run: one checks what three would, at a
+        third of a CPU's start-up); its replay calls ``call`` again."""
         started = time.perf_counter()
         self._point_at_scratch(compiled)
-        for _ in range(3):  # two warm-up runs and the captured one
-            call()
+        call()
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
 

@@ -134,6 +134,9 @@ class Runtime:
         self.fingerprint = serving.system_fingerprint(config)
         self.stored_responses = responses.ResponseStore(config.max_stored_responses)
         self._boot_task: asyncio.Task | None = None
+        self.boot_error: Exception | None = None  # why the start failed, once it has
+        # called (on the event loop) when the start fails: the CLI stops the process with a non-zero status
+        self.on_boot_failure: Callable[[Exception], None] | None = None
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -169,9 +172,12 @@ class Runtime:
             if self.state == "warming":
                 self.state = "ready"
                 logger.info("ready: serving %s", self.config.model_name)
-        except Exception:
+        except Exception as error:
             self.state = "failed"
+            self.boot_error = error
             logger.exception("startup failed: the server will answer 503")
+            if self.on_boot_failure is not None:
+                self.on_boot_failure(error)
 
     def _save_memory(self) -> None:
         """At shutdown, once the worker has stopped: write the n-gram memory to ``lookahead.memory_file`` (when
@@ -198,6 +204,12 @@ class Runtime:
             guess_set_size=lookahead.guess_set_size,
         )
         self.metrics.set_kv_capacity(self.config.max_running * engine.decoder.context_length)
+        static = getattr(self.batch, "static_stats", None)
+        stats = static() if static is not None else None
+        if stats is not None:
+            self.metrics.set_static(stats)
+            logger.info("static step: %s, %d shapes built in %.1f s", stats.mode, stats.buckets,
+                        stats.capture_seconds)
 
     async def _warm_up(self, engine: Engine) -> None:
         """One tiny decode with the default settings (untracked), so the first request pays no warm-up cost."""

@@ -2,9 +2,10 @@
 
 Contract: ``main(argv)`` returns the process exit status. ``serve`` builds the config (YAML layers, then
 flags; see ``server.config``), loads the model before listening (a load failure exits with status 1 and a
-one-line reason), and runs uvicorn. The first SIGTERM or SIGINT drains: ``/health`` and new requests answer
-503, in-flight requests finish for up to ``drain_grace_seconds`` and are then cancelled, and the process
-exits 0. A second signal stops at once. New subcommands register in ``COMMANDS``.
+one-line reason), and runs uvicorn; a start that fails after that (the static step's build or capture, the
+warm-up decode) stops the server with status 1 and the reason on stderr. The first SIGTERM or SIGINT drains:
+``/health`` and new requests answer 503, in-flight requests finish for up to ``drain_grace_seconds`` and are then
+cancelled, and the process exits 0. A second signal stops at once. New subcommands register in ``COMMANDS``.
 """
 
 from __future__ import annotations
@@ -119,8 +120,16 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=10
     )
-    DrainingServer(uvicorn_config, app.state.runtime.drain, config.drain_grace_seconds).run()
-    return 0
+    runtime = app.state.runtime
+    server = DrainingServer(uvicorn_config, runtime.drain, config.drain_grace_seconds)
+
+    def stop(error: Exception) -> None:  # a start that failed ends the process: never a server stuck at 503
+        print(f"lookahead-server: startup failed: {type(error).__name__}: {error}", file=sys.stderr)
+        server.should_exit = True
+
+    runtime.on_boot_failure = stop
+    server.run()
+    return 1 if runtime.boot_error is not None else 0
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {

@@ -29,6 +29,9 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
   can hold at most (``max_running`` x the model's context length), and ``kv_cache_usage_ratio`` the one over
   the other (0..1; 0 until the capacity is known): the load signal a router or an autoscaler reads beside
   ``requests_running`` and ``requests_waiting``;
+- ``static_buckets``, ``static_capture_failures`` and ``static_capture_seconds`` describe the static step
+  (``decoding.static``): the shapes built so far, the captures that failed on a working device (their shapes run
+  eagerly), and the seconds building them took (absent without a static step);
 - ``time_to_first_token_seconds`` runs from arrival to the first step that kept a token, so it includes
   queueing; ``request_queue_time_seconds`` from arrival to the start of the prefill.
 """
@@ -42,6 +45,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:  # only read here; importing decoding would load torch for the deployment tests
     from decoding import StepCounts
+    from decoding.static import StaticStats
 
 PREFIX = "lookahead"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -141,6 +145,19 @@ class Metrics:
             f"{PREFIX}_kv_cache_usage_ratio", "KV-cache tokens held / capacity (0..1).", registry=registry
         )
         self._kv = (0, 0)  # (tokens held, capacity), the last values set
+        self.static_buckets = Gauge(
+            f"{PREFIX}_static_buckets", "Static-step shapes built (captured as CUDA graphs in graphs mode).",
+            registry=registry,
+        )
+        self.static_capture_failures = Gauge(
+            f"{PREFIX}_static_capture_failures", "CUDA graph captures that failed on a working device (those "
+            "shapes then run eagerly); a capture that breaks the device fails the start instead.", registry=registry,
+        )
+        self.static_capture_seconds = Gauge(
+            f"{PREFIX}_static_capture_seconds", "Seconds spent building and capturing static-step shapes.",
+            registry=registry,
+        )
+        self._static: StaticStats | None = None
         self.config = Info(f"{PREFIX}_config", "Model and lookahead configuration.", registry=registry)
 
         for reason in FINISH_REASONS:
@@ -234,6 +251,15 @@ class Metrics:
         self._kv = (tokens, self._kv[1])
         self.kv_tokens.set(tokens)
         self._publish_kv_usage()
+
+    def set_static(self, stats: StaticStats) -> None:
+        """The static step's buckets, capture failures and capture seconds (published when they change)."""
+        if stats == self._static:
+            return
+        self._static = stats
+        self.static_buckets.set(stats.buckets)
+        self.static_capture_failures.set(stats.capture_failures)
+        self.static_capture_seconds.set(stats.capture_seconds)
 
     def _publish_kv_usage(self) -> None:
         tokens, capacity = self._kv

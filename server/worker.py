@@ -340,6 +340,10 @@ class Worker:
         if self.metrics is not None and stepped:
             path = getattr(self.engine, "last_forward", None) or "eager"  # engines without a static step: eager
             self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped), path)
+            static = getattr(self.engine, "static_stats", None)  # engines without a static step have none
+            stats = static() if static is not None else None
+            if stats is not None:
+                self.metrics.set_static(stats)
         for job, result in results:
             if job.done:
                 continue
