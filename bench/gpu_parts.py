@@ -10,7 +10,10 @@ the load test's clients import here). Every part runs its GPU work in child proc
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -35,17 +38,15 @@ def model_missing() -> str | None:
     return f"no converted model or GGUF under {root}: call 2 joins it (scripts/gpu-check --help)"
 
 
+@functools.cache
 def server_missing() -> str | None:
-    """None when the server, the SDK and the load test's clients import here, else the import error."""
-    try:
-        import httpx  # noqa: F401
-        import openai  # noqa: F401
-
-        import server.app  # noqa: F401
-        import server.cli  # noqa: F401
-    except ImportError as error:
-        return f"{error} (the wheels of call 1 go to /tmp/site: scripts/gpu-check --help)"
-    return None
+    """None when the server, the SDK and the load test's clients import here (in a fresh process), else why not."""
+    done = subprocess.run([sys.executable, "-c", "import httpx, openai, server.app, server.cli"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or [f"status {done.returncode}"])[-1]
+    return f"{last} (the wheels of call 1 go to /tmp/site: scripts/gpu-check --help)"
 
 
 def both_missing() -> str | None:
@@ -125,13 +126,14 @@ def streamed_request(base_url: str, model: str, timeout: float) -> dict:
             "completion_tokens": tokens, "tokens_per_second": round(tokens / seconds, 1) if tokens else None}
 
 
-def run_server(context: PartContext) -> None:
-    """Spawn ``python -m server serve --device cuda``: seconds until ``/health`` answers, then two requests."""
+def server_startup(context: PartContext, device: str) -> None:
+    """Spawn ``python -m server serve --device DEVICE``: seconds until ``/health`` answers, then two streamed
+    requests (``streamed_request``); the server's exit status, and its log's tail when it did not start."""
     from server.spawn import ServerStartError, launch
 
     log = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "server.log"
     started = time.perf_counter()
-    server = launch(["serve", "--device", "cuda"], log, cwd=ROOT)
+    server = launch(["serve", "--device", device], log, cwd=ROOT)
     try:
         try:
             server.wait_ready(max(context.remaining(), 1))
@@ -152,6 +154,11 @@ def run_server(context: PartContext) -> None:
                 raise
     finally:
         context.record("exit_status", server.stop(20))
+
+
+def run_server(context: PartContext) -> None:
+    """The server's start-up and first requests at the CUDA preset."""
+    server_startup(context, "cuda")
 
 
 def run_load(context: PartContext) -> None:

@@ -244,3 +244,16 @@ def test_the_random_stand_in_has_the_default_models_shape():
     config = gpu_step_cost.default_model_shape().config
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.vocab_size) == (30, 576, 9, 3, 49152)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_the_server_part_times_the_start_up_and_two_streamed_requests(tmp_path):
+    context = PartContext(Output(tmp_path), time.monotonic() + 300)
+    gpu_parts.server_startup(context, "cpu")
+    results = context.results
+    assert results["startup_seconds"] > 0 and results["exit_status"] == 0
+    for key in ("first_request", "second_request"):
+        request = results[key]
+        assert 0 < request["ttft_seconds"] <= request["seconds"]
+        assert 0 < request["completion_tokens"] <= gpu_parts.FIRST_REQUEST_TOKENS
