@@ -20,15 +20,15 @@ warm machine (it stays warm ~30 s after a call, so call 2 goes at once):
 
 - call 1, ``scripts/gpu-check 1``, carry ``.gpu-model-1`` (``gguf.part-0``: half the GGUF; ``whl/``: the wheels
   of what the image lacks, ``bench.gpu_wheels``): installs the wheels into /tmp/site, copies the half to
-  /tmp/lookahead-gpu, then runs ``tests`` (``pytest -m "not real_model" tests/decoding/test_cuda.py``, 140 s) and
-  ``step_cost`` (``python -m bench.gpu_step_cost`` on random weights of the default model's shape, 90 s).
+  /tmp/lookahead-gpu, then runs ``tests`` (``pytest -m "not real_model" tests/decoding/test_cuda.py``, 130 s) and
+  ``step_cost`` (``python -m bench.gpu_step_cost`` on random weights of the default model's shape, 80 s).
 - call 2, ``scripts/gpu-check 2``, carry ``.gpu-carry`` (``gguf.part-1``: the other half; ``datasets/``: the
   prompt sets): joins the halves into the model cache, then runs, with /tmp/site, ``model_tests`` (``pytest -m
-  real_model tests/decoding/test_cuda.py``, 60 s), ``heldout`` (``python -m bench heldout --preset cuda --device
-  cuda --methods greedy,lookahead`` on HumanEval, chat and MT-bench, 110 s), ``server`` (``python -m server serve
+  real_model tests/decoding/test_cuda.py``, 75 s), ``heldout`` (``python -m bench heldout --preset cuda --device
+  cuda --methods greedy,lookahead`` on HumanEval, chat and MT-bench, 105 s), ``server`` (``python -m server serve
   --device cuda`` spawned as ``server.spawn`` does: seconds until ``/health`` answers, then the first and a second
-  streamed request's time to first text and seconds, 50 s) and ``load`` (``scripts/loadtest.py --spawn
-  --server-arg=--device=cuda`` at 1 and 8 streams, lookahead on, HumanEval and chat, 80 s).
+  streamed request's time to first text and seconds, 45 s) and ``load`` (``scripts/loadtest.py --spawn
+  --server-arg=--device=cuda`` at 1 and 8 streams, lookahead on, HumanEval and chat, 75 s).
 
 ``python -m bench anatomy`` is not a part: it has no ``--device`` flag (it times host work on a tiny CPU model).
 
@@ -191,7 +191,10 @@ def run_parts(parts: Sequence[Part], selected: Sequence[str], output: Output, re
     for part in parts:
         if part.name not in selected:
             continue
-        reason = part.needs()
+        try:
+            reason = part.needs()
+        except Exception as error:  # a check that breaks is a reason too
+            reason = f"checking what it needs failed: {error!r}"
         if reason is not None:
             report["skipped"][part.name] = reason
             save()
@@ -260,7 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = Output(Path(args.out))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit.stdout.strip() or "unknown",
-                    "device": device_name(), "torch": torch.__version__, "selected": selected}
+                    "device": device_name(), "torch": torch.__version__, "python": sys.version.split()[0],
+                    "selected": selected}
     run_parts(gpu_parts.PARTS, selected, output, report, gpu_parts.markdown, left_out)
     print(gpu_parts.markdown(report), flush=True)
     statuses = [section["status"] for section in report["parts"].values()]

@@ -174,12 +174,12 @@ def run_load(context: PartContext) -> None:
 
 
 PARTS = (
-    Part("tests", 1, 140, run_tests, summary="CUDA tests on tiny models"),
-    Part("step_cost", 1, 90, run_step_cost, summary="step cost, random weights of the default shape"),
-    Part("model_tests", 2, 60, run_model_tests, model_missing, "CUDA tests on the default model"),
-    Part("heldout", 2, 110, run_heldout, model_missing, "greedy and lookahead on the held-out sets"),
-    Part("server", 2, 50, run_server, both_missing, "server start-up and its first request"),
-    Part("load", 2, 80, run_load, both_missing, "load test at 1 and 8 streams"),
+    Part("tests", 1, 130, run_tests, summary="CUDA tests on tiny models"),
+    Part("step_cost", 1, 80, run_step_cost, summary="step cost, random weights of the default shape"),
+    Part("model_tests", 2, 75, run_model_tests, model_missing, "CUDA tests on the default model"),
+    Part("heldout", 2, 105, run_heldout, model_missing, "greedy and lookahead on the held-out sets"),
+    Part("server", 2, 45, run_server, both_missing, "server start-up and its first request"),
+    Part("load", 2, 75, run_load, both_missing, "load test at 1 and 8 streams"),
 )
 
 

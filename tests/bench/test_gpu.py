@@ -79,6 +79,7 @@ FAKE_PARTS = (
     Part("raises", 1, 60, raises),
     Part("overruns", 1, 1, overruns),
     Part("needs", 1, 60, writes_a_file, needs=lambda: "no model here"),
+    Part("broken_needs", 1, 60, writes_a_file, needs=lambda: 1 / 0),
     Part("files", 1, 60, asks_for_too_many_files),
     Part("last", 2, 60, lambda context: context.record("ran", True)),
 )
@@ -96,7 +97,8 @@ def test_a_part_that_raises_or_overruns_leaves_the_others_and_skips_are_named(tm
     assert parts["raises"]["results"] == {"partial": "kept"}
     assert parts["overruns"]["status"] == "timeout" and parts["overruns"]["results"]["runs"][0]["status"] == "timeout"
     assert parts["files"]["status"] == "failed" and "TooManyFiles" in parts["files"]["error"]
-    assert report["skipped"] == {"needs": "no model here", "last": "runs in device call 2, not this call 1"}
+    assert report["skipped"] == {"needs": "no model here", "last": "runs in device call 2, not this call 1",
+                                 "broken_needs": "checking what it needs failed: ZeroDivisionError('division by zero')"}
     assert (tmp_path / "first.json").exists()
     assert len(list(tmp_path.iterdir())) <= gpu.MAX_FILES
     text = (tmp_path / "gpu.md").read_text()

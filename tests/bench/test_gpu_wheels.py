@@ -116,7 +116,12 @@ print(json.dumps(sorted(sys.modules)))
 
 @pytest.mark.slow
 def test_the_server_the_sdk_and_the_load_test_import_with_only_the_image_and_the_carried_wheels(tmp_path):
-    """Here, on this Python: a site of only the image's and the carried distributions (at this .venv's versions)."""
+    """Here, on this Python: a site of only the image's and the carried distributions (at this .venv's versions).
+
+    Stricter than checking the distribution of each module the imports load here: that closure holds optional
+    imports a library makes only because this .venv has them (trio, watchfiles, python_multipart...), and a
+    distribution that a library needs but this walk missed fails the import here, naming the module.
+    """
     plan = this_plan(f"{sys.version_info.major}.{sys.version_info.minor}")
     allowed = {d.name for d in plan.carried} | set(read_image_packages())
     site = allowed_site(tmp_path, allowed)
