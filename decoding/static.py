@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -166,14 +167,14 @@ def attended_lengths(row_capacity: int) -> tuple[int, ...]:
     return (*lengths, row_capacity)
 
 
-def input_bounds(bucket: Bucket, pool_rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def input_bounds(bucket: Bucket, pool_rows: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """``(low, high)``: for each int of ``bucket``'s input buffer (module contract), the range ``[low, high)`` the
     kernels that use it can index: token ids below ``vocab``; rows read within the step's tokens; pool rows
     (written and read) below ``pool_rows``; write slots below the attended length; each token's parent -1 or an
     earlier token of its sequence; cache lengths that leave room for the step's tokens."""
     count, tokens, sequences = bucket.sequences * bucket.tokens, bucket.tokens, bucket.sequences
     unbounded = 2**62
-    within = torch.arange(tokens).repeat(sequences)  # each token's index in its sequence
+    within = np.tile(np.arange(tokens, dtype=np.int64), sequences)  # each token's index in its sequence
     ranges = {
         "token_ids": (0, vocab), "positions": (0, unbounded), "parents": (-1, within), "read_rows": (0, count),
         "write_rows": (0, pool_rows), "write_slots": (0, bucket.attended),
@@ -183,33 +184,35 @@ def input_bounds(bucket: Bucket, pool_rows: int, vocab: int) -> tuple[torch.Tens
     for name in (*TOKEN_FIELDS, *SEQUENCE_FIELDS):
         size = count if name in TOKEN_FIELDS else sequences
         for bounds, value in zip((low, high), ranges[name], strict=True):
-            bounds.append(value if isinstance(value, torch.Tensor) else torch.full((size,), value))
-    return torch.cat(low), torch.cat(high)
+            bounds.append(value if isinstance(value, np.ndarray) else np.full(size, value, dtype=np.int64))
+    return np.concatenate(low), np.concatenate(high)
 
 
-def check_inputs(values: torch.Tensor, bucket: Bucket, bounds: tuple[torch.Tensor, torch.Tensor]) -> None:
+def check_inputs(values: np.ndarray, bucket: Bucket, bounds: tuple[np.ndarray, np.ndarray]) -> None:
     """Raise ``StaticInputError``, naming ``bucket``, the field and the value, unless every int of the host input
-    buffer ``values`` lies in its range (``bounds``: ``input_bounds(bucket, ...)``). Three small ops when all is
-    well (a few microseconds); a step that passes cannot index out of range on the device.
+    buffer ``values`` (int64) lies in its range (``bounds``: ``input_bounds(bucket, ...)``). A few microseconds
+    when all is well, in numpy (host memory: no torch op, nothing that could read a device); a step that passes
+    cannot index out of range on the device.
 
     >>> bucket = Bucket(1, 2, 64)
     >>> bounds = input_bounds(bucket, pool_rows=3, vocab=10)
-    >>> check_inputs(torch.tensor([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 62, 63, 62, 0]), bucket, bounds)
-    >>> check_inputs(torch.tensor([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 63, 64, 63, 0]), bucket, bounds)  # doctest: +ELLIPSIS
+    >>> check_inputs(np.array([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 62, 63, 62, 0]), bucket, bounds)
+    >>> check_inputs(np.array([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 63, 64, 63, 0]), bucket, bounds)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     decoding.static.StaticInputError: Bucket(sequences=1, tokens=2, attended=64): write_slots[1] holds 64, ...
     """
     low, high = bounds
-    outside = torch.logical_or(values < low, values >= high)
+    outside = (values < low) | (values >= high)
     if not outside.any():
         return
-    index = int(outside.nonzero()[0])
-    count = bucket.sequences * bucket.tokens
-    field = index // count if index < len(TOKEN_FIELDS) * count else len(TOKEN_FIELDS) + (
-        index - len(TOKEN_FIELDS) * count) // bucket.sequences
-    offset = index % count if field < len(TOKEN_FIELDS) else (index - len(TOKEN_FIELDS) * count) % bucket.sequences
-    name = (*TOKEN_FIELDS, *SEQUENCE_FIELDS)[field]
+    index = int(np.flatnonzero(outside)[0])
+    count, token_ints = bucket.sequences * bucket.tokens, len(TOKEN_FIELDS) * bucket.sequences * bucket.tokens
+    if index < token_ints:
+        name, offset = TOKEN_FIELDS[index // count], index % count
+    else:
+        name, offset = SEQUENCE_FIELDS[(index - token_ints) // bucket.sequences], (index - token_ints) % (
+            bucket.sequences)
     raise StaticInputError(f"{bucket}: {name}[{offset}] holds {int(values[index])}, outside "
                            f"[{int(low[index])}, {int(high[index])})")
 
@@ -291,8 +294,9 @@ class StaticStep:
             raise ValueError("these slices fit no static bucket")
         self.pool.flush()
         compiled = self._compiled(bucket)
-        self._fill(compiled.host, slices, bucket)
-        check_inputs(compiled.host, bucket, compiled.bounds)
+        values = self._fill(slices, bucket)
+        check_inputs(np.frombuffer(values, dtype=np.int64), bucket, compiled.bounds)
+        compiled.host.copy_(torch.frombuffer(values, dtype=torch.long))
         compiled.inputs.copy_(compiled.host, non_blocking=True)
         return compiled
 
@@ -315,9 +319,9 @@ class StaticStep:
             slice_.cache.advance(len(slice_.tokens))
         return results, predicted
 
-    def _fill(self, host: torch.Tensor, slices: Sequence[Slice], bucket: Bucket) -> None:
-        """Write the step's inputs (module contract) into the host buffer, from Python ints in one copy (a slice
-        without ``host_positions`` / ``host_rows`` has its tensors read instead)."""
+    def _fill(self, slices: Sequence[Slice], bucket: Bucket) -> array.array:
+        """The step's inputs (module contract) as 8-byte ints, from Python ints (a slice without
+        ``host_positions`` / ``host_rows`` has its tensors read instead)."""
         tokens = bucket.tokens
         fields: list[list[int]] = [[] for _ in TOKEN_FIELDS]
         ids, positions, parents, read_rows, write_rows, write_slots = fields
@@ -347,7 +351,7 @@ class StaticStep:
         values = array.array("q")  # 8-byte ints: ~10x faster into a tensor than torch.tensor(list)
         for field in (*fields, lengths, rows):
             values.extend(field)
-        host.copy_(torch.frombuffer(values, dtype=torch.long))
+        return values
 
     def _compiled(self, bucket: Bucket) -> _Compiled:
         """The bucket's buffers and callable, built (and in ``"graphs"`` mode captured) on first use."""
@@ -451,14 +455,14 @@ class StaticStep:
         """Fill the bucket's device inputs with a step of padding sequences only (scratch row, no cache)."""
         bucket = compiled.bucket
         count = bucket.sequences * bucket.tokens
-        host = torch.zeros(bucket.input_size, dtype=torch.long)
+        host = np.zeros(bucket.input_size, dtype=np.int64)
         parents_start, rows_field = 2 * count, 4 * count
         host[parents_start : parents_start + count] = -1
         host[rows_field : rows_field + count] = self.pool.scratch_row
-        host[5 * count : 6 * count] = torch.arange(bucket.tokens).repeat(bucket.sequences)
+        host[5 * count : 6 * count] = np.tile(np.arange(bucket.tokens), bucket.sequences)
         host[6 * count + bucket.sequences :] = self.pool.scratch_row
         check_inputs(host, bucket, compiled.bounds)
-        compiled.inputs.copy_(host)
+        compiled.inputs.copy_(torch.from_numpy(host))
 
     def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits and argmax buffers every captured bucket writes (one allocation, not one per graph)."""

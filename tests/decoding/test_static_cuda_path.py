@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -156,7 +157,7 @@ def input_buffer(bucket: Bucket, **fields: list[int]) -> torch.Tensor:
         "lengths": [0] * bucket.sequences, "rows": [0] * bucket.sequences,
     }
     values.update(fields)
-    return torch.tensor([value for field in values.values() for value in field])
+    return np.array([value for field in values.values() for value in field], dtype=np.int64)
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -178,7 +179,7 @@ def test_every_field_of_a_batched_bucket_is_named_where_it_fails():
     rows = [0, 1, 2, 5]
     with pytest.raises(StaticInputError, match=r": rows\[3\] holds 5, outside \[0, 5\)"):
         check_inputs(input_buffer(bucket, rows=rows), bucket, bounds)
-    slots = [slot if index != 17 else 64 for index, slot in enumerate(input_buffer(bucket)[160:192].tolist())]
+    slots = [slot if index != 17 else 64 for index, slot in enumerate(input_buffer(bucket)[160:192])]
     with pytest.raises(StaticInputError, match=r": write_slots\[17\] holds 64"):
         check_inputs(input_buffer(bucket, write_slots=slots), bucket, bounds)
 
