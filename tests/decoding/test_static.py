@@ -242,8 +242,7 @@ def test_no_host_sync_inside_the_static_forward():
         step = Slice(list(range(layout.num_tokens)), layout.offsets + 3, layout.visible, layout.logit_rows, cache,
                      layout.parents)
         bucket = runner.bucket([step])
-        compiled = runner._compiled(bucket)
-        runner._fill(compiled.host, [step], bucket)
+        compiled = runner.prepare([step], bucket)  # the step's inputs, checked and on their way
         with SyncCounter() as syncs:
             static_forward(runner.weights, runner._views(bucket.attended), compiled.inputs, bucket.sequences,
                            bucket.tokens)
