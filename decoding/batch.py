@@ -62,6 +62,9 @@ class BatchPolicy:
     - ``static_step``: ``"off"`` (every forward eager) or the ``decoding.static`` mode of the engine's static
       step; with one, a forward is priced at the padded bucket it runs in (``padded_tokens``).
     - ``static_sequences``: rows of the static step's KV pool (decodes at once; more run eagerly).
+    - ``measure_step_cost``: the engine's builder (``decoding.decoder.Decoder.batch_engine``) replaces
+      ``step_cost`` with the curve it measures on the device (``decoding.calibration``); ``step_cost`` is then
+      the fallback.
     """
 
     max_step_tokens: int = 128
@@ -69,6 +72,7 @@ class BatchPolicy:
     step_cost: tuple[tuple[int, float], ...] = CPU_STEP_COST
     static_step: str = "off"
     static_sequences: int = 16
+    measure_step_cost: bool = False
 
     def cost(self, tokens: int) -> float:
         """The curve's relative cost of a forward over ``tokens`` input tokens."""

@@ -1,23 +1,23 @@
 """The step-cost curve measured where the server runs: what a forward of k input tokens costs against one token.
 
 Contract: ``measure_step_cost(model, static, max_tokens)`` times one stream's forward of k input tokens, causal
-over a cache already holding ``CONTEXT`` tokens, for each k of ``STEP_TOKENS`` up to ``max_tokens``, through
-``decoding.batch.forward_batch``: the path the engine takes (the static step's bucket when one fits, as replayed
-graphs on CUDA; else the eager forward: the fused CPU step, the lean step or the public forward). Each time is wall
-clock around the whole call, its inputs' preparation and the read of its argmax ids to the host included (that
-read waits for the device), so it is what a step pays apart from drafting and verifying. One untimed run, then
-the median of up to ``REPEATS`` runs (fewer once a point has taken ``POINT_SECONDS``). Returns ``(k, cost(k) /
-cost(1))`` points, made non-decreasing (noise never makes more tokens look cheaper), ready for
-``BatchPolicy.step_cost``. The cache is dropped back to ``CONTEXT`` tokens after every run and freed at the end;
-nothing else is touched. On the default model: ~2 s on a CPU at the CPU preset (k <= 128), well under a second
-on a GPU.
+over a cache already holding ``CONTEXT`` tokens, through ``decoding.batch.forward_batch``: the path the engine
+takes (the static step's bucket when one fits, replayed as a CUDA graph on CUDA; else the eager forward: the fused
+CPU step, the lean step or the public forward). The ks are the static step's token buckets up to ``max_tokens``
+with a static step, powers of two up to it without. Each time is wall clock around the whole call, its inputs'
+preparation and the read of its argmax ids to the host included (that read waits for the device), so it is what a
+step pays apart from drafting and verifying. The ks are run in rounds (every k once a round, so a burst of noise
+from elsewhere spreads over them instead of bending one point): one untimed round, then timed rounds until
+``ROUNDS`` or ``BUDGET_SECONDS`` (at least one); each k's cost is its fastest run (noise only ever adds time).
+Returns ``(k, cost(k) / cost(1))`` points, made non-decreasing and at most k (a k-token step never costs more
+than k one-token steps: a point above that is noise), ready for ``BatchPolicy.step_cost``. The cache is
+dropped back to ``CONTEXT`` tokens after every run and freed at the end. On the default model: ~3 s on a CPU at
+the CPU preset (k <= 128), well under a second on a GPU.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -28,34 +28,49 @@ from decoding.packed import Slice
 from decoding.static import TOKEN_BUCKETS, StaticStep
 
 CONTEXT = 256  # cached tokens under the timed steps: a conversation's first turn
-STEP_TOKENS = TOKEN_BUCKETS  # 1, 2, 4, ..., 64, 96, 128, 192, 256, 384, 512: the static step's token buckets
-REPEATS = 5
-POINT_SECONDS = 1.0
+ROUNDS = 3
+BUDGET_SECONDS = 5.0
 
 
 def measure_step_cost(
-    model: PreTrainedModel, static: StaticStep | None, max_tokens: int, steps: Sequence[int] = STEP_TOKENS,
-    repeats: int = REPEATS,
+    model: PreTrainedModel, static: StaticStep | None, max_tokens: int, rounds: int = ROUNDS,
+    budget_seconds: float = BUDGET_SECONDS,
 ) -> tuple[tuple[int, float], ...]:
-    """The measured curve (module contract): ``(tokens, relative cost)`` for each of ``steps`` up to
-    ``max_tokens`` (at least two points: 1 and the next)."""
-    counts = [count for count in steps if count <= max_tokens] or [1]
-    if counts[0] != 1:
-        counts.insert(0, 1)
-    if len(counts) < 2:
-        counts.append(2)
+    """The measured curve (module contract): ``(tokens, relative cost)`` for each k up to ``max_tokens``."""
+    counts = step_counts(max_tokens, static is not None)
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     cache = _cache(model, static, CONTEXT + counts[-1])
     try:
-        _fill(model, static, cache)
-        seconds = [_median_seconds(model, static, cache, count, repeats) for count in counts]
+        _fill(model, static, cache, vocab)
+        best = {count: float("inf") for count in counts}
+        for count in counts:  # the untimed round: every shape built and warm
+            _run(model, static, cache, count, vocab)
+        started = time.perf_counter()
+        for done in range(rounds):
+            if done and time.perf_counter() - started > budget_seconds:
+                break
+            for count in counts:
+                best[count] = min(best[count], _run(model, static, cache, count, vocab))
     finally:
         if cache.pool is not None:
             cache.pool.release(cache)
     curve, highest = [], 0.0
-    for count, spent in zip(counts, seconds, strict=True):
-        highest = max(highest, spent / seconds[0])
+    for count in counts:
+        highest = min(max(highest, best[count] / best[1]), float(count))  # never above k one-token steps
         curve.append((count, round(highest, 3)))
     return tuple(curve)
+
+
+def step_counts(max_tokens: int, static: bool) -> list[int]:
+    """The ks measured: the static step's token buckets up to ``max_tokens`` (``static``), else powers of two;
+    always 1 and at least one more.
+
+    >>> step_counts(128, static=False), step_counts(200, static=True)[-3:], step_counts(1, static=False)
+    ([1, 2, 4, 8, 16, 32, 64, 128], [96, 128, 192], [1, 2])
+    """
+    ladder = TOKEN_BUCKETS if static else tuple(2**power for power in range(11))  # 1 .. 1024
+    counts = [count for count in ladder if count <= max_tokens]
+    return counts if len(counts) > 1 else [1, 2]
 
 
 def _cache(model: PreTrainedModel, static: StaticStep | None, capacity: int) -> SlotCache:
@@ -65,35 +80,26 @@ def _cache(model: PreTrainedModel, static: StaticStep | None, capacity: int) -> 
     return cache if cache is not None else new_cache(model, capacity)
 
 
-def _fill(model: PreTrainedModel, static: StaticStep | None, cache: SlotCache) -> None:
+def _fill(model: PreTrainedModel, static: StaticStep | None, cache: SlotCache, vocab: int) -> None:
     """Prefill ``CONTEXT`` tokens into ``cache`` (in chunks of at most 128, as the engine's prefill runs)."""
     while cache.length < CONTEXT:
-        count = min(128, CONTEXT - cache.length)
-        forward_batch(model, [_slice(cache, count)], static)
+        forward_batch(model, [_slice(cache, min(128, CONTEXT - cache.length), vocab)], static)
 
 
-def _slice(cache: SlotCache, count: int) -> Slice:
+def _slice(cache: SlotCache, count: int, vocab: int) -> Slice:
     """``count`` causal tokens after ``cache``'s, reading every row (as a lookahead step reads its tree's)."""
     start = cache.length
-    tokens = [(7 * (start + offset)) % 1000 + 1 for offset in range(count)]  # in any vocabulary, not all alike
+    tokens = [(7 * (start + offset) + 1) % vocab for offset in range(count)]  # not all alike
     return Slice(tokens, None, None, None, cache, host_positions=range(start, start + count),
                  host_rows=range(count))
 
 
-def _median_seconds(
-    model: PreTrainedModel, static: StaticStep | None, cache: SlotCache, count: int, repeats: int
-) -> float:
-    """Median wall seconds of a ``count``-token step over ``cache`` (module contract), dropped after each run."""
-    spent: list[float] = []
-    started = time.perf_counter()
-    for run in range(repeats + 1):
-        begin = time.perf_counter()
-        logits, argmax = forward_batch(model, [_slice(cache, count)], static)
-        if argmax[0] is None:  # the eager forward: the engine reads the argmax ids itself
-            torch.argmax(logits[0], dim=-1).tolist()
-        if run:
-            spent.append(time.perf_counter() - begin)
-        cache.commit(CONTEXT, [])
-        if run and time.perf_counter() - started > POINT_SECONDS:
-            break
-    return statistics.median(spent)
+def _run(model: PreTrainedModel, static: StaticStep | None, cache: SlotCache, count: int, vocab: int) -> float:
+    """Wall seconds of one ``count``-token step over ``cache`` (module contract); the step is dropped after."""
+    begin = time.perf_counter()
+    logits, argmax = forward_batch(model, [_slice(cache, count, vocab)], static)
+    if argmax[0] is None:  # the eager forward: the engine reads the argmax ids itself
+        torch.argmax(logits[0], dim=-1).tolist()
+    spent = time.perf_counter() - begin
+    cache.commit(CONTEXT, [])
+    return spent

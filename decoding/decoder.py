@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +27,7 @@ from transformers import PreTrainedModel
 
 from decoding import native
 from decoding.batch import BatchEngine, BatchPolicy
+from decoding.calibration import measure_step_cost
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
 from decoding.gguf_model import load_gguf_model
@@ -245,11 +247,19 @@ class Decoder:
         that cannot be used (another vocabulary, unreadable) is logged as a warning and the memory starts empty.
         Then each text file of ``memory_corpus`` is added to the memory (``load_corpus``). With
         ``policy.static_step`` other than ``"off"``, steps that fit a bucket run through a static step
-        (``static_step``)."""
+        (``static_step``). With ``policy.measure_step_cost``, the engine's policy prices steps on the curve
+        measured here, after the static step is built (``decoding.calibration``; a few seconds on a CPU)."""
         policy = policy or BatchPolicy()
         static = self.static_step(policy) if policy.static_step != "off" else None
         if static is None:
             policy = replace(policy, static_step="off")
+        if policy.measure_step_cost:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                curve = measure_step_cost(self.loaded.model, static, policy.max_step_tokens)
+            log.info("step cost measured in %.1f s: %s", time.perf_counter() - started,
+                     ", ".join(f"{tokens}:{cost:g}" for tokens, cost in curve))
+            policy = replace(policy, step_cost=curve)
         memory = NGramMemory(memory_tokens) if memory_tokens > 0 else None
         if memory is not None and memory_file is not None and Path(memory_file).exists():
             try:

@@ -104,7 +104,7 @@ def batch_policy(config: ServerConfig) -> BatchPolicy:
     settings = config.batch
     curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
     return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
-                       config.max_running)
+                       config.max_running, settings.measure_step_cost)
 
 
 class Runtime:
@@ -204,6 +204,9 @@ class Runtime:
             guess_set_size=lookahead.guess_set_size,
         )
         self.metrics.set_kv_capacity(self.config.max_running * engine.decoder.context_length)
+        policy = getattr(self.batch, "policy", None)
+        if policy is not None:
+            self.metrics.set_step_cost(policy.step_cost)
         static = getattr(self.batch, "static_stats", None)
         stats = static() if static is not None else None
         if stats is not None:

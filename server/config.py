@@ -165,7 +165,12 @@ class BatchSettings(BaseModel):
     )
     step_cost: list[tuple[int, float]] | None = Field(
         None, description="[[tokens, relative cost], ...] of one forward, as measured by `python -m bench tune`; "
-        "null: decoding's built-in CPU curve",
+        "null: decoding's built-in CPU curve; with measure_step_cost, the fallback",
+    )
+    measure_step_cost: bool = Field(
+        False, description="at start, time one stream's forward of 1 to max_step_tokens tokens on this device "
+        "(wall clock, its host work included) and price drafts on that curve instead of step_cost "
+        "(decoding/calibration.py; the lookahead_step_cost metric and the start's log show it)",
     )
 
     @model_validator(mode="after")

@@ -32,12 +32,15 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
 - ``static_buckets``, ``static_capture_failures`` and ``static_capture_seconds`` describe the static step
   (``decoding.static``): the shapes built so far, the captures that failed on a working device (their shapes run
   eagerly), and the seconds building them took (absent without a static step);
+- ``step_cost{tokens}`` is the step-cost curve the engine prices drafts on (relative to a one-token forward):
+  measured on the device at start (``batch.measure_step_cost``), else the preset's;
 - ``time_to_first_token_seconds`` runs from arrival to the first step that kept a token, so it includes
   queueing; ``request_queue_time_seconds`` from arrival to the start of the prefill.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -158,6 +161,11 @@ class Metrics:
             registry=registry,
         )
         self._static: StaticStats | None = None
+        self.step_cost = Gauge(
+            f"{PREFIX}_step_cost", "The step-cost curve drafts are priced on: a forward of `tokens` input tokens "
+            "against one (measured at start with batch.measure_step_cost, else the preset's).", ("tokens",),
+            registry=registry,
+        )
         self.config = Info(f"{PREFIX}_config", "Model and lookahead configuration.", registry=registry)
 
         for reason in FINISH_REASONS:
@@ -251,6 +259,11 @@ class Metrics:
         self._kv = (tokens, self._kv[1])
         self.kv_tokens.set(tokens)
         self._publish_kv_usage()
+
+    def set_step_cost(self, curve: Sequence[tuple[int, float]]) -> None:
+        """The step-cost curve the engine prices drafts on, one series per point."""
+        for tokens, cost in curve:
+            self.step_cost.labels(tokens=str(tokens)).set(cost)
 
     def set_static(self, stats: StaticStats) -> None:
         """The static step's buckets, capture failures and capture seconds (published when they change)."""

@@ -2,7 +2,7 @@
 static step in ``graphs`` mode), on the CPU: every bucket the start builds is rehearsed (the capture's inputs,
 CUDA's code path and output strides), then a chat completion, a stream, a forced tool call and ``n = 2`` are served
 through it with the official ``openai`` SDK, each greedy answer identical to the plain autoregressive loop's, and
-the start's work shows in ``/metrics``. The KV pool has 4 rows here (``--max-running 4``) instead of 32: the same
+the start's work (the shapes built, the step-cost curve measured) shows in ``/metrics``. The KV pool has 4 rows here (``--max-running 4``) instead of 32: the same
 shapes, an eighth of the memory."""
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def test_the_start_rehearsed_every_bucket_and_serves_through_them(client, cuda_p
     samples = scrape(cuda_preset_server.base_url)
     assert samples["lookahead_static_buckets"] >= WARM_BUCKETS
     assert samples["lookahead_static_capture_failures"] == 0
+    # the CUDA preset prices drafts on the curve the server measured at start, one point per token bucket
+    assert samples['lookahead_step_cost{tokens="1"}'] == 1.0 and 'lookahead_step_cost{tokens="512"}' in samples
+    assert samples['lookahead_step_cost{tokens="512"}'] >= samples['lookahead_step_cost{tokens="2"}']
     answer = client.chat.completions.create(**ask("Write a python function that adds two numbers."))
     plain = client.chat.completions.create(**ask("Write a python function that adds two numbers.", lookahead=False))
     assert answer.choices[0].message.content == plain.choices[0].message.content
