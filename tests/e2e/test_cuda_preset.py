@@ -2,8 +2,8 @@
 static step in ``graphs`` mode), on the CPU: every bucket the start builds is rehearsed (the capture's inputs,
 CUDA's code path and output strides), then a chat completion, a stream, a forced tool call and ``n = 2`` are served
 through it with the official ``openai`` SDK, each greedy answer identical to the plain autoregressive loop's, and
-the start's work (the shapes built, the step-cost curve measured) shows in ``/metrics``. The KV pool has 4 rows here (``--max-running 4``) instead of 32: the same
-shapes, an eighth of the memory."""
+the start's work (the shapes built, the step-cost curve measured) shows in ``/metrics``. The KV pool has 4 rows
+here (``--max-running 4``) instead of 32: the same shapes, an eighth of the memory."""
 
 from __future__ import annotations
 
