@@ -9,7 +9,7 @@ inside the repository). ``BaselineChild`` runs ``bench/baseline_child.py`` of th
 ``PYTHONPATH`` and working directory (the two trees share package names, so they cannot share an interpreter):
 the model loads once, each decode is one JSON line each way, and the seconds a run reports are the child's,
 timed around the decode alone by that commit's own ``bench.measure.time_run`` (the pipes are not counted).
-``runner(method)`` is the ``bench.measure.Runner`` of one of them; warm-ups go through it like any method's.
+``runner(method)`` is the ``bench.records.Runner`` of one of them; warm-ups go through it like any method's.
 
 The child gets ``--device``, ``--threads`` and ``--preset`` as the parent resolved them, ``--model`` when the
 parent's came from a flag, the shared memory flags of ``bench heldout``, and whatever ``--baseline-args`` adds;
@@ -35,7 +35,7 @@ from typing import IO
 
 from transformers import PreTrainedModel
 
-from bench.measure import Decoded, Runner, RunRecord
+from bench.records import Decoded, Runner, RunRecord
 from bench.report import by_method, first_difference, format_table, median_speedup, speedup
 from bench.settings import FLAG, Resolved
 from decoding.loading import cache_root
@@ -202,7 +202,7 @@ class BaselineChild:
         self._ask({"reset": True})
 
     def runner(self, name: str) -> Runner:
-        """The ``bench.measure.Runner`` of method ``name`` (a key of ``BASE_METHODS``); it ignores the model."""
+        """The ``bench.records.Runner`` of method ``name`` (a key of ``BASE_METHODS``); it ignores the model."""
         method = BASE_METHODS[name]
 
         def run(_model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria) -> Decoded:

@@ -53,12 +53,12 @@ from bench.measure import (
     METHODS,
     STEP_COST_KS,
     WARMUP_TOKENS,
-    RunRecord,
     make_runners,
     measure_step_cost,
     parse_methods,
     run_benchmark,
 )
+from bench.records import RunRecord
 from bench.report import (
     PROMPT_HEADERS,
     STEP_COST_HEADERS,

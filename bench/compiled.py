@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from bench.datasets import DatasetError, encode_prompt, load_dataset
-from bench.measure import Decoded, decode_greedy, decode_lookahead
+from bench.measure import decode_greedy, decode_lookahead
+from bench.records import Decoded
 from bench.report import write_json
 from decoding import fused, lean
 from decoding.compiled import CompiledForward

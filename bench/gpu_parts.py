@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.gpu import ROOT, Part, PartContext, PartTimeout
+from bench.gpu_runner import ROOT, Part, PartContext, PartTimeout
 
 HELDOUT_SETS = ("humaneval", "chat", "mtbench")
 CUDA_TESTS = "tests/decoding/test_cuda.py"

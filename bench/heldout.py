@@ -54,7 +54,8 @@ from bench.cli import (
     transformers_twin,
 )
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
-from bench.measure import WARMUP_TOKENS, RunRecord, parse_methods
+from bench.measure import WARMUP_TOKENS, parse_methods
+from bench.records import RunRecord
 from bench.report import by_method, first_difference, format_table, summarize, write_json
 from bench.settings import SERVER_MEMORY_TOKENS, Resolved, resolve
 from decoding.decoder import Decoder, check_linear_options

@@ -56,13 +56,13 @@ def _load(gguf_path: str, threads: int, context: int) -> Any:
 def llama_cpp_runner(
     gguf_path: Path, threads: int = 1, context: int = DEFAULT_CONTEXT
 ) -> Callable[[PreTrainedModel, Sequence[int], StopCriteria], Any]:
-    """A runner (``bench.measure.Runner``) that decodes with llama.cpp on ``gguf_path``; raises ``RuntimeError``
+    """A runner (``bench.records.Runner``) that decodes with llama.cpp on ``gguf_path``; raises ``RuntimeError``
     when ``llama-cpp-python`` is not installed."""
     if not available():
         raise RuntimeError("the llama_cpp method needs llama-cpp-python: pip install -e '.[llama-cpp]'")
 
     def run(_model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria) -> Any:
-        from bench.measure import Decoded
+        from bench.records import Decoded
 
         llama = _load(str(gguf_path), threads, context)
         llama.reset()

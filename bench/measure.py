@@ -23,7 +23,6 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from bench.llama_cpp import llama_cpp_runner
+from bench.records import Decoded, Runner, RunRecord, StepCost
 from decoding.batch import BatchPolicy, step_batch
 from decoding.engine import DecodeStream, Step, context_length, generate_autoregressive
 from decoding.errors import InvalidParameterError
@@ -41,7 +41,7 @@ from decoding.packed import Slice, forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.static import StaticStep, build_static_step
 
-if TYPE_CHECKING:  # bench.baseline builds on this module
+if TYPE_CHECKING:
     from bench.baseline import BaselineChild
 
 METHODS = (
@@ -51,44 +51,6 @@ METHODS = (
 DEFAULT_METHODS = "greedy,lookahead,generate"
 STEP_COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
 WARMUP_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """What one decode produced: new token ids (no stop token), forward passes, guessed tokens offered/accepted,
-    and ``seconds`` when the runner timed the decode itself (a child process: ``time_run`` reports those)."""
-
-    output_ids: list[int]
-    steps: int | None
-    offered: int | None = None
-    accepted: int | None = None
-    seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """One timed decode of one prompt by one method (a row of the JSON ``runs``)."""
-
-    id: str
-    method: str
-    new_tokens: int
-    steps: int | None
-    seconds: float
-    output_ids: list[int]
-    offered: int | None = None
-    accepted: int | None = None
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Median wall time of one forward pass with ``k`` new tokens, reading the last / every position's logits."""
-
-    k: int
-    ms_last_logits: float
-    ms_all_logits: float
-
-
-Runner = Callable[[PreTrainedModel, Sequence[int], StopCriteria], Decoded]
 
 
 # --- decoding methods -------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from bench.measure import RunRecord, StepCost
+from bench.records import RunRecord, StepCost
 from decoding.loading import LoadedModel
 from decoding.params import LookaheadConfig
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from decoding.batch import BatchPolicy
 from decoding.loading import resolve_device
-from server.config import LOOKAHEAD_STEP_FIELDS, ServerConfig, load_config
+from server.config import LOOKAHEAD_STEP_FIELDS, ServerConfig, batch_policy, load_config
 
 LOOKAHEAD_FIELDS = LOOKAHEAD_STEP_FIELDS  # the server's lookahead step settings, each a benchmark flag
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "weights", "threads")
@@ -47,15 +47,6 @@ class Resolved:
 def device_preset(device: str) -> str:
     """``"cpu"`` or ``"cuda"``: the server preset for ``device`` (``auto`` resolves as the server resolves it)."""
     return "cuda" if resolve_device(device).type == "cuda" else "cpu"
-
-
-def batch_policy(config: ServerConfig) -> BatchPolicy:
-    """The worker's ``BatchPolicy`` for ``config`` (as ``server.app.batch_policy``: the built-in CPU curve when
-    the config gives none)."""
-    settings = config.batch
-    curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
-    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
-                       config.max_running)
 
 
 def server_defaults(config: ServerConfig) -> dict[str, object]:

@@ -34,7 +34,8 @@ import torch
 from transformers import PreTrainedModel
 
 from bench.datasets import PromptSpec, load_split
-from bench.measure import StepCost, measure_step_cost
+from bench.measure import measure_step_cost
+from bench.records import StepCost
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
 

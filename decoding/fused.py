@@ -35,7 +35,7 @@ from decoding.kv_cache import CacheOverflowError, SlotCache
 from decoding.linears import KernelLinear, is_float32_cpu, shared_kernel
 
 if TYPE_CHECKING:
-    from decoding.packed import Slice
+    from decoding.slices import Slice
 
 NATIVE_ATTENTION_ROWS = 32  # a causal prompt chunk of more tokens attends through torch's SDPA
 MAX_HEAD_DIM = 256  # the widest attention head the native attention takes (csrc/fused_ops.cpp: MAX_DIM)

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +36,14 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
-from decoding import BatchPolicy, Decoder, SamplingParams, StopCriteria, configure_threads
 from server import chat, corpus, responses, serving, tokenization
 from server import completions as completion
-from server.auth import KeyChecker, load_api_keys
 from server.body import json_body_route
 from server.config import ServerConfig
 from server.errors import (
     ModelNotFoundError,
-    ServiceUnavailableError,
     install_error_handlers,
 )
-from server.metrics import Metrics
 from server.openapi import install_openapi
 from server.plans import Renderer
 from server.protocol import (
@@ -65,10 +59,9 @@ from server.protocol import (
 )
 from server.replies import ModelCard, ModelList
 from server.responses_protocol import ResponseRequest
-from server.scheduler import Handle, Scheduler
+from server.runtime import Runtime
+from server.scheduler import Handle
 from server.serving import Engine
-from server.text import TextCodec, read_chat_template
-from server.worker import Worker
 
 logger = logging.getLogger("server.app")
 FIELD_NAMES = frozenset(protocol_field_names()) | responses.FIELD_NAMES  # what a 400 may name
@@ -76,180 +69,6 @@ SSE_PING_SECONDS = 15
 CORS_METHODS = ("GET", "POST", "OPTIONS")
 CORS_MAX_AGE_SECONDS = 600
 STATIC_DIR = Path(__file__).parent / "static"
-
-
-def load_default_decoder(config: ServerConfig) -> serving.DecoderLike:
-    """Load the configured model with ``decoding.Decoder`` (blocking: run it in a thread)."""
-    return Decoder.load(
-        config.model,
-        device=config.device,
-        dtype=config.dtype,
-        quantize=config.quantize,
-        weight_layout=config.weight_layout,
-        weights=config.weights,
-    )
-
-
-def configure_worker_thread(config: ServerConfig) -> Callable[[], None]:
-    """The worker thread's setup: torch's thread count from the config."""
-
-    def setup() -> None:
-        configure_threads(config.threads)
-
-    return setup
-
-
-def batch_policy(config: ServerConfig) -> BatchPolicy:
-    """The engine's batching policy from the ``batch`` settings (the built-in CPU curve when none is given)."""
-    settings = config.batch
-    curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
-    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
-                       config.max_running, settings.measure_step_cost)
-
-
-class Runtime:
-    """One server instance's state: metrics, worker, scheduler, the decoder once loaded, and readiness.
-
-    ``state`` moves loading -> warming -> ready -> draining (or loading -> failed).
-    """
-
-    def __init__(
-        self,
-        config: ServerConfig,
-        decoder: serving.DecoderLike | None = None,
-        load_decoder: Callable[[ServerConfig], serving.DecoderLike] | None = None,
-    ) -> None:
-        self.config = config
-        self.keys = KeyChecker(load_api_keys(config))
-        self.chat_template = read_chat_template(config.chat_template) if config.chat_template else None
-        self.metrics = Metrics()
-        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
-        self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
-        self.decoder = decoder
-        self.load_decoder = load_decoder or load_default_decoder
-        self.engine: Engine | None = None
-        self.batch: serving.EngineLike | None = None  # the worker's continuous batch, once attached
-        self.state = "loading"
-        self.created = int(time.time())
-        self.fingerprint = serving.system_fingerprint(config)
-        self.stored_responses = responses.ResponseStore(config.max_stored_responses)
-        self._boot_task: asyncio.Task | None = None
-        self.boot_error: Exception | None = None  # why the start failed, once it has
-        # called (on the event loop) when the start fails: the CLI stops the process with a non-zero status
-        self.on_boot_failure: Callable[[Exception], None] | None = None
-
-    @asynccontextmanager
-    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        """Start the worker and boot in the background; on shutdown, cancel what is left and stop."""
-        self.worker.start()
-        self._boot_task = asyncio.create_task(self._boot())
-        try:
-            yield
-        finally:
-            if not self._boot_task.done():
-                self._boot_task.cancel()
-            await self.drain(0.0)
-            await asyncio.to_thread(self.worker.stop)
-            await asyncio.to_thread(self._save_memory)
-
-    async def _boot(self) -> None:
-        try:
-            if self.decoder is None:
-                self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
-            settings = self.config.lookahead
-            self.batch = await asyncio.to_thread(
-                self.decoder.batch_engine, batch_policy(self.config), settings.memory_tokens, settings.memory_file,
-                settings.memory_corpus,
-            )
-            self.worker.attach(self.batch)
-            codec = TextCodec(self.decoder.tokenizer, self.chat_template)
-            engine = Engine(self.config, self.decoder, codec, self.scheduler)
-            self._publish_config(engine)
-            self.state = "warming"
-            if self.config.warmup:
-                await self._warm_up(engine)
-            self.engine = engine
-            if self.state == "warming":
-                self.state = "ready"
-                logger.info("ready: serving %s", self.config.model_name)
-        except Exception as error:
-            self.state = "failed"
-            self.boot_error = error
-            logger.exception("startup failed: the server will answer 503")
-            if self.on_boot_failure is not None:
-                self.on_boot_failure(error)
-
-    def _save_memory(self) -> None:
-        """At shutdown, once the worker has stopped: write the n-gram memory to ``lookahead.memory_file`` (when
-        one is configured); a failure is logged, never raised."""
-        path = self.config.lookahead.memory_file
-        if path is None or self.batch is None or self.decoder is None:
-            return
-        try:
-            documents = self.decoder.save_memory(self.batch, path)
-        except OSError as error:
-            logger.warning("could not save the n-gram memory to %s: %s", path, error)
-            return
-        if documents is not None:
-            logger.info("n-gram memory: %d documents saved to %s", documents, path)
-
-    def _publish_config(self, engine: Engine) -> None:
-        lookahead = self.config.lookahead
-        self.metrics.set_config(
-            model=self.config.model_name,
-            device=str(engine.decoder.device),
-            dtype=str(engine.decoder.dtype),
-            window_size=lookahead.window_size,
-            ngram_size=lookahead.ngram_size,
-            guess_set_size=lookahead.guess_set_size,
-        )
-        self.metrics.set_kv_capacity(self.config.max_running * engine.decoder.context_length)
-        policy = getattr(self.batch, "policy", None)
-        if policy is not None:
-            self.metrics.set_step_cost(policy.step_cost)
-        static = getattr(self.batch, "static_stats", None)
-        stats = static() if static is not None else None
-        if stats is not None:
-            self.metrics.set_static(stats)
-            logger.info("static step: %s, %d shapes built in %.1f s", stats.mode, stats.buckets,
-                        stats.capture_seconds)
-
-    async def _warm_up(self, engine: Engine) -> None:
-        """One tiny decode with the default settings (untracked), so the first request pays no warm-up cost."""
-        prompt = engine.codec.encode_text("Hello")
-        settings = self.config.lookahead
-        generation = serving.GenerationPlan(
-            prompt_ids=prompt or [0],
-            stop=StopCriteria(2, frozenset(engine.decoder.eos_token_ids())),
-            sampling=SamplingParams(),
-            lookahead=serving.resolve_lookahead(None, settings),
-            stop_strings=(),
-        )
-        handle = serving.start(engine, generation, tracked=False, force=True)
-        await handle.collect()
-
-    async def drain(self, grace_seconds: float) -> None:
-        """Stop admitting (503 from now on), finish in-flight work for ``grace_seconds``, then cancel it."""
-        if self.state in ("ready", "warming", "loading"):
-            self.state = "draining"
-        await self.scheduler.drain(grace_seconds)
-
-    @property
-    def alive(self) -> bool:
-        """False once the start failed or the worker thread died: only a restart helps then."""
-        return self.state != "failed" and self.worker.alive
-
-    def vocab_size(self) -> int | None:
-        """The loaded model's vocabulary size; ``None`` until the model is loaded."""
-        return self.engine.codec.vocab_size if self.engine is not None else None
-
-    def require_engine(self) -> Engine:
-        """The engine, or 503 while loading, warming up, draining or after a failed start."""
-        if self.state == "draining":
-            raise ServiceUnavailableError("The server is shutting down; retry on another instance.", reason="draining")
-        if self.state != "ready" or self.engine is None:
-            raise ServiceUnavailableError(f"The server is not ready yet ({self.state}).", reason="not_ready")
-        return self.engine
 
 
 def runtime_of(request: Request) -> Runtime:

@@ -27,7 +27,7 @@ from server.scheduler import Handle
 from server.text import ChatTemplateOptions, TemplateError, TextCodec
 
 if TYPE_CHECKING:
-    from server.app import Runtime
+    from server.runtime import Runtime
 
 PROMPT_PARAM = "messages"  # the field a 400 about the prompt names
 

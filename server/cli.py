@@ -102,7 +102,8 @@ def serve(args: argparse.Namespace) -> int:
     if (config.protect_health or config.protect_metrics) and not keys:
         logger.warning("--protect-health / --protect-metrics have no effect without --api-key or --api-keys-file")
     from decoding import InvalidParameterError, ModelLoadError, configure_threads
-    from server.app import create_app, load_default_decoder
+    from server.app import create_app
+    from server.runtime import load_default_decoder
 
     configure_threads(config.threads)
     try:

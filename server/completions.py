@@ -31,7 +31,7 @@ from server.scheduler import Handle
 from server.text import TextCodec
 
 if TYPE_CHECKING:
-    from server.app import Runtime
+    from server.runtime import Runtime
 
 PROMPT_PARAM = "prompt"  # the field a 400 about the prompt names
 

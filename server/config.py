@@ -26,13 +26,16 @@ import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
 from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, MAX_TOP_TOKENS, LookaheadConfig, NumberBounds
+
+if TYPE_CHECKING:  # decoding.batch loads torch: imported where it is used
+    from decoding.batch import BatchPolicy
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEVICE_PRESETS = ("cpu", "cuda")
@@ -288,6 +291,18 @@ def decoder_lookahead(settings: LookaheadSettings, **request: Any) -> LookaheadC
     values = {name: getattr(settings, name) for name in LOOKAHEAD_STEP_FIELDS} | request
     values["break_even"] = min(values["break_even"], float(values["ngram_size"] - 1))
     return LookaheadConfig(**values)
+
+
+def batch_policy(config: ServerConfig) -> BatchPolicy:
+    """The one conversion of the ``batch`` settings into the engine's ``decoding.batch.BatchPolicy`` (the server
+    and the benchmark use it): the built-in CPU curve when the config gives none. ``decoding.batch`` is imported
+    here, not at the top, so reading a config never loads torch."""
+    from decoding.batch import BatchPolicy
+
+    settings = config.batch
+    curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
+    return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
+                       config.max_running, settings.measure_step_cost)
 
 
 # ---- Layers -------------------------------------------------------------------------------------------------

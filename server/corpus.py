@@ -26,7 +26,7 @@ from server.text import TextCodec
 from server.worker import EngineLike, WorkerStopped
 
 if TYPE_CHECKING:
-    from server.app import Runtime
+    from server.runtime import Runtime
 
 Result = TypeVar("Result")
 DISABLED = MemoryInfo(enabled=False, tokens=0, documents=0, capacity=0)

@@ -27,15 +27,13 @@ import json
 import re
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from decoding import InvalidParameterError, TokenLogprob
 from server import chat, serving, tools
 from server.body import parse_body
-from server.errors import APIError, BadRequestError, NotFoundError, to_api_error
+from server.errors import APIError, BadRequestError, to_api_error
 from server.plans import Output, Summary
 from server.protocol import (
     ChatCompletionRequest,
@@ -52,6 +50,7 @@ from server.protocol import (
 )
 from server.rendering import decoding_of, usage_of
 from server.replies import DeltaToolCall, StepInfo
+from server.response_store import ResponseStore
 from server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -74,7 +73,7 @@ from server.responses_protocol import (
 from server.scheduler import Handle
 
 if TYPE_CHECKING:
-    from server.app import Runtime
+    from server.runtime import Runtime
 
 FIELD_NAMES = field_names()
 DONE = "[DONE]"  # serving.stream's last payload: chat's, not part of a Responses stream
@@ -113,51 +112,6 @@ def renamed(error: Exception) -> APIError:
     api_error = to_api_error(error)
     api_error.param = responses_param(api_error.param)
     return api_error
-
-
-@dataclass(frozen=True)
-class StoredResponse:
-    """A finished response as sent, and its conversation as chat messages (input, then output)."""
-
-    response: dict[str, Any]
-    conversation: tuple[ChatMessage, ...]
-
-
-class ResponseStore:
-    """The last ``limit`` stored responses, in memory; storing one more evicts the least recently stored
-    (``limit`` 0 stores nothing)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._responses)
-
-    def put(self, response: dict[str, Any], conversation: Sequence[ChatMessage]) -> None:
-        """Keep ``response`` (by its ``id``) with its conversation."""
-        if self.limit == 0:
-            return
-        self._responses[response["id"]] = StoredResponse(response, tuple(conversation))
-        self._responses.move_to_end(response["id"])
-        while len(self._responses) > self.limit:
-            self._responses.popitem(last=False)
-
-    def conversation(self, response_id: str) -> tuple[ChatMessage, ...]:
-        """The stored conversation of ``previous_response_id``; 404 naming it when unknown."""
-        stored = self._responses.get(response_id)
-        if stored is None:
-            raise NotFoundError(f"Previous response with id '{response_id}' not found.",
-                                param="previous_response_id", code="previous_response_not_found")
-        return stored.conversation
-
-    def get(self, response_id: str) -> dict[str, Any]:
-        """A stored response as it was sent; 404 when unknown (never stored, ``store: false``, or evicted)."""
-        stored = self._responses.get(response_id)
-        if stored is None:
-            raise NotFoundError(f"No response with id '{response_id}' is stored.", param="response_id",
-                                code="response_not_found")
-        return stored.response
 
 
 def input_messages(items: str | Sequence[InputItem]) -> list[ChatMessage]:

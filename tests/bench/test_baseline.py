@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import baseline, cli, heldout
-from bench.measure import RunRecord
+from bench.records import RunRecord
 from decoding.params import StopCriteria
 from tests.bench.helpers import save_tiny_model
 

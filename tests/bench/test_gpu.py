@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu, gpu_parts, gpu_step_cost
-from bench.gpu import Output, Part, PartContext, TooManyFiles, run_parts, select_parts
+from bench import gpu, gpu_parts, gpu_runner, gpu_step_cost
+from bench.gpu_runner import Output, Part, PartContext, TooManyFiles, run_parts, select_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,21 +100,21 @@ def test_a_part_that_raises_or_overruns_leaves_the_others_and_skips_are_named(tm
     assert report["skipped"] == {"needs": "no model here", "last": "runs in device call 2, not this call 1",
                                  "broken_needs": "checking what it needs failed: ZeroDivisionError('division by zero')"}
     assert (tmp_path / "first.json").exists()
-    assert len(list(tmp_path.iterdir())) <= gpu.MAX_FILES
+    assert len(list(tmp_path.iterdir())) <= gpu_runner.MAX_FILES
     text = (tmp_path / "gpu.md").read_text()
     assert "## raises: failed" in text and "- needs: no model here" in text and "## overruns: timeout" in text
 
 
 KILLED = """
 import sys, time
-from bench import gpu, gpu_parts
+from bench import gpu_parts, gpu_runner
 def first(context):
     context.output.file("first.json").write_text("{}")
     context.record("value", 1)
 def hangs(context):
     time.sleep(60)
-parts = (gpu.Part("first", 1, 60, first), gpu.Part("hangs", 1, 120, hangs))
-gpu.run_parts(parts, ["first", "hangs"], gpu.Output(sys.argv[1]), {}, gpu_parts.markdown)
+parts = (gpu_runner.Part("first", 1, 60, first), gpu_runner.Part("hangs", 1, 120, hangs))
+gpu_runner.run_parts(parts, ["first", "hangs"], gpu_runner.Output(sys.argv[1]), {}, gpu_parts.markdown)
 """
 
 
@@ -137,7 +137,7 @@ def test_a_check_killed_mid_part_leaves_what_the_earlier_parts_wrote(tmp_path):
 
 def test_the_output_folder_refuses_a_ninth_file(tmp_path):
     output = Output(tmp_path)
-    for index in range(gpu.MAX_FILES):
+    for index in range(gpu_runner.MAX_FILES):
         output.file(f"{index}.json")
     assert output.file("0.json") == tmp_path / "0.json"  # a name already counted is free
     with pytest.raises(TooManyFiles):

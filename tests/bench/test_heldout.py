@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import cli, heldout
-from bench.measure import RunRecord
+from bench.records import RunRecord
 from decoding.decoder import Decoder
 from decoding.memory import NGramMemory, load_memory
 from server.config import load_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import measure, report
+from bench import measure, records, report
 from decoding.batch import BatchPolicy
 from decoding.errors import InvalidParameterError
 from decoding.linears import pack_float32
@@ -135,8 +135,8 @@ def test_lookahead_under_a_batch_policy_steps_as_the_generator_does(model) -> No
 
 
 def test_a_runner_that_timed_its_decode_gives_the_seconds_and_base_methods_need_their_child(model) -> None:
-    def timed(_model, prompt_ids, stop) -> measure.Decoded:
-        return measure.Decoded([7], 1, seconds=0.25)
+    def timed(_model, prompt_ids, stop) -> records.Decoded:
+        return records.Decoded([7], 1, seconds=0.25)
 
     record = measure.time_run(model, "a", "base_greedy", timed, [1, 2], StopCriteria(1))
     assert (record.seconds, record.output_ids, record.steps) == (0.25, [7], 1)

@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 
 from bench import report
-from bench.measure import RunRecord
+from bench.records import RunRecord
 
 # --- summary arithmetic -------------------------------------------------------------------------------------
 

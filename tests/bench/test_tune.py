@@ -8,7 +8,7 @@ import pytest
 
 import bench.tune as tune_module
 from bench.datasets import DATASETS, load_split, split_indices
-from bench.measure import StepCost
+from bench.records import StepCost
 from bench.tune import TUNE_SETS, cost_function, evaluate, monotone, step_policy, trajectory, tune, tune_prompts
 from decoding.params import LookaheadConfig, StopCriteria
 from tests.bench.helpers import fake_prompt_sets

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from bench import tuning
-from bench.measure import StepCost
+from bench.records import StepCost
 from bench.tune import Candidate, TuneResult
 from bench.tuning import preset_text
 from decoding.params import LookaheadConfig

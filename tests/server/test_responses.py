@@ -14,7 +14,8 @@ from pydantic import BaseModel, Field
 
 from server.errors import APIError
 from server.protocol import NamedToolChoice, chat_message
-from server.responses import ResponseStore, chat_request, input_messages, parse_request
+from server.response_store import ResponseStore
+from server.responses import chat_request, input_messages, parse_request
 from tests.server.conftest import make_config
 from tests.server.helpers import Script, ScriptedDecoder, running_app, sse_events, token_steps
 
