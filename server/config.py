@@ -112,6 +112,11 @@ class LookaheadSettings(BaseModel):
         "of at most 4096 tokens; bounded by memory_tokens (the oldest go first); an unreadable file is skipped with "
         "a warning",
     )
+    runner_up: int = Field(
+        _LIBRARY.runner_up, ge=0, le=MAX_TOP_TOKENS,
+        description="runner-up tokens: the model's next-best tokens at the row that chose the last token, each "
+        "continued from the context, offered as guesses (0: off)",
+    )
     recycled: int = Field(
         _LIBRARY.recycled, ge=0, le=MAX_TOP_TOKENS,
         description="recycled logits: each token's top next tokens, kept from the rows every step reads, offered as a "
@@ -147,6 +152,18 @@ class LookaheadSettings(BaseModel):
                 raise ValueError(f"lookahead.{name} = {getattr(self, name)} exceeds lookahead.max_{name}")
         return self
 
+
+# The decoder's knobs the server does not expose, each with why. Every other field of ``LookaheadConfig`` is a
+# ``LookaheadSettings`` field of the same name (a test fails on a new decoder field that is neither).
+DECODER_ONLY = {
+    "prompt_pool": "an ablation of the algorithm (the pool without the prompt's n-grams): benchmarks and tests",
+    "output_pool": "an ablation of the algorithm (the pool without the output's n-grams): benchmarks and tests",
+    "align_window": "an ablation (the reference's one-column window shift): benchmarks and tests",
+    "rank_by_context": "an ablation (the pool's most recent n-grams instead of the best context match); copy "
+    "steps need it on",
+    "shared_memory": "per request (lookahead.shared_memory in a request's body); the server-wide switch is "
+    "memory_tokens (0: no memory)",
+}
 
 # The lookahead step settings: the fields of the decoder's ``LookaheadConfig`` that ``LookaheadSettings`` also has
 # (module contract: a knob is declared once, there and here).

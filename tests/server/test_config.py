@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import server.app
+import server.runtime
 from decoding import ModelLoadError
 from decoding.params import LOOKAHEAD_BOUNDS, LookaheadConfig
 from server import cli, flags
@@ -266,7 +266,7 @@ def test_serve_loads_the_model_with_the_configured_linears(monkeypatch, capsys):
         seen.append((config.quantize, config.weight_layout))
         raise ModelLoadError("not in this test")
 
-    monkeypatch.setattr(server.app, "load_default_decoder", refuse)
+    monkeypatch.setattr(server.runtime, "load_default_decoder", refuse)
     assert cli.main(["serve", "--quantize", "int8", "--weight-layout", "torch"]) == 1
     assert seen == [("int8", "torch")]
     assert "not in this test" in capsys.readouterr().err
@@ -322,3 +322,17 @@ def test_a_request_sets_exactly_the_request_lookahead_knobs_each_with_a_maximum(
     assert set(LookaheadRequest.model_fields) == {"enabled", "shared_memory", *REQUEST_LOOKAHEAD}
     assert set(lookahead_bounds(LookaheadSettings())) == set(REQUEST_LOOKAHEAD)
     assert all(f"max_{name}" in LookaheadSettings.model_fields for name in REQUEST_LOOKAHEAD)
+
+
+def test_every_decoder_knob_is_a_server_setting_or_listed_as_decoder_only():
+    import dataclasses
+
+    from decoding.params import LookaheadConfig
+    from server.config import DECODER_ONLY, LOOKAHEAD_STEP_FIELDS, LookaheadSettings
+
+    decoder = {field.name for field in dataclasses.fields(LookaheadConfig)}
+    exposed = decoder & set(LookaheadSettings.model_fields)
+    assert set(LOOKAHEAD_STEP_FIELDS) == exposed
+    assert decoder - exposed == set(DECODER_ONLY), "a decoder knob is neither a server setting nor in DECODER_ONLY"
+    assert not exposed & set(DECODER_ONLY) and all(reason for reason in DECODER_ONLY.values())
+    assert "runner_up" in exposed  # it had no way in from any config
