@@ -19,7 +19,7 @@ from typing import Any
 from decoding import (
     TokenLogprob,
 )
-from server import tools
+from server import tool_calls, tools
 from server.plans import Output, Summary
 from server.protocol import CompletionRequest
 from server.replies import (
@@ -155,9 +155,9 @@ class _Identity:
 
 class ChatRenderer(_Identity):
     """``chat.completion`` and ``chat.completion.chunk`` objects; with ``use_tools``, each choice's reply is read
-    for tool calls (``server.tools``): a stream sends one chunk per content piece or ``delta.tool_calls`` entry,
-    the step's logprobs and ``step`` on its first chunk (an empty delta carries logprobs when a step sends nothing
-    else; its ``step`` counts then wait for the next chunk)."""
+    for tool calls (``server.tool_calls``): a stream sends one chunk per content piece or ``delta.tool_calls``
+    entry, the step's logprobs and ``step`` on its first chunk (an empty delta carries logprobs when a step sends
+    nothing else; its ``step`` counts then wait for the next chunk)."""
 
     id_prefix = "chatcmpl-"
     chunk_type = ChatCompletionChunk
@@ -166,16 +166,16 @@ class ChatRenderer(_Identity):
     def use_tools(self, plan: tools.ToolPlan | None) -> None:
         """Read the replies for tool calls under ``plan`` (None: plain text)."""
         self._plan = plan
-        self._tools: dict[int, tools.ToolStream] = {}
+        self._tools: dict[int, tool_calls.ToolStream] = {}
         self._held: dict[int, StepInfo | None] = {}  # per choice: counts of steps that sent no chunk yet
 
     def _message(self, text: str, last: Output) -> ChatChoice:
         """One whole choice (its tool calls read when ``use_tools`` gave a plan)."""
         message, reason = ReplyMessage(content=text), last.finish_reason
         if self._plan is not None:
-            content, calls = tools.reply(self._plan, text)
+            content, calls = tool_calls.reply(self._plan, text)
             message = ReplyMessage(content=content, tool_calls=calls)
-            reason = tools.finish_reason(reason, len(calls or []))
+            reason = tool_calls.finish_reason(reason, len(calls or []))
         return ChatChoice(message=message, logprobs=self._logprobs(last.logprobs), finish_reason=reason)
 
     def response(self, choices: Sequence[tuple[str, Output]]) -> dict[str, Any]:
@@ -203,9 +203,9 @@ class ChatRenderer(_Identity):
         choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text), logprobs=self._logprobs(logprobs))
         return self._chunk([choice], step=step)
 
-    def _stream(self, index: int) -> tools.ToolStream:
+    def _stream(self, index: int) -> tool_calls.ToolStream:
         assert self._plan is not None
-        return self._tools.setdefault(index, tools.ToolStream(self._plan))
+        return self._tools.setdefault(index, tool_calls.ToolStream(self._plan))
 
     def _pieces(
         self, index: int, pieces: Sequence[str | DeltaToolCall], step: StepInfo | None,
@@ -241,7 +241,7 @@ class ChatRenderer(_Identity):
             return self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason)], step=step)
         stream = self._stream(index)
         chunks = self._pieces(index, stream.close(), None, None)
-        reason, step = tools.finish_reason(reason, stream.calls), _added(self._held.pop(index, None), step)
+        reason, step = tool_calls.finish_reason(reason, stream.calls), _added(self._held.pop(index, None), step)
         return [*chunks, self._chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=reason)],
                                      step=step)]
 

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from decoding import InvalidParameterError, TokenLogprob
-from server import chat, serving, tools
+from server import chat, serving, tool_calls, tools
 from server.body import parse_body
 from server.errors import APIError, BadRequestError, to_api_error
 from server.plans import Output, Summary
@@ -246,7 +246,7 @@ class ResponsesRenderer:
     ) -> None:
         self.shell = shell
         self._plan = plan
-        self._stream = tools.ToolStream(plan) if plan is not None else None
+        self._stream = tool_calls.ToolStream(plan) if plan is not None else None
         self._conversation = list(conversation)
         self._store = store
         self._sequence = 0
@@ -259,8 +259,8 @@ class ResponsesRenderer:
 
     def response(self, choices: Sequence[tuple[str, Output]]) -> dict[str, Any]:
         [(text, last)] = choices
-        content, calls = tools.reply(self._plan, text) if self._plan is not None else (text, None)
-        self._reason = tools.finish_reason(last.finish_reason or "stop", len(calls or []))
+        content, calls = tool_calls.reply(self._plan, text) if self._plan is not None else (text, None)
+        self._reason = tool_calls.finish_reason(last.finish_reason or "stop", len(calls or []))
         items: list[OutputMessage | OutputFunctionCall] = []
         if content is not None:
             items.append(OutputMessage(id=new_id("msg"), status="completed", content=[OutputText(text=content)]))
@@ -312,7 +312,7 @@ class ResponsesRenderer:
 
     def finish(self, index: int, reason: str, step: StepInfo | None = None) -> list[str]:
         events = self._pieces(self._stream.close() if self._stream is not None else [])
-        self._reason = tools.finish_reason(reason, self._stream.calls if self._stream is not None else 0)
+        self._reason = tool_calls.finish_reason(reason, self._stream.calls if self._stream is not None else 0)
         if not self._items:
             events += self._open_message()  # an empty reply is an empty message, as in the whole response
         return events + self._close(self._last_status())

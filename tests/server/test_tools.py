@@ -10,7 +10,7 @@ import random
 import jsonschema_rs
 import pytest
 
-from server import tools
+from server import tool_calls, tools
 from server.errors import BadRequestError
 from server.protocol import ChatCompletionRequest, chat_message
 from server.replies import DeltaToolCall
@@ -183,10 +183,10 @@ CALLS = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris, 
          '"n": [1, 2.5e3, true, null], "o": {"k": "v"}}}, {"name": "now", "arguments": {}}]}')
 
 
-def events(text: str, calls_only: bool = True, cuts: list[int] | None = None) -> list[tools.ToolEvent]:
-    parser, bounds = tools.ToolCallParser(calls_only), [0, *(cuts or []), len(text)]
+def events(text: str, calls_only: bool = True, cuts: list[int] | None = None) -> list[tool_calls.ToolEvent]:
+    parser, bounds = tool_calls.ToolCallParser(calls_only), [0, *(cuts or []), len(text)]
     found = [event for start, end in zip(bounds, bounds[1:], strict=False) for event in parser.feed(text[start:end])]
-    return tools._merged([*found, *parser.finish()])
+    return tool_calls._merged([*found, *parser.finish()])
 
 
 @pytest.mark.parametrize("text, calls_only, expected", [
@@ -215,10 +215,10 @@ def test_events_do_not_depend_on_how_the_text_is_cut():
 
 
 def test_arguments_stream_while_generated():
-    parser = tools.ToolCallParser(calls_only=True)
+    parser = tool_calls.ToolCallParser(calls_only=True)
     assert parser.feed('{"tool_call": {"name": "get_weather", "arguments": {"ci') == [
-        tools.ToolEvent("call", "get_weather"), tools.ToolEvent("arguments", '{"ci')]
-    assert parser.feed('ty": "Par') == [tools.ToolEvent("arguments", 'ty":"Par')]
+        tool_calls.ToolEvent("call", "get_weather"), tool_calls.ToolEvent("arguments", '{"ci')]
+    assert parser.feed('ty": "Par') == [tool_calls.ToolEvent("arguments", 'ty":"Par')]
 
 
 def reassemble(deltas: list[DeltaToolCall]) -> list[dict]:
@@ -236,20 +236,20 @@ def reassemble(deltas: list[DeltaToolCall]) -> list[dict]:
 
 def test_stream_deltas_reassemble_into_the_whole_reply():
     plan = plan_of(tools=[WEATHER, NOW], tool_choice="required")
-    stream, pieces = tools.ToolStream(plan), []
+    stream, pieces = tool_calls.ToolStream(plan), []
     for start in range(0, len(CALLS), 7):
         pieces += stream.feed(CALLS[start:start + 7])
     pieces += stream.close()
     assert all(isinstance(piece, DeltaToolCall) for piece in pieces)
     streamed = reassemble(pieces)
-    content, calls = tools.reply(plan, CALLS)
+    content, calls = tool_calls.reply(plan, CALLS)
     assert content is None and [(c["name"], c["arguments"]) for c in streamed] == [
         (call.function.name, call.function.arguments) for call in calls]
     ids = [call.id for call in calls] + [c["id"] for c in streamed]
     assert len(set(ids)) == 4 and all(i.startswith("call_") and len(i) == 29 for i in ids)
     assert json.loads(calls[0].function.arguments)["city"] == 'Paris, "FR"'
-    assert tools.reply(plan_of(tools=[WEATHER]), "Sunny.") == ("Sunny.", None)
-    assert tools.finish_reason("stop", 2) == "tool_calls" and tools.finish_reason("length", 2) == "length"
+    assert tool_calls.reply(plan_of(tools=[WEATHER]), "Sunny.") == ("Sunny.", None)
+    assert tool_calls.finish_reason("stop", 2) == "tool_calls" and tool_calls.finish_reason("length", 2) == "length"
 
 
 # --- over HTTP, on the real default model ------------------------------------------------------------------------
