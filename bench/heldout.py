@@ -21,7 +21,10 @@ memory then defaults to the server's size): a server that has answered those req
 names whose lookahead settings and batch policy run (default: this device's); the model
 loads as this device's preset says either way. ``--preset cuda --methods lookahead,prompt_lookup`` on a CPU
 counts the GPU setting's tokens per step, which is what it buys where a step's cost hardly grows with its size;
-its times on a CPU say nothing about a GPU. Every other flag overrides one setting, as in ``python -m bench``.
+its times on a CPU say nothing about a GPU, so with greedy and lookahead both run the report adds a prediction
+(``bench.gpu_prediction``): each forward priced on the H100's measured graph curve plus host work per step, the
+mean input tokens of a lookahead step, and lookahead's predicted speed-up there. Every other flag overrides one
+setting, as in ``python -m bench``.
 
 ``--baseline REV`` runs an earlier commit in the same run (``bench.baseline``): ``--methods greedy,lookahead,
 base_greedy,base_lookahead --baseline 507a7ad`` adds that commit's greedy loop and lookahead, each run as that
@@ -54,6 +57,7 @@ from bench.cli import (
     transformers_twin,
 )
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
+from bench.gpu_prediction import describe, predict
 from bench.measure import WARMUP_TOKENS, parse_methods
 from bench.records import RunRecord
 from bench.report import by_method, first_difference, format_table, summarize, write_json
@@ -291,6 +295,10 @@ def run_heldout(
     totals, summary = total_lines(runs, rows)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(rows)))
     print("\ntotal\n" + totals, flush=True)
+    prediction = predict(runs)
+    if prediction is not None:
+        summary["gpu_prediction"] = asdict(prediction)
+        print(describe(prediction), flush=True)
     if any(name in BASE_METHODS for name in methods):
         table, summary["baseline"] = comparison(runs, settings["baseline"])
         print(f"\nper prompt, against {args.baseline}\n" + table, flush=True)

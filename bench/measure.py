@@ -59,13 +59,16 @@ WARMUP_TOKENS = 16
 def _collect(steps: Iterator[Step]) -> Decoded:
     """Drain a step generator into a ``Decoded`` (one step per forward pass)."""
     tokens: list[int] = []
-    count = offered = accepted = 0
+    sizes: list[int] = []
+    count = offered = accepted = prefill = 0
     for step in steps:
         tokens.extend(step.token_ids)
         count += 1
         offered += step.stats.offered
         accepted += step.stats.accepted
-    return Decoded(tokens, count, offered, accepted)
+        sizes.append(step.stats.input_tokens)
+        prefill += step.stats.prefill
+    return Decoded(tokens, count, offered, accepted, step_tokens=sizes, prefill_steps=prefill)
 
 
 _STATIC_STEPS: dict[int, StaticStep | None] = {}  # per model (by id): the static step its policy asks for
@@ -74,7 +77,7 @@ _STATIC_STEPS: dict[int, StaticStep | None] = {}  # per model (by id): the stati
 def static_for(model: PreTrainedModel, policy: BatchPolicy | None) -> StaticStep | None:
     """The static step a server with ``policy`` runs ``model``'s steps through (one per model, built on first use
     over a one-row KV pool); None when the policy has none or the model is not one it runs (packed linears).
-    ``"graphs"`` off CUDA runs ``"eager"``, as the server does."""
+    ``"graphs"`` off CUDA rehearses the capture, as the server does (``decoding.static``)."""
     if policy is None or policy.static_step == "off":
         return None
     if id(model) not in _STATIC_STEPS:
@@ -254,6 +257,8 @@ def time_run(
         output_ids=decoded.output_ids,
         offered=decoded.offered,
         accepted=decoded.accepted,
+        step_tokens=decoded.step_tokens,
+        prefill_steps=decoded.prefill_steps,
     )
 
 

@@ -18,13 +18,17 @@ from decoding.params import StopCriteria
 @dataclass(frozen=True)
 class Decoded:
     """What one decode produced: new token ids (no stop token), forward passes, guessed tokens offered/accepted,
-    and ``seconds`` when the runner timed the decode itself (a child process: ``time_run`` reports those)."""
+    ``seconds`` when the runner timed the decode itself (a child process: ``time_run`` reports those), and the
+    input tokens of each forward in order (``step_tokens``, prefill chunks first: ``prefill_steps`` of them) when
+    the runner saw them (our own decodes)."""
 
     output_ids: list[int]
     steps: int | None
     offered: int | None = None
     accepted: int | None = None
     seconds: float | None = None
+    step_tokens: list[int] | None = None
+    prefill_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class RunRecord:
     output_ids: list[int]
     offered: int | None = None
     accepted: int | None = None
+    step_tokens: list[int] | None = None  # input tokens per forward, prefill chunks first (our own decodes)
+    prefill_steps: int = 0
 
 
 @dataclass(frozen=True)
