@@ -1,8 +1,9 @@
 """What a decode measured here would cost on the H100: each forward priced on the GPU's measured step curve.
 
 Contract: ``predict(runs)`` takes the held-out records of our own decodes (``RunRecord.step_tokens``: the input
-tokens of each forward) and prices every forward at ``H100_GRAPH_MS`` (the static step's CUDA graph, one sequence,
-measured on an H100 on 2026-11-27: ``../shared/docs/gpu-notes.md``; linear between points and past the last one)
+tokens of each forward) and prices every forward, padded to the static step's token bucket it replays
+(``decoding.static.TOKEN_BUCKETS``), at ``H100_GRAPH_MS`` (the static step's CUDA graph, one sequence, measured on
+an H100 on 2026-11-27: ``../shared/docs/gpu-notes.md``; linear between points and past the last one)
 plus the engine's host milliseconds per step of its method (``HOST_MS``: ``python -m bench anatomy --preset cuda``,
 greedy 0.22 ms and lookahead 2.00 ms on 2026-11-27; the lookahead figure is what issue #42 is cutting to 0.5).
 It returns a ``Prediction``: the mean input tokens of a lookahead step (prefill left out), the predicted seconds
@@ -19,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from bench.records import RunRecord
+from decoding.static import TOKEN_BUCKETS
 
 # (input tokens, ms) of one CUDA-graph step, batch 1, the default model in float32, H100 (gpu-notes.md).
 H100_GRAPH_MS = ((1, 3.52), (2, 4.37), (8, 4.40), (32, 4.52), (64, 4.90), (128, 5.23))
@@ -49,9 +51,19 @@ def step_ms(tokens: int, curve: Sequence[tuple[int, float]] = H100_GRAPH_MS) -> 
     return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
+def padded(tokens: int) -> int:
+    """The token bucket a one-sequence static step of ``tokens`` tokens replays (itself past the largest).
+
+    >>> padded(1), padded(20), padded(300), padded(600)
+    (1, 32, 384, 600)
+    """
+    return next((bucket for bucket in TOKEN_BUCKETS if bucket >= tokens), tokens)
+
+
 def decode_seconds(run: RunRecord, host_ms: float) -> float:
-    """Predicted seconds of ``run`` on the H100: each forward on the graph curve plus ``host_ms``."""
-    return sum(step_ms(tokens) + host_ms for tokens in run.step_tokens or ()) / 1000
+    """Predicted seconds of ``run`` on the H100: each forward, padded to its bucket, on the graph curve plus
+    ``host_ms``."""
+    return sum(step_ms(padded(tokens)) + host_ms for tokens in run.step_tokens or ()) / 1000
 
 
 def predict(runs: Sequence[RunRecord], host_ms: Mapping[str, float] = HOST_MS) -> Prediction | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu_prediction import H100_GRAPH_MS, decode_seconds, predict, step_ms
+from bench.gpu_prediction import H100_GRAPH_MS, decode_seconds, padded, predict, step_ms
 from bench.records import RunRecord
 
 
@@ -24,8 +24,9 @@ def test_a_prediction_prices_every_forward_and_leaves_the_prefill_out_of_the_ste
     lookahead = record("a", "lookahead", [40, 128, 128, 64])
     prediction = predict([greedy, lookahead, record("b", "greedy", [5, 1])])  # b has no lookahead: left out
     assert prediction.mean_step_tokens == pytest.approx(320 / 3, abs=0.1)
-    want_greedy = (step_ms(40) + 10 * step_ms(1) + 11 * 0.22) / 1000
-    want_lookahead = (step_ms(40) + 2 * step_ms(128) + step_ms(64) + 4 * 2.0) / 1000
+    want_greedy = (step_ms(64) + 10 * step_ms(1) + 11 * 0.22) / 1000  # the 40-token prefill replays bucket 64
+    want_lookahead = (step_ms(64) + 2 * step_ms(128) + step_ms(64) + 4 * 2.0) / 1000
+    assert padded(40) == 64
     assert decode_seconds(greedy, 0.22) == pytest.approx(want_greedy)
     assert prediction.greedy_seconds == pytest.approx(want_greedy, abs=1e-3)
     assert prediction.speedup == pytest.approx(want_greedy / want_lookahead, abs=1e-3)
