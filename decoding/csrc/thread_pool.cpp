@@ -1,0 +1,171 @@
+// The native kernels' thread pool (declared in thread_pool.h): ``pool_set_threads(n)`` keeps n - 1 worker threads
+// (the thread that calls a kernel is the n-th); ``parallel_chunks`` hands a job's chunks out one at a time from an
+// atomic ticket, so a thread that starts late takes fewer of them.
+//
+// A job is published by one store of the ticket (generation << 32 | next chunk), after its task, context and
+// chunk count (``limit``: generation << 32 | chunks). A thread takes a chunk with fetch_add on the ticket and runs
+// it only when ``limit`` names the generation the ticket gave it and the index is below its count: a worker still
+// looking at an old job can take a chunk of the new one (and run it correctly: the job cannot finish, and its
+// fields cannot change, before that chunk is done) but never runs an old or a future job's chunk. The caller counts
+// the chunks done and returns when all are.
+//
+// Idle workers spin (``_mm_pause``) for SPIN after their last job, so the next product of a step finds them awake
+// (the gaps between a step's native calls are tens of microseconds), then sleep on a condition variable: between
+// steps and between requests they leave the cores to the HTTP loop, the tokenizer and other processes.
+//
+// A forked child (the pool's workers do not exist there) starts over with a pool of one thread.
+//
+// Compiled in the AVX2 pass alone (decoding/native.py compiles every source twice).
+#ifndef PANEL_WIDE
+
+#include "thread_pool.h"
+
+#include <immintrin.h>
+#include <pthread.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace lookahead {
+namespace {
+
+constexpr auto SPIN = std::chrono::microseconds(400);  // how long an idle worker spins before it sleeps
+constexpr uint64_t LOW = 0xffffffffu;
+constexpr int MAX_THREADS = 256;
+
+struct Pool {
+    std::atomic<uint64_t> ticket{0};  // generation << 32 | next chunk
+    std::atomic<uint64_t> limit{0};   // generation << 32 | chunks, of the job the ticket's generation names
+    std::atomic<int64_t> done{0};     // chunks of the current job run to the end
+    std::atomic<int> sleepers{0};
+    std::atomic<bool> stop{false};
+    std::atomic_flag busy = ATOMIC_FLAG_INIT;  // a caller is using the workers
+    Task task = nullptr;  // the current job, written before its ticket is published
+    void* context = nullptr;
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::vector<std::thread> workers;
+};
+
+Pool* pool = new Pool();
+std::atomic<int64_t> min_cost{MIN_PARALLEL_COST};  // never deleted: workers may outlive static destruction at exit
+
+uint32_t generation_of(uint64_t value) { return static_cast<uint32_t>(value >> 32); }
+
+// Takes and runs chunks of the job the ticket currently names until there are none left; returns how many it ran.
+int64_t take_chunks(Pool& own) {
+    int64_t ran = 0;
+    for (;;) {
+        const uint64_t ticket = own.ticket.fetch_add(1, std::memory_order_acq_rel);
+        const uint64_t limit = own.limit.load(std::memory_order_acquire);
+        if (generation_of(limit) != generation_of(ticket) || (ticket & LOW) >= (limit & LOW)) return ran;
+        own.task(own.context, static_cast<int64_t>(ticket & LOW));
+        ++ran;
+        own.done.fetch_add(1, std::memory_order_acq_rel);
+    }
+}
+
+void work(Pool* own, uint32_t seen) {
+    for (;;) {
+        const auto deadline = std::chrono::steady_clock::now() + SPIN;
+        uint32_t current = generation_of(own->ticket.load(std::memory_order_acquire));
+        for (int spins = 0; current == seen && !own->stop.load(std::memory_order_relaxed); ++spins) {
+            _mm_pause();
+            if ((spins & 63) == 63 && std::chrono::steady_clock::now() > deadline) {
+                own->sleepers.fetch_add(1, std::memory_order_seq_cst);
+                std::unique_lock<std::mutex> lock(own->mutex);
+                own->wake.wait(lock, [&] {
+                    return own->stop.load() || generation_of(own->ticket.load(std::memory_order_seq_cst)) != seen;
+                });
+                own->sleepers.fetch_sub(1, std::memory_order_relaxed);
+            }
+            current = generation_of(own->ticket.load(std::memory_order_acquire));
+        }
+        if (own->stop.load()) return;
+        seen = current;
+        take_chunks(*own);
+    }
+}
+
+void stop_workers(Pool& own) {
+    {
+        std::lock_guard<std::mutex> lock(own.mutex);
+        own.stop.store(true);
+    }
+    own.wake.notify_all();
+    for (std::thread& worker : own.workers) worker.join();
+    own.workers.clear();
+    own.stop.store(false);
+}
+
+void forked_child() { pool = new Pool(); }  // the parent's workers do not exist here; the old pool is left as is
+
+const bool registered = pthread_atfork(nullptr, nullptr, forked_child) == 0;
+
+}  // namespace
+
+int pool_size() { return static_cast<int>(pool->workers.size()) + 1; }
+
+int64_t min_parallel_cost() { return min_cost.load(std::memory_order_relaxed); }
+
+void parallel_chunks(int64_t chunks, Task task, void* context) {
+    Pool& own = *pool;
+    if (chunks <= 1 || own.workers.empty() || own.busy.test_and_set(std::memory_order_acquire)) {
+        for (int64_t chunk = 0; chunk < chunks; ++chunk) task(context, chunk);
+        return;
+    }
+    const uint32_t generation = generation_of(own.ticket.load(std::memory_order_relaxed)) + 1;
+    own.task = task;
+    own.context = context;
+    own.done.store(0, std::memory_order_relaxed);
+    own.limit.store((static_cast<uint64_t>(generation) << 32) | static_cast<uint64_t>(chunks),
+                    std::memory_order_release);
+    own.ticket.store(static_cast<uint64_t>(generation) << 32, std::memory_order_seq_cst);
+    if (own.sleepers.load(std::memory_order_seq_cst) > 0) {
+        { std::lock_guard<std::mutex> lock(own.mutex); }
+        own.wake.notify_all();
+    }
+    take_chunks(own);
+    for (int spins = 0; own.done.load(std::memory_order_acquire) < chunks; ++spins) {
+        if (spins < 1 << 14) {
+            _mm_pause();
+        } else {
+            std::this_thread::yield();  // a worker holding a chunk lost its core: let it have ours
+        }
+    }
+    own.busy.clear(std::memory_order_release);
+}
+
+}  // namespace lookahead
+
+extern "C" {
+
+// The pool's size, the calling thread included: n - 1 workers are started (after the old ones are stopped) when
+// it changes; n < 1 counts as 1, n above 256 as 256. Not to be called while a kernel runs. Returns the size.
+int pool_set_threads(int threads) {
+    using namespace lookahead;
+    (void)registered;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    Pool& own = *pool;
+    if (threads == pool_size()) return threads;
+    stop_workers(own);
+    const uint32_t seen = generation_of(own.ticket.load());
+    for (int i = 1; i < threads; ++i) own.workers.emplace_back(work, &own, seen);
+    return threads;
+}
+
+int pool_threads() { return lookahead::pool_size(); }
+
+// The smallest cost a call splits at (negative: the default, MIN_PARALLEL_COST); returns the one now in force.
+int64_t pool_set_min_cost(int64_t cost) {
+    lookahead::min_cost.store(cost < 0 ? lookahead::MIN_PARALLEL_COST : cost);
+    return lookahead::min_cost.load();
+}
+
+}  // extern "C"
+
+#endif  // PANEL_WIDE
