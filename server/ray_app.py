@@ -100,7 +100,7 @@ def autoscaling_config(config: ServerConfig, args: RayAppArgs) -> dict[str, Any]
 def deployment_options(config: ServerConfig, args: RayAppArgs) -> dict[str, Any]:
     """The options ``LookaheadServer.options(...)`` takes for ``config`` (see the module docstring).
 
-    >>> options = deployment_options(ServerConfig(max_running=4, max_queue=8), RayAppArgs(num_replicas=2))
+    >>> options = deployment_options(ServerConfig(max_running=4, max_queue=8, threads=1), RayAppArgs(num_replicas=2))
     >>> options["max_ongoing_requests"], options["num_replicas"], options["ray_actor_options"]
     (12, 2, {'num_cpus': 1.0, 'num_gpus': 0.0})
     """
