@@ -7,7 +7,7 @@
 // it only when ``limit`` names the generation the ticket gave it and the index is below its count: a worker still
 // looking at an old job can take a chunk of the new one (and run it correctly: the job cannot finish, and its
 // fields cannot change, before that chunk is done) but never runs an old or a future job's chunk. The caller counts
-// the chunks done and returns when all are.
+// the chunks done and returns when all are (``wait_done``: a short spin, then a futex).
 //
 // Idle workers spin (``_mm_pause``) for SPIN after their last job, so the next product of a step finds them awake
 // (the gaps between a step's native calls are tens of microseconds), then sleep on a condition variable: between
@@ -21,7 +21,10 @@
 #include "thread_pool.h"
 
 #include <immintrin.h>
+#include <linux/futex.h>
 #include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -33,14 +36,16 @@
 namespace lookahead {
 namespace {
 
-constexpr auto SPIN = std::chrono::microseconds(400);  // how long an idle worker spins before it sleeps
+constexpr auto SPIN = std::chrono::microseconds(200);  // how long an idle worker spins before it sleeps
+constexpr auto WAIT_SPIN = std::chrono::microseconds(50);  // how long a caller spins on the last chunks, then sleeps
 constexpr uint64_t LOW = 0xffffffffu;
 constexpr int MAX_THREADS = 256;
 
 struct Pool {
     std::atomic<uint64_t> ticket{0};  // generation << 32 | next chunk
     std::atomic<uint64_t> limit{0};   // generation << 32 | chunks, of the job the ticket's generation names
-    std::atomic<int64_t> done{0};     // chunks of the current job run to the end
+    std::atomic<int32_t> done{0};     // chunks of the current job run to the end (a futex word)
+    std::atomic<int32_t> waiting{0};  // the caller sleeps on ``done``
     std::atomic<int> sleepers{0};
     std::atomic<bool> stop{false};
     std::atomic_flag busy = ATOMIC_FLAG_INIT;  // a caller is using the workers
@@ -65,7 +70,31 @@ int64_t take_chunks(Pool& own) {
         if (generation_of(limit) != generation_of(ticket) || (ticket & LOW) >= (limit & LOW)) return ran;
         own.task(own.context, static_cast<int64_t>(ticket & LOW));
         ++ran;
-        own.done.fetch_add(1, std::memory_order_acq_rel);
+        if (own.done.fetch_add(1, std::memory_order_seq_cst) + 1 == static_cast<int32_t>(limit & LOW) &&
+            own.waiting.load(std::memory_order_seq_cst) != 0) {
+            syscall(SYS_futex, reinterpret_cast<int32_t*>(&own.done), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+        }
+    }
+}
+
+// The caller, its own chunks run, waits for the others': it spins for WAIT_SPIN (a worker finishing a chunk in
+// parallel), then sleeps on the futex until the last chunk is done. Sleeping frees its core, so that a worker the
+// machine's other work had preempted holding a chunk can be run there at once.
+void wait_done(Pool& own, int32_t chunks) {
+    const auto deadline = std::chrono::steady_clock::now() + WAIT_SPIN;
+    for (int spins = 0;; ++spins) {
+        const int32_t done = own.done.load(std::memory_order_acquire);
+        if (done >= chunks) return;
+        if ((spins & 31) != 31 || std::chrono::steady_clock::now() < deadline) {
+            _mm_pause();
+            continue;
+        }
+        own.waiting.store(1, std::memory_order_seq_cst);
+        const int32_t seen = own.done.load(std::memory_order_seq_cst);
+        if (seen < chunks) {
+            syscall(SYS_futex, reinterpret_cast<int32_t*>(&own.done), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
+        }
+        own.waiting.store(0, std::memory_order_relaxed);
     }
 }
 
@@ -114,7 +143,7 @@ int64_t min_parallel_cost() { return min_cost.load(std::memory_order_relaxed); }
 
 void parallel_chunks(int64_t chunks, Task task, void* context) {
     Pool& own = *pool;
-    if (chunks <= 1 || own.workers.empty() || own.busy.test_and_set(std::memory_order_acquire)) {
+    if (chunks <= 1 || chunks > INT32_MAX || own.workers.empty() || own.busy.test_and_set(std::memory_order_acquire)) {
         for (int64_t chunk = 0; chunk < chunks; ++chunk) task(context, chunk);
         return;
     }
@@ -130,13 +159,7 @@ void parallel_chunks(int64_t chunks, Task task, void* context) {
         own.wake.notify_all();
     }
     take_chunks(own);
-    for (int spins = 0; own.done.load(std::memory_order_acquire) < chunks; ++spins) {
-        if (spins < 1 << 14) {
-            _mm_pause();
-        } else {
-            std::this_thread::yield();  // a worker holding a chunk lost its core: let it have ours
-        }
-    }
+    wait_done(own, static_cast<int32_t>(chunks));
     own.busy.clear(std::memory_order_release);
 }
 
