@@ -11,6 +11,10 @@ count and over our greedy loop at the same count, and whether its output is gree
 (llama.cpp's text is its own: reported, not required); ``--output`` writes the JSON ``{"config", "runs",
 "summary"}``. Methods are named ``METHOD@COUNT`` (``greedy@2``).
 
+``--step-cost`` instead times one forward of k new tokens over a cache of 300 (``bench.measure.measure_step_cost``,
+every row's logits, as a lookahead step reads them) at each count, ``--rounds`` rounds with the counts
+interleaved, and prints per k the median ms at each count and its ratio to the first count's.
+
 Why: a thread count changes no output of ours (the native kernels give the same bits at any count), so the only
 question is speed, and on a machine others share it must be asked side by side.
 """
@@ -18,16 +22,35 @@ question is speed, and on a machine others share it must be asked side by side.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
 from transformers import PreTrainedModel
 
-from bench.cli import PRESETS, add_lookahead_flags, add_model_flags, gguf_file, json_settings, lookahead_config, start
+from bench.cli import (
+    PRESETS,
+    add_lookahead_flags,
+    add_model_flags,
+    gguf_file,
+    json_settings,
+    lookahead_config,
+    parse_ks,
+    start,
+)
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
 from bench.heldout import CHAT_MAX_TOKENS, CODE_MAX_TOKENS
-from bench.measure import WARMUP_TOKENS, Decoded, Runner, RunRecord, make_runners, parse_methods, run_benchmark
+from bench.measure import (
+    WARMUP_TOKENS,
+    Decoded,
+    Runner,
+    RunRecord,
+    make_runners,
+    measure_step_cost,
+    parse_methods,
+    run_benchmark,
+)
 from bench.report import environment, format_table, header, write_json
 from bench.settings import Resolved, resolve
 from decoding.cores import parse_threads, resolve_threads
@@ -55,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_lookahead_flags(parser)
     add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per pair")
+    parser.add_argument("--step-cost", action="store_true", help="time forwards of k tokens at each count instead")
+    parser.add_argument("--ks", type=parse_ks, default=(1, 2, 4, 8, 16, 32), help="step sizes k (1,2,4,8,16,32)")
+    parser.add_argument("--rounds", type=int, default=5, help="--step-cost rounds, counts interleaved (5)")
     parser.add_argument("--output", metavar="PATH", help="write config, runs and summary as JSON")
     return parser
 
@@ -136,6 +162,30 @@ def run_threads(resolved: Resolved, counts: Sequence[int], methods: Sequence[str
             "runs": [asdict(run) for run in runs], "summary": figures}
 
 
+def run_step_costs(resolved: Resolved, counts: Sequence[int]) -> dict[str, object]:
+    """``--step-cost``: per k, the median over ``--rounds`` of each count's median forward (3 a round)."""
+    args = resolved.args
+    args.threads = max(counts)
+    loaded, linears = start(resolved)
+    env = environment(loaded, max(counts), linears)
+    print(header(env, [f"step cost: one forward of k tokens over 300 cached, every row's logits, counts "
+                       f"{', '.join(map(str, counts))} interleaved, {args.rounds} rounds of 3"]), flush=True)
+    times: dict[tuple[int, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for count in counts:
+            configure_threads(count)
+            for cost in measure_step_cost(loaded.model, 300, args.ks, 3):
+                times.setdefault((count, cost.k), []).append(cost.ms_all_logits)
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    first = counts[0]
+    rows = [[str(k), *(f"{medians[(count, k)]:.2f}" for count in counts),
+             *(f"{medians[(count, k)] / medians[(first, k)]:.2f}x" for count in counts[1:])] for k in args.ks]
+    names = [*(f"ms @{count}" for count in counts), *(f"@{count} / @{first}" for count in counts[1:])]
+    print("\n" + format_table(["k", *names], rows), flush=True)
+    return {"config": {**json_settings(resolved, env), "counts": list(counts)},
+            "step_cost": [{"k": k, **{str(count): medians[(count, k)] for count in counts}} for k in args.ks]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad arguments or a prompt set that cannot be read)."""
     parser = build_parser()
@@ -152,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     try:
         load_split(args.dataset, args.split, 1)
-        payload = run_threads(resolved, counts, methods)
+        payload = run_step_costs(resolved, counts) if args.step_cost else run_threads(resolved, counts, methods)
     except (DecodingError, DatasetError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

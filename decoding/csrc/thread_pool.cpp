@@ -13,6 +13,12 @@
 // (the gaps between a step's native calls are tens of microseconds), then sleep on a condition variable: between
 // steps and between requests they leave the cores to the HTTP loop, the tokenizer and other processes.
 //
+// Stalls: on a machine whose other work takes the cores, a worker can lose its core while it holds a chunk, and the
+// caller then waits a scheduler time slice (milliseconds) for it, many times a step. When the caller waits longer
+// than STALL plus twice its own share of a call, it runs the next calls alone for FIRST_BACKOFF, doubling with each
+// stall in a row up to LAST_BACKOFF; a call that splits without a stall resets it. So a busy machine costs about
+// what one thread costs, and a quiet one gets every thread. (The bits are the same either way.)
+//
 // A forked child (the pool's workers do not exist there) starts over with a pool of one thread.
 //
 // Compiled in the AVX2 pass alone (decoding/native.py compiles every source twice).
@@ -23,6 +29,7 @@
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -38,6 +45,9 @@ namespace {
 
 constexpr auto SPIN = std::chrono::microseconds(200);  // how long an idle worker spins before it sleeps
 constexpr auto WAIT_SPIN = std::chrono::microseconds(50);  // how long a caller spins on the last chunks, then sleeps
+constexpr auto STALL = std::chrono::microseconds(250);  // a wait this much longer than the caller's share: a stall
+constexpr auto FIRST_BACKOFF = std::chrono::milliseconds(20);  // calls run alone this long after a stall...
+constexpr auto LAST_BACKOFF = std::chrono::milliseconds(640);  // ...doubling with each stall in a row, up to this
 constexpr uint64_t LOW = 0xffffffffu;
 constexpr int MAX_THREADS = 256;
 
@@ -54,6 +64,9 @@ struct Pool {
     std::mutex mutex;
     std::condition_variable wake;
     std::vector<std::thread> workers;
+    // Stalls: touched by the caller holding ``busy`` only.
+    std::chrono::steady_clock::time_point alone_until{};
+    std::chrono::steady_clock::duration backoff = FIRST_BACKOFF;
 };
 
 Pool* pool = new Pool();
@@ -104,6 +117,7 @@ void work(Pool* own, uint32_t seen) {
         uint32_t current = generation_of(own->ticket.load(std::memory_order_acquire));
         for (int spins = 0; current == seen && !own->stop.load(std::memory_order_relaxed); ++spins) {
             _mm_pause();
+            if ((spins & 63) == 63) sched_yield();  // a thread waiting for this core (ours, or another process's) runs
             if ((spins & 63) == 63 && std::chrono::steady_clock::now() > deadline) {
                 own->sleepers.fetch_add(1, std::memory_order_seq_cst);
                 std::unique_lock<std::mutex> lock(own->mutex);
@@ -147,6 +161,12 @@ void parallel_chunks(int64_t chunks, Task task, void* context) {
         for (int64_t chunk = 0; chunk < chunks; ++chunk) task(context, chunk);
         return;
     }
+    const auto start = std::chrono::steady_clock::now();
+    if (start < own.alone_until) {  // backing off after a stall
+        for (int64_t chunk = 0; chunk < chunks; ++chunk) task(context, chunk);
+        own.busy.clear(std::memory_order_release);
+        return;
+    }
     const uint32_t generation = generation_of(own.ticket.load(std::memory_order_relaxed)) + 1;
     own.task = task;
     own.context = context;
@@ -159,7 +179,15 @@ void parallel_chunks(int64_t chunks, Task task, void* context) {
         own.wake.notify_all();
     }
     take_chunks(own);
+    const auto shared = std::chrono::steady_clock::now();
     wait_done(own, static_cast<int32_t>(chunks));
+    const auto end = std::chrono::steady_clock::now();
+    if (end - shared > STALL + 2 * (shared - start)) {  // a worker lost its core holding a chunk: go alone a while
+        own.alone_until = end + own.backoff;
+        own.backoff = own.backoff * 2 < LAST_BACKOFF ? own.backoff * 2 : LAST_BACKOFF;
+    } else {
+        own.backoff = FIRST_BACKOFF;
+    }
     own.busy.clear(std::memory_order_release);
 }
 
