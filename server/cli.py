@@ -103,7 +103,8 @@ def serve(args: argparse.Namespace) -> int:
     from decoding import InvalidParameterError, ModelLoadError, configure_threads
     from server.app import create_app, load_default_decoder
 
-    configure_threads(config.threads)
+    threads = configure_threads(config.threads)
+    logger.info("threads: %d (config: %s)", threads, config.threads)
     try:
         decoder = load_default_decoder(config)
     except (ModelLoadError, InvalidParameterError) as exc:
