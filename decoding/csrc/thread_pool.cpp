@@ -14,10 +14,12 @@
 // steps and between requests they leave the cores to the HTTP loop, the tokenizer and other processes.
 //
 // Stalls: on a machine whose other work takes the cores, a worker can lose its core while it holds a chunk, and the
-// caller then waits a scheduler time slice (milliseconds) for it, many times a step. When the caller waits longer
-// than STALL plus twice its own share of a call, it runs the next calls alone for FIRST_BACKOFF, doubling with each
-// stall in a row up to LAST_BACKOFF; a call that splits without a stall resets it. So a busy machine costs about
-// what one thread costs, and a quiet one gets every thread. (The bits are the same either way.)
+// caller then waits a scheduler time slice (milliseconds) for it, many times a step; or the workers get no core at
+// all and only spin against the caller (and everything else) when they do. When the caller waits longer than STALL
+// plus twice its own share of a call, or runs every chunk itself MISSES calls in a row, it runs the next calls alone
+// for FIRST_BACKOFF (the workers fall asleep), doubling with each stall in a row up to LAST_BACKOFF; a call that
+// splits without a stall resets it. So a busy machine costs about what one thread costs, and a quiet one gets every
+// thread. (The bits are the same either way.)
 //
 // A forked child (the pool's workers do not exist there) starts over with a pool of one thread.
 //
@@ -48,6 +50,7 @@ constexpr auto WAIT_SPIN = std::chrono::microseconds(50);  // how long a caller 
 constexpr auto STALL = std::chrono::microseconds(250);  // a wait this much longer than the caller's share: a stall
 constexpr auto FIRST_BACKOFF = std::chrono::milliseconds(20);  // calls run alone this long after a stall...
 constexpr auto LAST_BACKOFF = std::chrono::milliseconds(640);  // ...doubling with each stall in a row, up to this
+constexpr int MISSES = 16;  // calls in a row whose chunks the caller ran alone (no worker got a core): a stall too
 constexpr uint64_t LOW = 0xffffffffu;
 constexpr int MAX_THREADS = 256;
 
@@ -67,6 +70,7 @@ struct Pool {
     // Stalls: touched by the caller holding ``busy`` only.
     std::chrono::steady_clock::time_point alone_until{};
     std::chrono::steady_clock::duration backoff = FIRST_BACKOFF;
+    int misses = 0;
 };
 
 Pool* pool = new Pool();
@@ -178,14 +182,16 @@ void parallel_chunks(int64_t chunks, Task task, void* context) {
         { std::lock_guard<std::mutex> lock(own.mutex); }
         own.wake.notify_all();
     }
-    take_chunks(own);
+    const int64_t mine = take_chunks(own);
     const auto shared = std::chrono::steady_clock::now();
     wait_done(own, static_cast<int32_t>(chunks));
     const auto end = std::chrono::steady_clock::now();
-    if (end - shared > STALL + 2 * (shared - start)) {  // a worker lost its core holding a chunk: go alone a while
+    own.misses = mine == chunks ? own.misses + 1 : 0;
+    if (end - shared > STALL + 2 * (shared - start) || own.misses >= MISSES) {  // go alone a while
         own.alone_until = end + own.backoff;
         own.backoff = own.backoff * 2 < LAST_BACKOFF ? own.backoff * 2 : LAST_BACKOFF;
-    } else {
+        own.misses = 0;
+    } else if (mine < chunks) {
         own.backoff = FIRST_BACKOFF;
     }
     own.busy.clear(std::memory_order_release);
