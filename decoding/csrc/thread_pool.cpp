@@ -47,7 +47,7 @@ namespace {
 
 constexpr auto SPIN = std::chrono::microseconds(200);  // how long an idle worker spins before it sleeps
 constexpr auto WAIT_SPIN = std::chrono::microseconds(50);  // how long a caller spins on the last chunks, then sleeps
-constexpr auto STALL = std::chrono::microseconds(250);  // a wait this much longer than the caller's share: a stall
+constexpr auto STALL = std::chrono::microseconds(50);  // a wait this much longer than twice the caller's share: a stall
 constexpr auto FIRST_BACKOFF = std::chrono::milliseconds(20);  // calls run alone this long after a stall...
 constexpr auto LAST_BACKOFF = std::chrono::milliseconds(640);  // ...doubling with each stall in a row, up to this
 constexpr int MISSES = 16;  // calls in a row whose chunks the caller ran alone (no worker got a core): a stall too
@@ -191,7 +191,7 @@ void parallel_chunks(int64_t chunks, Task task, void* context) {
         own.alone_until = end + own.backoff;
         own.backoff = own.backoff * 2 < LAST_BACKOFF ? own.backoff * 2 : LAST_BACKOFF;
         own.misses = 0;
-    } else if (mine < chunks) {
+    } else if (mine < chunks && end - shared <= shared - start) {  // the split paid: the workers have cores
         own.backoff = FIRST_BACKOFF;
     }
     own.busy.clear(std::memory_order_release);
