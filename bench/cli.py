@@ -75,6 +75,7 @@ from bench.report import (
     write_json,
 )
 from bench.settings import Resolved, describe, preset_digest, resolve
+from decoding.cores import parse_threads
 from decoding.decoder import (
     QUANTIZE,
     WEIGHT_LAYOUTS,
@@ -94,7 +95,7 @@ SERVER_DEFAULT = "default: the server's"
 PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config.load_config(device_preset=...)``)
 # ``python -m bench NAME ...``: the module of ``bench`` that runs subcommand NAME with the rest of the arguments.
 SUBCOMMANDS = {"heldout": "heldout", "memory": "memory", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
-               "tune": "tuning", "weights": "weights", "compile": "compiled"}
+               "tune": "tuning", "weights": "weights", "compile": "compiled", "threads": "threads"}
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m bench`` argument parser; flags the server configures default to None (filled later)."""
@@ -150,7 +151,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=WEIGHTS,
                         help=f"gguf: a GGUF model's quantized weights as they are; float32: de-quantized "
                         f"({SERVER_DEFAULT})")
-    parser.add_argument("--threads", type=int, help=f"torch intra-op threads, 0: torch's default ({SERVER_DEFAULT})")
+    parser.add_argument("--threads", type=parse_threads,
+                        help=f"threads of the native kernels and torch: a count, auto (the physical cores this process "
+                        f"may use) or 0 (torch's default) ({SERVER_DEFAULT})")
     parser.add_argument("--gguf", type=Path, metavar="FILE.gguf",
                         help="the GGUF file the llama_cpp method runs (default: the default model's)")
 
@@ -380,7 +383,7 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
     ``prepare_linears`` says); raises ``DecodingError`` when the model cannot be loaded."""
     args = resolved.args
     print(describe(resolved), flush=True)
-    configure_threads(args.threads)
+    args.threads = configure_threads(args.threads)  # "auto" resolved: what the figures and a baseline child get
     transformers.utils.logging.disable_progress_bar()
     return load_prepared(args.model, args.device, args.dtype, args.quantize, args.weight_layout, args.weights)
 

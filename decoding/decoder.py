@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from decoding import native
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.calibration import measure_step_cost
+from decoding.cores import resolve_threads
 from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
 from decoding.gguf_model import load_gguf_model
@@ -61,10 +62,18 @@ def release_free_memory() -> None:
         pass
 
 
-def configure_threads(num_threads: int) -> None:
-    """Set torch's intra-op thread count (``0`` keeps torch's default). On a 2-core CPU, 1 is the stable choice."""
-    if num_threads > 0:
-        torch.set_num_threads(num_threads)
+def configure_threads(num_threads: int | str) -> int:
+    """Set torch's intra-op threads and the native kernels' thread pool (``decoding.native.set_threads``) to
+    ``num_threads``: a count, ``"auto"`` (``decoding.cores.usable_cores``: the physical cores this process may
+    use), or ``0`` (torch's default kept, the pool as large). Returns the count both now use. Raises
+    ``ValueError`` on any other value."""
+    count = resolve_threads(num_threads)
+    if count > 0:
+        torch.set_num_threads(count)
+    else:
+        count = torch.get_num_threads()
+    native.set_threads(count)
+    return count
 
 
 def check_linear_options(quantize: str, weight_layout: str, weights: str = "auto") -> None:

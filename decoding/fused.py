@@ -18,6 +18,10 @@ a lookahead step whose mask shows it the same tokens: greedy lookahead equals gr
 causal slice with no tree) of more than ``NATIVE_ATTENTION_ROWS`` tokens attends with torch's scaled-dot-product
 attention, which is faster there; its keys/values are stored the same way. A decode step of any size (greedy's
 one token, a lookahead tree) attends natively.
+
+Threads: each native call splits its work over the native thread pool (``decoding.native.set_threads``) with the
+same bits at any thread count, so the exactness above holds at every count; a wide step's products, which are
+bound by arithmetic on one thread, gain the most.
 """
 
 from __future__ import annotations

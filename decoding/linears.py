@@ -184,9 +184,10 @@ class PackedFloat32:
     """``rows @ W^T + b`` in float32 from one copy of ``W`` laid out for the CPU.
 
     - Where the native panel kernel runs (``decoding.native``): ``W`` in column panels only, every product on the
-      kernel whatever the number of rows or threads (the kernel runs on the calling thread), streamed once for
-      the call's rows. A whole forward of 2 tokens cost 1.1x one token's on the machine it was measured on, 4
-      tokens 1.2x, 8 tokens 1.3x and 16 tokens 1.6x, and a 128-token prefill chunk no more than oneDNN's
+      kernel whatever the number of rows or threads (the kernel splits its panels over the native thread pool,
+      ``decoding.native.set_threads``, with the same bits at any count), streamed once for the call's rows. A
+      whole forward of 2 tokens cost 1.1x one token's on the machine it was measured on, 4 tokens 1.2x, 8 tokens
+      1.3x and 16 tokens 1.6x, and a 128-token prefill chunk no more than oneDNN's
       (docs/benchmarks.md, "One copy of the float32 weights"). A row's result is the same bit for bit whatever
       other rows share the call, so a token's logits do not depend on the size of the step (or prefill chunk)
       that computed it.

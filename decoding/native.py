@@ -1,5 +1,6 @@
-"""The native kernels: ``csrc/panel_gemm.cpp`` (float32 panels) and ``csrc/quant_gemm.cpp`` (GGUF block-quantized
-panels), compiled on first use into one library and called through ctypes.
+"""The native kernels: ``csrc/panel_gemm.cpp`` (float32 panels), ``csrc/quant_gemm.cpp`` (GGUF block-quantized
+panels) and ``csrc/fused_ops.cpp`` (a step's small operations), on the thread pool of ``csrc/thread_pool.cpp``,
+compiled on first use into one library and called through ctypes.
 
 Contract: ``panel_gemm()`` returns a ``PanelGemm`` (the loaded kernel) or None where it cannot run here: not an
 x86-64 CPU with AVX2, FMA and F16C, no C++ compiler (``$CXX`` or ``g++``), a failed build, or
@@ -8,7 +9,14 @@ The shared library is built once per source version into ``<cache>/native/`` (``
 each source compiled twice, with ``-O3 -mavx2 -mfma -mf16c`` and again with ``-mavx512f -DPANEL_WIDE`` added,
 and linked into one library (about 10 s; a compiler that cannot build the AVX-512 objects gives a library of the
 AVX2 entries alone), reused by every later process; a concurrent build by another process is harmless (each
-writes its own file and renames it into place). The result is cached per process.
+writes its own file and renames it into place). The library's name is a digest of every file under ``csrc/``
+and the flags, so an edited source or header builds a new library. The result is cached per process.
+
+Threads: ``set_threads(n)`` sizes the kernels' pool (n - 1 workers started once, the calling thread the n-th; 1
+until set: ``decoding.decoder.configure_threads`` sets it with torch's threads). Each call cuts its output into
+ranges (column panels of a product, attention's (row, head) pairs, rows) run by one thread each, so every output
+element is one thread's operations in the same order: the bits are the same at any thread count. Calls too small
+to pay for the hand-off run on the calling thread. Every call releases the GIL (ctypes' ``CDLL``).
 
 On a CPU with AVX-512 (``avx512f``) the kernel packs weights in panels of 16 columns and runs the 512-bit
 entry; elsewhere, or with ``LOOKAHEAD_NATIVE=avx2``, panels of 8 and the AVX2 entry. Both run every output
@@ -39,10 +47,11 @@ import torch
 
 from decoding.loading import cache_root
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("panel_gemm.cpp", "quant_gemm.cpp", "fused_ops.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("panel_gemm.cpp", "quant_gemm.cpp", "fused_ops.cpp", "thread_pool.cpp"))
 PANEL = 8  # output columns per panel of the AVX2 kernel: one register of float32
 WIDE_PANEL = 16  # of the AVX-512 kernel
-FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC")
+FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-pthread")
 WIDE_FLAGS = ("-mavx512f", "-DPANEL_WIDE")
 DISABLE_VARIABLE = "LOOKAHEAD_NATIVE"  # "0": no native kernel; "avx2": the AVX2 kernel even where AVX-512 runs
 
@@ -166,10 +175,14 @@ def compiler() -> str | None:
 
 
 def library_path() -> Path:
-    """Where this source version's shared library lives in the cache."""
-    sources = b"".join(source.read_bytes() for source in SOURCES)
-    digest = hashlib.sha256(sources + " ".join(FLAGS + WIDE_FLAGS).encode()).hexdigest()[:16]
-    return cache_root() / "native" / f"panel_gemm-{digest}.so"
+    """Where this source version's shared library lives in the cache: named by a digest of every file under
+    ``csrc/`` (sources and headers, names and contents) and the flags, so an edited source never loads a stale
+    library."""
+    digest = hashlib.sha256(" ".join(FLAGS + WIDE_FLAGS).encode())
+    for source in sorted(CSRC.iterdir()):
+        if source.is_file():
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return cache_root() / "native" / f"panel_gemm-{digest.hexdigest()[:16]}.so"
 
 
 def build(target: Path, cxx: str) -> None:
@@ -189,7 +202,7 @@ def build(target: Path, cxx: str) -> None:
         except subprocess.SubprocessError as error:
             log.warning("the panel kernel's AVX-512 entry did not build (%s): the AVX2 entry runs alone", error)
             wide = []
-        _run([cxx, "-shared", "-o", str(built), *map(str, narrow + wide)])
+        _run([cxx, "-shared", "-pthread", "-o", str(built), *map(str, narrow + wide)])
         os.replace(built, target)
 
 
@@ -213,7 +226,50 @@ def library() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError) as error:
             log.warning("building the panel kernel failed (%s): float32 products run on oneDNN", error)
             return None
-    return ctypes.CDLL(str(target))
+    loaded = ctypes.CDLL(str(target))
+    loaded.pool_set_threads.argtypes, loaded.pool_set_threads.restype = [ctypes.c_int], ctypes.c_int
+    loaded.pool_threads.argtypes, loaded.pool_threads.restype = [], ctypes.c_int
+    loaded.pool_set_min_cost.argtypes, loaded.pool_set_min_cost.restype = [ctypes.c_int64], ctypes.c_int64
+    loaded.pool_set_threads(_POOL["threads"])
+    loaded.pool_set_min_cost(_POOL["min_cost"])
+    return loaded
+
+
+# The size asked of the native thread pool (``set_threads``), applied again whenever the library is loaded. The pool
+# is per process, as torch's intra-op threads are.
+_POOL = {"threads": 1, "min_cost": -1}
+
+
+def set_threads(count: int) -> int:
+    """Size the native kernels' thread pool: ``count`` threads, the calling one included (at least 1), starting
+    ``count - 1`` workers once (``csrc/thread_pool.cpp``); a library loaded later gets the same size. Not to be
+    called while a kernel runs. Returns the pool's size now (the count asked for while the library is not loaded).
+    Every kernel returns the same bits at any size."""
+    _POOL["threads"] = max(1, int(count))
+    if library.cache_info().currsize:
+        loaded = library()
+        if loaded is not None:
+            return int(loaded.pool_set_threads(_POOL["threads"]))
+    return _POOL["threads"]
+
+
+def set_min_parallel_cost(cost: int | None) -> None:
+    """The smallest call (in multiply-adds, or elements touched) the kernels split over the pool; None: the
+    default (``csrc/thread_pool.h``: MIN_PARALLEL_COST). Tests pass 0 so that every call of a tiny model splits."""
+    _POOL["min_cost"] = -1 if cost is None else max(0, int(cost))
+    if library.cache_info().currsize:
+        loaded = library()
+        if loaded is not None:
+            loaded.pool_set_min_cost(_POOL["min_cost"])
+
+
+def threads() -> int:
+    """The native thread pool's size (the size asked for, where the library is not loaded yet)."""
+    if library.cache_info().currsize:
+        loaded = library()
+        if loaded is not None:
+            return int(loaded.pool_threads())
+    return _POOL["threads"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -105,7 +105,8 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.runtime import load_default_decoder
 
-    configure_threads(config.threads)
+    threads = configure_threads(config.threads)
+    logger.info("threads: %d (config: %s)", threads, config.threads)
     try:
         decoder = load_default_decoder(config)
     except (ModelLoadError, InvalidParameterError) as exc:

@@ -26,12 +26,14 @@ import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
+from annotated_types import Ge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from decoding.cores import AUTO, usable_cores
 from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, MAX_TOP_TOKENS, LookaheadConfig, NumberBounds
 
 if TYPE_CHECKING:  # decoding.batch loads torch: imported where it is used
@@ -240,7 +242,10 @@ class ServerConfig(BaseModel):
         "auto", description="gguf: a GGUF model's quantized weights as they are, one copy (auto: for a GGUF model, "
         "the default included, on the CPU in float32 where the native kernel builds); float32: de-quantized"
     )
-    threads: int = Field(1, ge=0, description="torch intra-op threads (0: torch's default)")
+    threads: Annotated[int, Ge(0)] | Literal["auto"] = Field(
+        AUTO, description="threads of the native kernels' pool and of torch's intra-op work (auto: the physical "
+        "cores this process may use, affinity and cgroup quota respected; 0: torch's default)",
+    )
     max_running: int = Field(16, ge=1, description="requests decoding at once (their steps share each forward)")
     max_queue: int = Field(32, ge=0, description="requests waiting for a running slot; more -> 429")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none "
@@ -479,7 +484,11 @@ def _scalar(annotation: Any) -> tuple[type | None, tuple[str, ...] | None]:
         return str, tuple(typing.get_args(annotation))
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(members) == 2 and {_scalar(member)[0] for member in members} == {int, str}:
+            return str, None  # a count or a word (threads: 2 or auto): the flag passes the text, the model parses it
         return _scalar(members[0]) if len(members) == 1 else (None, None)
+    if typing.get_origin(annotation) is Annotated:
+        return _scalar(typing.get_args(annotation)[0])
     return (annotation, None) if annotation in (bool, int, float, str) else (None, None)
 
 
@@ -538,7 +547,8 @@ def value_text(value: Any) -> str:
 def describe(resolved: Resolved, header: str = "") -> str:
     """The resolved config as YAML that ``--config`` accepts, each value commented with the layer it came from.
 
-    Secrets (``api_key``) are not printed: their line is commented out and says where they were set.
+    Secrets (``api_key``) are not printed: their line is commented out and says where they were set; ``threads:
+    auto`` says how many threads it gives here (``decoding.cores.usable_cores``).
     """
     lines = [header] if header else []
     section = ""
@@ -553,6 +563,8 @@ def describe(resolved: Resolved, header: str = "") -> str:
         for part in key.split("."):
             value = value[part]
         source = resolved.source(key)
+        if key == "threads" and value == AUTO:
+            source += f" (auto: {usable_cores()} here)"
         if _extra(info).get("secret") and value is not None:
             lines.append(f"{indent}# {leaf}: <hidden>".ljust(48) + f"  # {source}")
         else:
@@ -587,6 +599,14 @@ def _lookup(mapping: dict[str, Any], parts: list[str]) -> Any:
     return mapping
 
 
+def _member_range(annotation: Any) -> str:
+    """One member of a union as ``_range`` writes it: an Annotated int's bound, a Literal's choices."""
+    if typing.get_origin(annotation) is Literal:
+        return ", ".join(typing.get_args(annotation))
+    low = next((m.ge for m in typing.get_args(annotation)[1:] if hasattr(m, "ge")), None)
+    return f">= {low}" if low is not None else "any"
+
+
 def _range(info: FieldInfo) -> str:
     """``[low, high]``, ``>= low`` or a Literal's choices, from the field's own constraints."""
     low = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)
@@ -594,6 +614,9 @@ def _range(info: FieldInfo) -> str:
     _, choices = _scalar(info.annotation)
     if choices:
         return ", ".join(choices)
+    members = typing.get_args(info.annotation)
+    if any(typing.get_origin(member) is Literal for member in members):  # a count or a word (threads)
+        return ", or ".join(_member_range(member) for member in members)
     if low is not None and high is not None:
         return f"[{low}, {high}]"
     return f">= {low}" if low is not None else ""

@@ -35,6 +35,7 @@ from ray import serve
 from ray.serve import metrics as serve_metrics
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from decoding.cores import resolve_threads
 from server.config import ServerConfig, requested_device, resolve
 from server.ray_metrics import RayMirror, samples
 
@@ -60,7 +61,8 @@ class RayAppArgs(BaseModel):
     target_ongoing_requests: float | None = Field(None, gt=0, description="per replica; none: max_running")
     autoscaling: dict[str, Any] = Field(default_factory=dict, description="more of Serve's autoscaling_config "
                                         "(upscale_delay_s, downscale_delay_s, look_back_period_s, ...)")
-    num_cpus: float | None = Field(None, ge=0, description="per replica; none: the config's threads (at least 1)")
+    num_cpus: float | None = Field(None, ge=0, description="per replica; none: the config's threads (at least 1; "
+                                   "auto: the cores the deploying process may use)")
     num_gpus: float | None = Field(None, ge=0, description="per replica; none: 1 when the config asks for cuda")
     health_check_period_s: float = Field(5.0, gt=0)
     metrics_interval_s: float = Field(5.0, gt=0, description="how often a replica mirrors its metrics into Ray's")
@@ -98,7 +100,7 @@ def autoscaling_config(config: ServerConfig, args: RayAppArgs) -> dict[str, Any]
 def deployment_options(config: ServerConfig, args: RayAppArgs) -> dict[str, Any]:
     """The options ``LookaheadServer.options(...)`` takes for ``config`` (see the module docstring).
 
-    >>> options = deployment_options(ServerConfig(max_running=4, max_queue=8), RayAppArgs(num_replicas=2))
+    >>> options = deployment_options(ServerConfig(max_running=4, max_queue=8, threads=1), RayAppArgs(num_replicas=2))
     >>> options["max_ongoing_requests"], options["num_replicas"], options["ray_actor_options"]
     (12, 2, {'num_cpus': 1.0, 'num_gpus': 0.0})
     """
@@ -109,7 +111,7 @@ def deployment_options(config: ServerConfig, args: RayAppArgs) -> dict[str, Any]
         "graceful_shutdown_wait_loop_s": 1.0,
         "health_check_period_s": args.health_check_period_s,
         "ray_actor_options": {
-            "num_cpus": args.num_cpus if args.num_cpus is not None else float(max(config.threads, 1)),
+            "num_cpus": args.num_cpus if args.num_cpus is not None else float(max(resolve_threads(config.threads), 1)),
             "num_gpus": gpus_for(args),
         },
     }

@@ -49,7 +49,7 @@ def load_default_decoder(config: ServerConfig) -> serving.DecoderLike:
 
 
 def configure_worker_thread(config: ServerConfig) -> Callable[[], None]:
-    """The worker thread's setup: torch's thread count from the config."""
+    """The worker thread's setup: torch's threads and the native kernels' pool from the config."""
 
     def setup() -> None:
         configure_threads(config.threads)

@@ -5,7 +5,8 @@
 // ([N / L][K][L]). Every output element is one FMA chain over k = 0 .. K-1 in order, whatever the number of
 // rows, whichever tile computes it and whatever the vector width: a row's result is the same bit for bit
 // whether it is computed alone or with other rows, and the same from either kernel. The weight streams from
-// memory once whatever the number of rows.
+// memory once whatever the number of rows. Threads: the panels are cut into ranges of whole tiles, each run by one
+// thread of the pool (thread_pool.h), so the bits do not depend on the thread count either.
 //
 // The file is compiled twice into one library: as is (AVX2, ``panel_gemm``) and with -DPANEL_WIDE -mavx512f
 // (AVX-512, ``panel_gemm_wide``). A tile is R rows x P panels of accumulators, held in named variables (GCC keeps
@@ -13,6 +14,8 @@
 // AVX-512's 32.
 #include <immintrin.h>
 #include <cstdint>
+
+#include "thread_pool.h"
 
 namespace {
 
@@ -72,14 +75,13 @@ void tile(const float* x, int64_t K, const float* panels, int64_t N, int64_t row
     ROWS(STORE_ROW)
 }
 
-// 1-3 rows against every panel, P panels at a time and the remainder one by one: the product is bound by
+// 1-3 rows against panels [first, last), P panels at a time and the remainder one by one: the product is bound by
 // streaming the weight, which each tile reads once.
 template <int R, int P>
-void few_rows(const float* x, int64_t K, const float* panels, int64_t N, float* y) {
-    const int64_t count = N / LANES;
-    int64_t p = 0;
-    for (; p + P <= count; p += P) tile<R, P>(x, K, panels, N, 0, p, 0, K, y);
-    for (; p < count; ++p) tile<R, 1>(x, K, panels, N, 0, p, 0, K, y);
+void few_rows(const float* x, int64_t K, const float* panels, int64_t N, int64_t first, int64_t last, float* y) {
+    int64_t p = first;
+    for (; p + P <= last; p += P) tile<R, P>(x, K, panels, N, 0, p, 0, K, y);
+    for (; p < last; ++p) tile<R, 1>(x, K, panels, N, 0, p, 0, K, y);
 }
 
 // Rows [row0, row0 + rows) (rows < BAND_ROWS) against panels [panel0, panel0 + P) over k in [k0, k1).
@@ -113,22 +115,32 @@ void band(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, 
     }
 }
 
+constexpr int FEW_PANELS = 4;  // panels per tile for 1-3 rows
+constexpr int BAND_PANELS = 3;  // for more
+
+// Every row against panels [first, last) (``first`` a multiple of the call's panels per tile).
+void product(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, int64_t first, int64_t last,
+             float* y) {
+    switch (M) {
+        case 1: few_rows<1, FEW_PANELS>(x, K, panels, N, first, last, y); return;
+        case 2: few_rows<2, FEW_PANELS>(x, K, panels, N, first, last, y); return;
+        case 3: few_rows<3, FEW_PANELS>(x, K, panels, N, first, last, y); return;
+        default: break;
+    }
+    int64_t p = first;
+    for (; p + BAND_PANELS <= last; p += BAND_PANELS) band<BAND_PANELS>(x, M, K, panels, N, p, y);
+    for (; p < last; ++p) band<1>(x, M, K, panels, N, p, y);
+}
+
 }  // namespace
 
 extern "C" {
 
-// x: [M, K] row-major; panels: [N / LANES][K][LANES]; y: [M, N] row-major. N must be a multiple of LANES.
+// x: [M, K] row-major; panels: [N / LANES][K][LANES]; y: [M, N] row-major. N must be a multiple of LANES. The
+// panels are cut into ranges of whole tiles run on the thread pool (thread_pool.h).
 void ENTRY(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, float* y) {
-    switch (M) {
-        case 1: few_rows<1, 4>(x, K, panels, N, y); return;
-        case 2: few_rows<2, 4>(x, K, panels, N, y); return;
-        case 3: few_rows<3, 4>(x, K, panels, N, y); return;
-        default: break;
-    }
-    const int64_t count = N / LANES;
-    int64_t p = 0;
-    for (; p + 3 <= count; p += 3) band<3>(x, M, K, panels, N, p, y);
-    for (; p < count; ++p) band<1>(x, M, K, panels, N, p, y);
+    lookahead::parallel_ranges(N / LANES, M <= 3 ? FEW_PANELS : BAND_PANELS, M * N * K,
+                               [&](int64_t first, int64_t last) { product(x, M, K, panels, N, first, last, y); });
 }
 
 }

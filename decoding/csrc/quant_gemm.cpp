@@ -14,12 +14,18 @@
 // vector width: a row's result is the same bit for bit alone or with other rows, and from either entry. The
 // weight streams from memory once per call for every 128 rows (rows are taken 128 at a time).
 //
+// Threads: the panels are cut into ranges of whole tiles, each range run by one thread of the pool (thread_pool.h),
+// so each output element is still one thread's chain and the bits do not depend on the thread count; the rows are
+// transposed by the calling thread first. A small product runs on the calling thread alone.
+//
 // The file is compiled twice into the panel kernel's library, as panel_gemm.cpp is: ``quant_gemm`` (AVX2) and,
 // with -DPANEL_WIDE -mavx512f, ``quant_gemm_wide``. A tile keeps R x P block sums in
 // named registers (macros, as panel_gemm.cpp does); the accumulators wait in y between blocks.
 #include <immintrin.h>
 #include <cstdint>
 #include <vector>
+
+#include "thread_pool.h"
 
 namespace {
 
@@ -170,15 +176,15 @@ void tile(const Rows& rows, const uint8_t* panels, int64_t N, int64_t row0, int6
     }
 }
 
-// R <= FEW_ROWS rows against every panel over the whole of K, P panels a tile: the weight streams once, bound by
+// R <= 8 rows against panels [first, last) over the whole of K, P panels a tile: the weight streams once, bound by
 // memory.
 template <int KIND, int R>
-void few_rows(const Rows& rows, const uint8_t* panels, int64_t N, float* y) {
+void few_rows(const Rows& rows, const uint8_t* panels, int64_t N, int64_t first, int64_t last, float* y) {
     constexpr int P = few_panels(R);
-    const int64_t count = N / LANES, blocks = rows.K / QK;
-    int64_t p = 0;
-    for (; p + P <= count; p += P) tile<KIND, R, P>(rows, panels, N, 0, p, 0, blocks, y);
-    for (; p < count; ++p) tile<KIND, R, 1>(rows, panels, N, 0, p, 0, blocks, y);
+    const int64_t blocks = rows.K / QK;
+    int64_t p = first;
+    for (; p + P <= last; p += P) tile<KIND, R, P>(rows, panels, N, 0, p, 0, blocks, y);
+    for (; p < last; ++p) tile<KIND, R, 1>(rows, panels, N, 0, p, 0, blocks, y);
 }
 
 template <int KIND, int P>
@@ -210,23 +216,26 @@ void band(const Rows& rows, const uint8_t* panels, int64_t N, int64_t panel, flo
     }
 }
 
+// Panels per tile of a call of M rows: the unit its panel ranges are cut in, so that each range runs whole tiles.
+int64_t tile_panels(int64_t M) { return M <= 8 ? few_panels(static_cast<int>(M)) : BAND_PANELS; }
+
+// Every row of the chunk against panels [first, last) (``first`` a multiple of tile_panels(rows.M)).
 template <int KIND>
-void product(const Rows& rows, const uint8_t* panels, int64_t N, float* y) {
+void product(const Rows& rows, const uint8_t* panels, int64_t N, int64_t first, int64_t last, float* y) {
     switch (rows.M) {
-        case 1: few_rows<KIND, 1>(rows, panels, N, y); return;
-        case 2: few_rows<KIND, 2>(rows, panels, N, y); return;
-        case 3: few_rows<KIND, 3>(rows, panels, N, y); return;
-        case 4: few_rows<KIND, 4>(rows, panels, N, y); return;
-        case 5: few_rows<KIND, 5>(rows, panels, N, y); return;
-        case 6: few_rows<KIND, 6>(rows, panels, N, y); return;
-        case 7: few_rows<KIND, 7>(rows, panels, N, y); return;
-        case 8: few_rows<KIND, 8>(rows, panels, N, y); return;
+        case 1: few_rows<KIND, 1>(rows, panels, N, first, last, y); return;
+        case 2: few_rows<KIND, 2>(rows, panels, N, first, last, y); return;
+        case 3: few_rows<KIND, 3>(rows, panels, N, first, last, y); return;
+        case 4: few_rows<KIND, 4>(rows, panels, N, first, last, y); return;
+        case 5: few_rows<KIND, 5>(rows, panels, N, first, last, y); return;
+        case 6: few_rows<KIND, 6>(rows, panels, N, first, last, y); return;
+        case 7: few_rows<KIND, 7>(rows, panels, N, first, last, y); return;
+        case 8: few_rows<KIND, 8>(rows, panels, N, first, last, y); return;
         default: break;
     }
-    const int64_t count = N / LANES;
-    int64_t p = 0;
-    for (; p + BAND_PANELS <= count; p += BAND_PANELS) band<KIND, BAND_PANELS>(rows, panels, N, p, y);
-    for (; p < count; ++p) band<KIND, 1>(rows, panels, N, p, y);
+    int64_t p = first;
+    for (; p + BAND_PANELS <= last; p += BAND_PANELS) band<KIND, BAND_PANELS>(rows, panels, N, p, y);
+    for (; p < last; ++p) band<KIND, 1>(rows, panels, N, p, y);
 }
 
 // Rows [start, start + M) of x [*, K], transposed into xt [K][M], and their block sums [K / 32][M], each summed in
@@ -261,11 +270,13 @@ int ENTRY(int kind, const float* x, int64_t M, int64_t K, const uint8_t* panels,
         transpose_rows(x + start * K, count, K, xt.data(), sums.data());
         const Rows rows{xt.data(), sums.data(), count, K};
         float* ys = y + start * N;
-        switch (kind) {
-            case Q4_0: product<Q4_0>(rows, panels, N, ys); break;
-            case Q4_1: product<Q4_1>(rows, panels, N, ys); break;
-            default: product<Q8_0>(rows, panels, N, ys); break;
-        }
+        lookahead::parallel_ranges(N / LANES, tile_panels(count), count * N * K, [&](int64_t first, int64_t last) {
+            switch (kind) {
+                case Q4_0: product<Q4_0>(rows, panels, N, first, last, ys); break;
+                case Q4_1: product<Q4_1>(rows, panels, N, first, last, ys); break;
+                default: product<Q8_0>(rows, panels, N, first, last, ys); break;
+            }
+        });
     }
     return 0;
 }

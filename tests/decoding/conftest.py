@@ -22,3 +22,14 @@ def gemm(request, monkeypatch):
     assert loaded is not None and loaded.lanes == (8 if request.param == "avx2" else 16)
     yield loaded
     native.forget()
+
+
+@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
+def pool(request):
+    """The native thread pool at 1, 2 and 3 threads in turn (3: an odd split), every call split however small
+    (``native.set_min_parallel_cost(0)``); back to one thread and the default threshold after."""
+    native.set_threads(request.param)
+    native.set_min_parallel_cost(0)
+    yield request.param
+    native.set_min_parallel_cost(None)
+    native.set_threads(1)

@@ -59,7 +59,7 @@ def test_the_fused_step_equals_the_eager_step_to_float_tolerance(make_model, pro
 
 
 @needs_kernel
-def test_a_row_is_the_same_bits_alone_and_inside_a_tree_step():
+def test_a_row_is_the_same_bits_alone_and_inside_a_tree_step(pool):
     """Token 14 sees the cache and token 12 in the tree step; stepped alone after 12 it sees the same keys."""
     model = packed_model()
     prompt = [3, 9, 4, 1, 7]
@@ -79,7 +79,7 @@ def test_a_row_is_the_same_bits_alone_and_inside_a_tree_step():
 
 
 @needs_kernel
-def test_a_batched_row_is_the_same_bits_as_alone():
+def test_a_batched_row_is_the_same_bits_as_alone(pool):
     model = packed_model()
     alone_cache, shared_cache, other_cache = (new_cache(model, 32) for _ in range(3))
     with torch.no_grad():
@@ -104,6 +104,33 @@ def test_lookahead_equals_greedy_through_the_fused_step(make_model, config):
     assert fused.plan_for(model) is not None
     stop = StopCriteria(max_tokens=40)
     for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 9, 8, 7, 9, 8, 7], [30, 11, 4]):
+        greedy = [token for result in generate_autoregressive(model, prompt, stop) for token in result.token_ids]
+        ahead = [token for result in generate_lookahead(model, prompt, stop, lookahead=config)
+                 for token in result.token_ids]
+        assert ahead == greedy, prompt
+
+
+@needs_kernel
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_every_thread_count_gives_the_bits_of_one_thread(make_model, pool, monkeypatch):
+    # Every native call split (norms, rotary, attention's pairs, products, activation) over 2 or 3 threads: the
+    # logits and caches of a prefill and a tree step are those of one thread, bit for bit.
+    model = packed_model(make_model)
+    native.set_threads(1)
+    expected_logits, expected_caches = step(model, True, monkeypatch)
+    native.set_threads(pool)
+    logits, caches = step(model, True, monkeypatch)
+    assert all(torch.equal(got, expected) for got, expected in zip(logits, expected_logits, strict=True))
+    for cache, expected in zip(caches, expected_caches, strict=True):
+        for layer, expected_layer in zip(cache.layers, expected.layers, strict=True):
+            assert torch.equal(layer.keys, expected_layer.keys) and torch.equal(layer.values, expected_layer.values)
+
+
+@needs_kernel
+def test_lookahead_equals_greedy_at_every_thread_count(pool):
+    model = packed_model(tiny_llama, seed=3)
+    stop, config = StopCriteria(max_tokens=40), LookaheadConfig(2, 4, 4, copy_length=8)
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [30, 11, 4]):
         greedy = [token for result in generate_autoregressive(model, prompt, stop) for token in result.token_ids]
         ahead = [token for result in generate_lookahead(model, prompt, stop, lookahead=config)
                  for token in result.token_ids]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import shutil
+import threading
 
 import pytest
 import torch
@@ -56,6 +58,56 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(gemm, shape):
     alone = torch.cat([gemm(rows[i : i + 1], panels) for i in range(len(rows))])
     for count in range(2, len(rows) + 1):
         assert torch.equal(gemm(rows[:count], panels), alone[:count]), count
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(200, 576), (96, 1536), (40, 24), (400, 130)])
+def test_a_row_gives_the_same_bits_at_any_thread_count(gemm, pool, shape):
+    # The panels are cut into ranges run by the pool's threads (every call split, at 1, 2 and 3 threads): each
+    # element is still one thread's chain, so a row batched at any count equals the row alone on one thread.
+    torch.manual_seed(0)
+    panels = gemm.pack(torch.randn(*shape))
+    rows = torch.randn(26, shape[1])
+    native.set_threads(1)
+    alone = torch.cat([gemm(rows[i : i + 1], panels) for i in range(len(rows))])
+    native.set_threads(pool)
+    for count in range(1, len(rows) + 1):
+        assert torch.equal(gemm(rows[:count], panels), alone[:count]), count
+
+
+@needs_kernel
+def test_the_pool_takes_its_size_and_keeps_it_across_loads(gemm):
+    assert native.set_threads(3) == 3 and native.threads() == 3
+    native.forget()  # a library loaded again gets the size asked for
+    assert native.panel_gemm() is not None and native.threads() == 3
+    assert native.set_threads(0) == 1 and native.threads() == 1  # at least the calling thread
+
+
+@needs_kernel
+def test_calls_from_two_threads_at_once_give_the_same_bits(gemm, pool):
+    # One caller uses the workers at a time; another one meanwhile runs its chunks on its own thread.
+    torch.manual_seed(3)
+    panels = gemm.pack(torch.randn(400, 576))
+    rows = torch.randn(9, 576)
+    expected = gemm(rows, panels)
+    results = []
+    workers = [threading.Thread(target=lambda: results.extend(gemm(rows, panels) for _ in range(20)))
+               for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert len(results) == 40 and all(torch.equal(result, expected) for result in results)
+
+
+def test_the_library_is_named_by_every_source_and_header(monkeypatch, tmp_path):
+    sources = tmp_path / "csrc"
+    shutil.copytree(native.CSRC, sources)
+    monkeypatch.setattr(native, "CSRC", sources)
+    before = native.library_path()
+    header = sources / "thread_pool.h"
+    header.write_text(header.read_text() + "\n")
+    assert native.library_path() != before
 
 
 @needs_kernel

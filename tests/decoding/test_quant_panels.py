@@ -84,6 +84,21 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(gemm, name, shap
 
 @needs_kernel
 @pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_a_row_gives_the_same_bits_at_any_thread_count(gemm, pool, name):
+    # Every call split over 1, 2 and 3 threads (ranges of whole tiles, remainders at the end): each row batched
+    # equals the row alone on one thread, for 1-8 rows (one tile over K), bands and past 128 rows.
+    kernel = QuantKernel(quantized(name, 400, 224), gemm)
+    torch.manual_seed(4)
+    rows = torch.randn(140, 224)
+    native.set_threads(1)
+    alone = torch.cat([kernel(rows[i : i + 1]) for i in range(len(rows))])
+    native.set_threads(pool)
+    for count in [*range(1, 20), 33, 128, 129, 140]:
+        assert torch.equal(kernel(rows[:count]), alone[:count]), count
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_both_entries_give_the_same_bits(name):
     if not native.wide_cpu():
         pytest.skip("this CPU has no AVX-512")

@@ -6,6 +6,7 @@ import pytest
 
 import server.runtime
 from decoding import ModelLoadError
+from decoding.cores import usable_cores
 from decoding.params import LOOKAHEAD_BOUNDS, LookaheadConfig
 from server import cli, flags
 from server.config import (
@@ -250,6 +251,20 @@ def test_linear_flags_reach_the_config(monkeypatch, flag, field, value, default,
     assert getattr(cli.build_config(parse(["serve"])), field) == default
     with pytest.raises(SystemExit):
         parse(["serve", flag, bad])
+
+
+def test_threads_take_a_count_or_auto_and_the_cpu_preset_says_auto(monkeypatch, capsys):
+    monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
+    assert ServerConfig().threads == "auto" and load_config(device_preset="cpu").threads == "auto"
+    assert load_config(device_preset="cuda").threads == 0
+    assert cli.build_config(parse(["serve", "--threads", "3"])).threads == 3
+    assert cli.build_config(parse(["serve", "--threads", "auto"])).threads == "auto"
+    for bad in ("-1", "two"):
+        with pytest.raises(ConfigError, match="threads"):
+            cli.build_config(parse(["serve", "--threads", bad]))
+    assert cli.main(["config"]) == 0  # the listing says what auto gives here
+    assert f"(auto: {usable_cores()} here)" in next(line for line in capsys.readouterr().out.splitlines()
+                                                  if line.startswith("threads:"))
 
 
 def test_int8_with_the_packed_layout_is_refused(monkeypatch):
