@@ -4,8 +4,10 @@ Contract: ``StaticStep(model, pool)`` runs the same forward as ``decoding.packed
 model, ``supports``) for slices whose caches are rows of ``pool`` (``decoding.kv_cache.KVPool``), padded up to a
 ``Bucket``: ``sequences`` x ``tokens`` input tokens attending over ``attended`` cache slots. ``run(slices)``
 returns, per slice, the logits ``[len(logit_rows), vocab]`` of its ``logit_rows`` (a view of the bucket's output
-buffer, valid until the next ``run``) and their argmax ids as Python ints; each slice's cache grows by its token
-count, as in an eager forward. ``bucket(slices)`` says which bucket a step would run in (None: it does not fit,
+buffer, valid until the next ``run``) and their ids as Python ints (``decoding.choice.RowIds``: the argmax ids,
+and the top ``Slice.top_k`` ids of each row, computed on the device for up to ``top_k`` and read back with the
+argmax in the step's one device-to-host copy); each slice's cache grows by its token count, as in an eager
+forward. ``bucket(slices)`` says which bucket a step would run in (None: it does not fit,
 run it eagerly).
 
 Everything a step varies is data in one int64 input buffer, filled on the host and copied in one go: token ids,
@@ -34,7 +36,9 @@ from __future__ import annotations
 
 import array
 import functools
+import itertools
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,10 +46,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from decoding.choice import RowIds
 from decoding.engine import context_length
 from decoding.kv_cache import KVPool
 from decoding.packed import CUDA_BACKENDS, Slice
-from decoding.params import MAX_STEP_TOKENS
+from decoding.params import MAX_STEP_TOKENS, MAX_TOP_TOKENS
 from decoding.static_forward import (
     SEQUENCE_FIELDS,
     TOKEN_FIELDS,
@@ -166,25 +171,48 @@ def attended_lengths(row_capacity: int) -> tuple[int, ...]:
     return (*lengths, row_capacity)
 
 
+def _ranges(bucket: Bucket, pool_rows: int, vocab: int) -> dict[str, tuple[int, int]]:
+    """Each field's range ``[low, high)`` (``input_bounds``), a parent's high being its sequence's token count (it
+    must also come before its token: ``input_bounds`` holds each one's own)."""
+    return {
+        "token_ids": (0, vocab), "positions": (0, 2**62), "parents": (-1, bucket.tokens),
+        "read_rows": (0, bucket.sequences * bucket.tokens), "write_rows": (0, pool_rows),
+        "write_slots": (0, bucket.attended), "lengths": (0, bucket.attended - bucket.tokens + 1),
+        "rows": (0, pool_rows),
+    }
+
+
 def input_bounds(bucket: Bucket, pool_rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(low, high)``: for each int of ``bucket``'s input buffer (module contract), the range ``[low, high)`` the
     kernels that use it can index: token ids below ``vocab``; rows read within the step's tokens; pool rows
     (written and read) below ``pool_rows``; write slots below the attended length; each token's parent -1 or an
     earlier token of its sequence; cache lengths that leave room for the step's tokens."""
-    count, tokens, sequences = bucket.sequences * bucket.tokens, bucket.tokens, bucket.sequences
-    unbounded = 2**62
-    within = torch.arange(tokens).repeat(sequences)  # each token's index in its sequence
-    ranges = {
-        "token_ids": (0, vocab), "positions": (0, unbounded), "parents": (-1, within), "read_rows": (0, count),
-        "write_rows": (0, pool_rows), "write_slots": (0, bucket.attended),
-        "lengths": (0, bucket.attended - tokens + 1), "rows": (0, pool_rows),
-    }
+    count, sequences = bucket.sequences * bucket.tokens, bucket.sequences
+    ranges = _ranges(bucket, pool_rows, vocab)
     low, high = [], []
     for name in (*TOKEN_FIELDS, *SEQUENCE_FIELDS):
         size = count if name in TOKEN_FIELDS else sequences
-        for bounds, value in zip((low, high), ranges[name], strict=True):
-            bounds.append(value if isinstance(value, torch.Tensor) else torch.full((size,), value))
+        low.append(torch.full((size,), ranges[name][0]))
+        high.append(torch.arange(bucket.tokens).repeat(sequences) if name == "parents"
+                    else torch.full((size,), ranges[name][1]))
     return torch.cat(low), torch.cat(high)
+
+
+def within_bounds(fields: Sequence[Sequence[int]], limits: Sequence[tuple[int, int]], tokens: int) -> bool:
+    """Whether every int of the input buffer's ``fields`` (``TOKEN_FIELDS`` then ``SEQUENCE_FIELDS``, as Python
+    ints) lies in its range: ``limits`` per field (``_ranges``), each parent also before its token (``tokens`` per
+    sequence). What ``check_inputs`` checks, on the ints a step already holds: two passes of ``min``/``max`` per
+    field, no tensor.
+
+    >>> limits = list(_ranges(Bucket(1, 2, 64), pool_rows=3, vocab=10).values())
+    >>> fields = [[5, 6], [0, 1], [-1, 0], [0, 1], [0, 0], [62, 63], [62], [0]]
+    >>> within_bounds(fields, limits, 2), within_bounds([*fields[:2], [-1, 1], *fields[3:]], limits, 2)
+    (True, False)
+    """
+    for values, (low, high) in zip(fields, limits, strict=True):
+        if values and (min(values) < low or max(values) >= high):
+            return False
+    return not any(map(operator.ge, fields[2], itertools.cycle(range(tokens))))
 
 
 def check_inputs(values: torch.Tensor, bucket: Bucket, bounds: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -215,13 +243,18 @@ def check_inputs(values: torch.Tensor, bucket: Bucket, bounds: tuple[torch.Tenso
 
 
 class _Compiled:
-    """One bucket's device buffers and callable (eager, compiled, or a replayed CUDA graph)."""
+    """One bucket's buffers and callable (eager, compiled, or a replayed CUDA graph). ``host`` is the input buffer
+    on the host (pinned on CUDA; on the CPU the device's ``inputs`` itself), ``writable`` a view of its memory that
+    Python's ints are copied into without a tensor op."""
 
     def __init__(self, bucket: Bucket, device: torch.device, pinned: bool, pool_rows: int, vocab: int) -> None:
         self.bucket = bucket
         self.bounds = input_bounds(bucket, pool_rows, vocab)
+        self.limits = tuple(_ranges(bucket, pool_rows, vocab).values())
         self.host = torch.zeros(bucket.input_size, dtype=torch.long, pin_memory=pinned)
-        self.inputs = torch.zeros(bucket.input_size, dtype=torch.long, device=device)
+        self.writable = memoryview(self.host.numpy()).cast("B").cast("q")
+        self.inputs = self.host if device.type == "cpu" else torch.zeros(bucket.input_size, dtype=torch.long,
+                                                                           device=device)
         self.run: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
@@ -233,11 +266,13 @@ class StaticStep:
     (``decoding.batch.forward_batch`` counts them), ``replays`` and ``captures`` the graph replays and captures
     (``capture_seconds`` their total time; a rehearsal counts its own), ``capture_failures`` the captures that
     failed on a device still usable (the step then runs eagerly, logged once). ``rehearsal``: ``"graphs"`` off CUDA.
+    ``top_k``: the top ids every forward computes per read row (at most the vocabulary), for slices that want them
+    (``Slice.top_k``; a slice wanting more reads them off its logits itself).
     """
 
     def __init__(
         self, model: PreTrainedModel, pool: KVPool, mode: str = "eager", backend: str | Callable = "inductor",
-        max_bucket_tokens: int = MAX_BUCKET_TOKENS,
+        max_bucket_tokens: int = MAX_BUCKET_TOKENS, top_k: int = MAX_TOP_TOKENS,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -248,6 +283,7 @@ class StaticStep:
         self.rehearsal = mode == "graphs" and self.device.type != "cuda"
         self.weights = prepare_weights(model, "cuda" if mode == "graphs" else None)
         self.max_bucket_tokens = max_bucket_tokens
+        self.top_k = min(top_k, self.weights.embed.shape[0])
         self.attended = attended_lengths(pool.row_capacity)
         self.runs = self.eager = self.replays = self.captures = self.capture_failures = 0
         self.capture_seconds = 0.0
@@ -278,7 +314,7 @@ class StaticStep:
         attended = _round_up(reach, self.attended)
         return None if attended is None else Bucket(sequences, tokens, attended)
 
-    def run(self, slices: Sequence[Slice], bucket: Bucket | None = None) -> tuple[list[torch.Tensor], list[list[int]]]:
+    def run(self, slices: Sequence[Slice], bucket: Bucket | None = None) -> tuple[list[torch.Tensor], list[RowIds]]:
         """Run ``slices`` (they must fit: ``bucket(slices)`` is not None); see the module contract."""
         compiled = self.prepare(slices, bucket)
         return self.collect(slices, *self.launch(compiled))
@@ -291,38 +327,46 @@ class StaticStep:
             raise ValueError("these slices fit no static bucket")
         self.pool.flush()
         compiled = self._compiled(bucket)
-        self._fill(compiled.host, slices, bucket)
-        check_inputs(compiled.host, bucket, compiled.bounds)
-        compiled.inputs.copy_(compiled.host, non_blocking=True)
+        fields = self._fields(slices, bucket)
+        values = array.array("q")  # 8-byte ints, copied into the host buffer as they are
+        for field in fields:
+            values.extend(field)
+        if not within_bounds(fields, compiled.limits, bucket.tokens):
+            check_inputs(torch.frombuffer(values, dtype=torch.long), bucket, compiled.bounds)  # names the field
+        compiled.writable[:] = values
+        if compiled.inputs is not compiled.host:
+            compiled.inputs.copy_(compiled.host, non_blocking=True)
         return compiled
 
     def launch(self, compiled: _Compiled) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run (or replay) the prepared bucket: its logits ``[B, T, vocab]`` and argmax ``[B, T]`` buffers."""
+        """Run (or replay) the prepared bucket: its logits ``[B, T, vocab]`` and ids ``[B, 1 + top_k, T]`` buffers."""
         self.runs += 1
         return compiled.run()
 
     def collect(
-        self, slices: Sequence[Slice], logits: torch.Tensor, argmax: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """Read the step's argmax ids (its one device-to-host copy), grow each slice's cache by its tokens, and
-        split the outputs per slice."""
-        ids = argmax.tolist()
+        self, slices: Sequence[Slice], logits: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[RowIds]]:
+        """Read the step's ids (its one device-to-host copy: every read row's argmax and as many top ids as a slice
+        wants, ``Slice.top_k``), grow each slice's cache by its tokens, and split the outputs per slice."""
+        rows = max(slice_.row_count for slice_ in slices)
+        wanted = min(max(slice_.top_k for slice_ in slices), ids.shape[1] - 1)
+        read = ids[: len(slices), : 1 + wanted, :rows].tolist()
         results, predicted = [], []
         for index, slice_ in enumerate(slices):
-            rows = slice_.row_count
-            results.append(logits[index, :rows])
-            predicted.append(ids[index][:rows])
+            count, columns = slice_.row_count, read[index]
+            results.append(logits[index, :count])
+            if count < rows:
+                columns = [column[:count] for column in columns]
+            predicted.append(RowIds(columns[0], columns[1 : 1 + min(slice_.top_k, wanted)]))
             slice_.cache.advance(len(slice_.tokens))
         return results, predicted
 
-    def _fill(self, host: torch.Tensor, slices: Sequence[Slice], bucket: Bucket) -> None:
-        """Write the step's inputs (module contract) into the host buffer, from Python ints in one copy (a slice
-        without ``host_positions`` / ``host_rows`` has its tensors read instead)."""
+    def _fields(self, slices: Sequence[Slice], bucket: Bucket) -> list[list[int]]:
+        """The step's input fields (module contract; ``TOKEN_FIELDS`` then ``SEQUENCE_FIELDS``) as Python ints (a
+        slice without ``host_positions`` / ``host_rows`` has its tensors read instead)."""
         tokens = bucket.tokens
-        fields: list[list[int]] = [[] for _ in TOKEN_FIELDS]
-        ids, positions, parents, read_rows, write_rows, write_slots = fields
-        lengths: list[int] = []
-        rows: list[int] = []
+        fields: list[list[int]] = [[] for _ in (*TOKEN_FIELDS, *SEQUENCE_FIELDS)]
+        ids, positions, parents, read_rows, write_rows, write_slots, lengths, rows = fields
         for index in range(bucket.sequences):
             slice_ = slices[index] if index < len(slices) else None
             base = index * tokens
@@ -338,16 +382,13 @@ class StaticStep:
             ids += [0] * pad
             positions += [length + real] * pad  # padding: past the sequence, any finite value
             parents += [-1] * pad
-            read_rows += [base + r for r in read]
+            read_rows += [base + r for r in read] if base else read
             read_rows += [base] * (tokens - len(read))
             write_rows += [row] * tokens
             write_slots += range(length, length + tokens)
             lengths.append(length)
             rows.append(row)
-        values = array.array("q")  # 8-byte ints: ~10x faster into a tensor than torch.tensor(list)
-        for field in (*fields, lengths, rows):
-            values.extend(field)
-        host.copy_(torch.frombuffer(values, dtype=torch.long))
+        return fields
 
     def _compiled(self, bucket: Bucket) -> _Compiled:
         """The bucket's buffers and callable, built (and in ``"graphs"`` mode captured) on first use."""
@@ -361,7 +402,8 @@ class StaticStep:
             function = torch.compile(fresh_forward(), fullgraph=True, dynamic=False, backend=self.backend)
         else:
             function = static_forward
-        call = functools.partial(function, self.weights, caches, compiled.inputs, bucket.sequences, bucket.tokens)
+        call = functools.partial(function, self.weights, caches, compiled.inputs, bucket.sequences, bucket.tokens,
+                                 top_k=self.top_k)
         if self.mode != "graphs":
             compiled.run = self._kernels(call)
         elif self.rehearsal:
@@ -461,12 +503,12 @@ class StaticStep:
         compiled.inputs.copy_(host)
 
     def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and argmax buffers every captured bucket writes (one allocation, not one per graph)."""
+        """The logits and ids buffers every captured bucket writes (one allocation, not one per graph)."""
         if self._output_buffers is None:
             vocab = self.weights.head.shape[1]
             rows = self.max_bucket_tokens
             self._output_buffers = (torch.empty((rows, vocab), dtype=self.weights.embed.dtype, device=self.device),
-                                    torch.empty(rows, dtype=torch.long, device=self.device))
+                                    torch.empty(rows * (1 + self.top_k), dtype=torch.long, device=self.device))
         return self._output_buffers
 
     def _views(self, attended: int) -> tuple[torch.Tensor, ...]:

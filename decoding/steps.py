@@ -241,10 +241,10 @@ def adjusted(
     return adjust_logits(logits, sampling, sequence.stop, sequence.tokens, sequence.prompt_length, paths)
 
 
-def one_token_slice(sequence: SequenceState) -> Slice:
-    """A plain step's slice: ``last`` alone at its position, its logits read."""
+def one_token_slice(sequence: SequenceState, top_k: int = 0) -> Slice:
+    """A plain step's slice: ``last`` alone at its position, its logits read (and ``top_k`` top ids with them)."""
     position = len(sequence.tokens) - 1
-    return Slice([sequence.tokens[-1]], None, None, None, sequence.cache, (-1,), (position,), (0,))
+    return Slice([sequence.tokens[-1]], None, None, None, sequence.cache, (-1,), (position,), (0,), top_k=top_k)
 
 
 def finish_one_token(
