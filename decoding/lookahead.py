@@ -41,7 +41,7 @@ from decoding.steps import (
     step_logprobs,
 )
 from decoding.tree import TokenTree
-from decoding.verify import ChosenRows, Verdict, verify_constrained, verify_greedy
+from decoding.verify import ChosenRows, Verdict, verify_constrained, verify_greedy, verify_tree
 from decoding.window import step_layout, window_chains, window_logit_row
 
 
@@ -153,7 +153,7 @@ class LookaheadStep:
         verified = [*shape.candidates, *chains.tokens]
         scores = _adjust(logits, self.sampling, sequence, tree, width)
         predicted = _chosen(self.sampling, sequence, scores, argmax if scores is logits else None, tree, width, levels)
-        verdict = _verify(self.sampling, sequence, scores, predicted, verified, candidate_row)
+        verdict = _verify(self.sampling, sequence, scores, predicted, tree, chains.tokens, candidate_row, width)
         committed = sequence.accept(verdict.tokens)
         slots: Sequence[int] = ()
         if verdict.candidate is not None:
@@ -241,13 +241,21 @@ def _chosen(sampling: SamplingParams, sequence: SequenceState, scores: torch.Ten
 
 
 def _verify(sampling: SamplingParams, sequence: SequenceState, logits: torch.Tensor, predicted: ChosenRows,
-            candidates: list[Draft], candidate_row: Callable[[int, int], int]) -> Verdict:
-    """The greedy walk over the chosen rows; under a grammar, the walk that masks each row it reaches."""
+            tree: TokenTree, chains: Sequence[Draft], candidate_row: Callable[[int, int], int], width: int) -> Verdict:
+    """The greedy walk over the chosen rows: down the tree (``verify_tree``), then along the window's ``chains``
+    (candidates after the tree's: one wins only when it accepts more); under a grammar, the walk over every
+    candidate that masks each row it reaches."""
     constraint = sequence.constraint
     if constraint is not None:
         choose = row_chooser(sampling, sequence.seed, sequence.generated)
-        return verify_constrained(logits, candidates, candidate_row, constraint, choose)
-    return verify_greedy(predicted, candidates, candidate_row)
+        return verify_constrained(logits, [*tree.candidates, *chains], candidate_row, constraint, choose)
+    verdict = verify_tree(predicted, tree, lambda node: 1 + width + node)
+    if chains:
+        first = len(tree.candidates)
+        chained = verify_greedy(predicted, chains, lambda chain, k: candidate_row(first + chain, k))
+        if chained.num_accepted > verdict.num_accepted:
+            return Verdict(first + chained.candidate, chained.num_accepted, chained.tokens)
+    return verdict
 
 
 def _adjust(logits: torch.Tensor, sampling: SamplingParams, sequence: SequenceState, tree: TokenTree,

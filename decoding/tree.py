@@ -4,10 +4,10 @@ Contract: ``TokenTree.build(candidates)`` merges candidates (token tuples of any
 tokens after ``last``) into a trie. Each distinct prefix becomes one node, so one step verifies G candidates
 with fewer than G x K input tokens when they share prefixes (SpecInfer, Medusa). Nodes are numbered in order
 of first appearance, so a parent always comes before its children; ``parents[i]`` is node i's parent (-1: a
-child of ``last``), ``depths[i]`` its depth (1 = the token right after ``last``), ``index`` maps each node's
-prefix (the tokens from ``last`` down to it) to the node, and ``paths[c][k]`` (``path(c)[k]``) is the node holding
-candidate c's token k. Verification reads candidate c's token k at that node's logit row, so the verifiers keep
-working on the candidate lists they are given.
+child of ``last``), ``depths[i]`` its depth (1 = the token right after ``last``), ``owners[i]`` the first
+candidate through it, ``index`` maps each node's prefix (the tokens from ``last`` down to it) to the node, and
+``paths[c][k]`` (``path(c)[k]``) is the node holding candidate c's token k. Verification reads candidate c's
+token k at that node's logit row (``decoding.verify.verify_tree`` walks the tree itself).
 
 A step grows its tree as its drafts are gathered (``TreeBuilder``: the same trie, one candidate at a time, whose
 ``index`` also answers whether a draft is a prefix of one kept before) and joins the trees of its two gathers
@@ -38,6 +38,7 @@ class TokenTree:
     parents: tuple[int, ...]
     depths: tuple[int, ...]
     candidates: tuple[Draft, ...] = ()
+    owners: tuple[int, ...] = ()
     index: dict[Draft, int] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -101,7 +102,7 @@ class TokenTree:
             return self
         size = self.prefix_sizes()[count - 1] if count > 0 else 0
         return TokenTree(self.tokens[:size], self.parents[:size], self.depths[:size], self.candidates[:count],
-                         {prefix: node for prefix, node in self.index.items() if node < size})
+                         self.owners[:size], {prefix: node for prefix, node in self.index.items() if node < size})
 
     def merged(self, other: TokenTree) -> TokenTree:
         """The tree of this one's candidates followed by ``other``'s (what ``build`` of both gives), from the two
@@ -116,6 +117,7 @@ class TokenTree:
         if not self.candidates:
             return other
         index, tokens, parents, depths = dict(self.index), list(self.tokens), list(self.parents), list(self.depths)
+        owners, first = list(self.owners), len(self.candidates)
         renumbered: list[int] = []  # other's node i is node renumbered[i] here
         for prefix, node in other.index.items():
             here = index.get(prefix)
@@ -125,8 +127,10 @@ class TokenTree:
                 tokens.append(other.tokens[node])
                 parents.append(renumbered[parent] if parent >= 0 else -1)
                 depths.append(other.depths[node])
+                owners.append(first + other.owners[node])
             renumbered.append(here)
-        return TokenTree(tuple(tokens), tuple(parents), tuple(depths), self.candidates + other.candidates, index)
+        return TokenTree(tuple(tokens), tuple(parents), tuple(depths), self.candidates + other.candidates,
+                         tuple(owners), index)
 
     @property
     def depth(self) -> int:
@@ -149,6 +153,7 @@ class TreeBuilder:
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depths: list[int] = []
+        self.owners: list[int] = []
         self.candidates: list[Draft] = []
 
     def __contains__(self, draft: object) -> bool:
@@ -160,6 +165,7 @@ class TreeBuilder:
     def add(self, candidate: Draft) -> None:
         """Add ``candidate`` (a tuple): its prefixes not yet nodes become nodes. The prefixes held are closed under
         taking prefixes, so the walk looks up prefixes until the first one missing and adds every longer one."""
+        owner = len(self.candidates)
         self.candidates.append(candidate)
         index, known, parent = self.index, 0, -1
         if candidate in index:
@@ -174,9 +180,10 @@ class TreeBuilder:
             self.tokens.append(candidate[end - 1])
             self.parents.append(parent)
             self.depths.append(end)
+            self.owners.append(owner)
             parent = node
 
     def tree(self) -> TokenTree:
         """The tree of the candidates added so far."""
         return TokenTree(tuple(self.tokens), tuple(self.parents), tuple(self.depths), tuple(self.candidates),
-                         self.index)
+                         tuple(self.owners), self.index)
