@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -190,7 +190,9 @@ class LookaheadStep:
             self.context.index.extend(self.sequence.tokens, len(self.sequence.tokens) - 1)
         for proposer in self.proposers:
             far = reach.get(proposer.name)
-            proposer.feedback(self.context, replace(outcome, reach=None if far is None else far[1]))
+            own = None if far is None else far[1]
+            proposer.feedback(self.context, Outcome(outcome.committed, outcome.accepted, own, outcome.successors,
+                                                    outcome.runners_up))
 
 
 def _top(logits: torch.Tensor, ids: Sequence[int] | None, k: int, row_tokens: Sequence[int],

@@ -10,13 +10,14 @@ argmax in the step's one device-to-host copy); each slice's cache grows by its t
 forward. ``bucket(slices)`` says which bucket a step would run in (None: it does not fit,
 run it eagerly).
 
-Everything a step varies is data in one int64 input buffer, filled on the host and copied in one go: token ids,
-positions, each token's parent in the step (the mask is the ancestor closure of the parents, built on the device
-once per step), the rows to read, where each token's keys/values go (pool row, slot), each sequence's cache
-length and pool row. Keys/values are written by index (``index_put_``) and read with one gather per layer;
-attention runs over the bucket's attended length under an additive mask. Padding tokens of a real sequence are
-written in the scratch slots past its tokens; padding sequences use the pool's scratch row. Padding tokens see
-themselves (and their row's prefix), so no row is empty and no NaN arises; real tokens never see padding.
+Everything a step varies is data in one int64 input buffer (``decoding.static_inputs``), packed from Python ints on
+the host and copied in one go: token ids, positions, each token's parent in the step (the mask is the ancestor
+closure of the parents, built on the device once per step), the rows to read, each sequence's cache length and pool
+row (where its tokens' keys/values go: that row, from slot length on). Keys/values are written by index
+(``index_put_``) and read with one gather per layer; attention runs over the bucket's attended length under an
+additive mask. Padding tokens of a real sequence are written in the scratch slots past its tokens; padding sequences
+use the pool's scratch row. Padding tokens see themselves (and their row's prefix), so no row is empty and no NaN
+arises; real tokens never see padding.
 
 The forward itself is ``decoding.static_forward``: plain torch over fixed shapes, no host sync.
 
@@ -27,18 +28,17 @@ CUDA rehearses the capture: the forward takes CUDA's code path (``prepare_weight
 folded, attention outputs with CUDA's strides), each bucket is run on the capture's warm-up inputs into the shared
 output buffers, and a replay is a plain call; only the CUDA graph API is left out.
 
-Every index a step's kernels use is checked on the host before they run (``check_inputs``): a bad index is a
+Every index a step's kernels use is checked on the host before they run (``check_slices``, on the step's ints;
+``check_inputs`` on a whole buffer): a bad index is a
 ``StaticInputError`` naming the bucket, never a device-side assert (which would poison the CUDA context for the
 life of the process). A ``Bucket`` that cannot hold its tokens cannot be built.
 """
 
 from __future__ import annotations
 
-import array
 import functools
-import itertools
 import logging
-import operator
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,13 +52,22 @@ from decoding.kv_cache import KVPool
 from decoding.packed import CUDA_BACKENDS, Slice
 from decoding.params import MAX_STEP_TOKENS, MAX_TOP_TOKENS
 from decoding.static_forward import (
-    SEQUENCE_FIELDS,
-    TOKEN_FIELDS,
     fresh_forward,
     prepare_weights,
     static_forward,
     supports,
 )
+from decoding.static_inputs import (
+    Bucket,
+    StaticInputError,
+    check_inputs,
+    check_slices,
+    input_bounds,
+    step_values,
+)
+
+__all__ = ["Bucket", "StaticInputError", "StaticStats", "StaticStep", "attended_lengths", "bucket_shape",
+           "build_static_step", "check_inputs", "input_bounds", "warm_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -80,39 +89,6 @@ class StaticStats:
     captures: int
     capture_failures: int
     capture_seconds: float
-
-
-class StaticInputError(ValueError):
-    """A static step's inputs index outside its bucket, the KV pool or the vocabulary (the message names which)."""
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """A static step's shape: ``sequences`` x ``tokens`` input tokens, attending over ``attended`` cache slots.
-
-    A bucket whose tokens do not fit its attended slots cannot be built: its keys/values would be written past
-    the slots it attends over.
-
-    >>> Bucket(1, 96, 64)
-    Traceback (most recent call last):
-    ...
-    ValueError: Bucket(sequences=1, tokens=96, attended=64) cannot hold its tokens: 96 tokens > 64 attended slots
-    """
-
-    sequences: int
-    tokens: int
-    attended: int
-
-    def __post_init__(self) -> None:
-        if min(self.sequences, self.tokens) < 1:
-            raise ValueError(f"{self} has no tokens")
-        if self.tokens > self.attended:
-            raise ValueError(f"{self} cannot hold its tokens: {self.tokens} tokens > {self.attended} attended slots")
-
-    @property
-    def input_size(self) -> int:
-        """Ints in the step's input buffer."""
-        return len(TOKEN_FIELDS) * self.sequences * self.tokens + len(SEQUENCE_FIELDS) * self.sequences
 
 
 def _round_up(value: int, choices: Sequence[int]) -> int | None:
@@ -171,88 +147,16 @@ def attended_lengths(row_capacity: int) -> tuple[int, ...]:
     return (*lengths, row_capacity)
 
 
-def _ranges(bucket: Bucket, pool_rows: int, vocab: int) -> dict[str, tuple[int, int]]:
-    """Each field's range ``[low, high)`` (``input_bounds``), a parent's high being its sequence's token count (it
-    must also come before its token: ``input_bounds`` holds each one's own)."""
-    return {
-        "token_ids": (0, vocab), "positions": (0, 2**62), "parents": (-1, bucket.tokens),
-        "read_rows": (0, bucket.sequences * bucket.tokens), "write_rows": (0, pool_rows),
-        "write_slots": (0, bucket.attended), "lengths": (0, bucket.attended - bucket.tokens + 1),
-        "rows": (0, pool_rows),
-    }
-
-
-def input_bounds(bucket: Bucket, pool_rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(low, high)``: for each int of ``bucket``'s input buffer (module contract), the range ``[low, high)`` the
-    kernels that use it can index: token ids below ``vocab``; rows read within the step's tokens; pool rows
-    (written and read) below ``pool_rows``; write slots below the attended length; each token's parent -1 or an
-    earlier token of its sequence; cache lengths that leave room for the step's tokens."""
-    count, sequences = bucket.sequences * bucket.tokens, bucket.sequences
-    ranges = _ranges(bucket, pool_rows, vocab)
-    low, high = [], []
-    for name in (*TOKEN_FIELDS, *SEQUENCE_FIELDS):
-        size = count if name in TOKEN_FIELDS else sequences
-        low.append(torch.full((size,), ranges[name][0]))
-        high.append(torch.arange(bucket.tokens).repeat(sequences) if name == "parents"
-                    else torch.full((size,), ranges[name][1]))
-    return torch.cat(low), torch.cat(high)
-
-
-def within_bounds(fields: Sequence[Sequence[int]], limits: Sequence[tuple[int, int]], tokens: int) -> bool:
-    """Whether every int of the input buffer's ``fields`` (``TOKEN_FIELDS`` then ``SEQUENCE_FIELDS``, as Python
-    ints) lies in its range: ``limits`` per field (``_ranges``), each parent also before its token (``tokens`` per
-    sequence). What ``check_inputs`` checks, on the ints a step already holds: two passes of ``min``/``max`` per
-    field, no tensor.
-
-    >>> limits = list(_ranges(Bucket(1, 2, 64), pool_rows=3, vocab=10).values())
-    >>> fields = [[5, 6], [0, 1], [-1, 0], [0, 1], [0, 0], [62, 63], [62], [0]]
-    >>> within_bounds(fields, limits, 2), within_bounds([*fields[:2], [-1, 1], *fields[3:]], limits, 2)
-    (True, False)
-    """
-    for values, (low, high) in zip(fields, limits, strict=True):
-        if values and (min(values) < low or max(values) >= high):
-            return False
-    return not any(map(operator.ge, fields[2], itertools.cycle(range(tokens))))
-
-
-def check_inputs(values: torch.Tensor, bucket: Bucket, bounds: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Raise ``StaticInputError``, naming ``bucket``, the field and the value, unless every int of the host input
-    buffer ``values`` lies in its range (``bounds``: ``input_bounds(bucket, ...)``). Three small ops when all is
-    well (a few microseconds); a step that passes cannot index out of range on the device.
-
-    >>> bucket = Bucket(1, 2, 64)
-    >>> bounds = input_bounds(bucket, pool_rows=3, vocab=10)
-    >>> check_inputs(torch.tensor([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 62, 63, 62, 0]), bucket, bounds)
-    >>> check_inputs(torch.tensor([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 63, 64, 63, 0]), bucket, bounds)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    decoding.static.StaticInputError: Bucket(sequences=1, tokens=2, attended=64): write_slots[1] holds 64, ...
-    """
-    low, high = bounds
-    outside = torch.logical_or(values < low, values >= high)
-    if not outside.any():
-        return
-    index = int(outside.nonzero()[0])
-    count = bucket.sequences * bucket.tokens
-    field = index // count if index < len(TOKEN_FIELDS) * count else len(TOKEN_FIELDS) + (
-        index - len(TOKEN_FIELDS) * count) // bucket.sequences
-    offset = index % count if field < len(TOKEN_FIELDS) else (index - len(TOKEN_FIELDS) * count) % bucket.sequences
-    name = (*TOKEN_FIELDS, *SEQUENCE_FIELDS)[field]
-    raise StaticInputError(f"{bucket}: {name}[{offset}] holds {int(values[index])}, outside "
-                           f"[{int(low[index])}, {int(high[index])})")
-
-
 class _Compiled:
     """One bucket's buffers and callable (eager, compiled, or a replayed CUDA graph). ``host`` is the input buffer
-    on the host (pinned on CUDA; on the CPU the device's ``inputs`` itself), ``writable`` a view of its memory that
-    Python's ints are copied into without a tensor op."""
+    on the host (pinned on CUDA; on the CPU the device's ``inputs`` itself), ``writable`` its memory, which
+    ``packer`` packs a step's Python ints into without a tensor op."""
 
-    def __init__(self, bucket: Bucket, device: torch.device, pinned: bool, pool_rows: int, vocab: int) -> None:
+    def __init__(self, bucket: Bucket, device: torch.device, pinned: bool) -> None:
         self.bucket = bucket
-        self.bounds = input_bounds(bucket, pool_rows, vocab)
-        self.limits = tuple(_ranges(bucket, pool_rows, vocab).values())
         self.host = torch.zeros(bucket.input_size, dtype=torch.long, pin_memory=pinned)
-        self.writable = memoryview(self.host.numpy()).cast("B").cast("q")
+        self.writable = memoryview(self.host.numpy()).cast("B")
+        self.packer = struct.Struct(f"={bucket.input_size}q")
         self.inputs = self.host if device.type == "cpu" else torch.zeros(bucket.input_size, dtype=torch.long,
                                                                            device=device)
         self.run: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -283,7 +187,8 @@ class StaticStep:
         self.rehearsal = mode == "graphs" and self.device.type != "cuda"
         self.weights = prepare_weights(model, "cuda" if mode == "graphs" else None)
         self.max_bucket_tokens = max_bucket_tokens
-        self.top_k = min(top_k, self.weights.embed.shape[0])
+        self.vocab = self.weights.embed.shape[0]
+        self.top_k = min(top_k, self.vocab)
         self.attended = attended_lengths(pool.row_capacity)
         self.runs = self.eager = self.replays = self.captures = self.capture_failures = 0
         self.capture_seconds = 0.0
@@ -327,13 +232,9 @@ class StaticStep:
             raise ValueError("these slices fit no static bucket")
         self.pool.flush()
         compiled = self._compiled(bucket)
-        fields = self._fields(slices, bucket)
-        values = array.array("q")  # 8-byte ints, copied into the host buffer as they are
-        for field in fields:
-            values.extend(field)
-        if not within_bounds(fields, compiled.limits, bucket.tokens):
-            check_inputs(torch.frombuffer(values, dtype=torch.long), bucket, compiled.bounds)  # names the field
-        compiled.writable[:] = values
+        values = step_values(slices, bucket, self.pool.scratch_row)
+        check_slices(values, bucket, self.pool.sequences + 1, self.vocab)
+        compiled.packer.pack_into(compiled.writable, 0, *values)
         if compiled.inputs is not compiled.host:
             compiled.inputs.copy_(compiled.host, non_blocking=True)
         return compiled
@@ -361,42 +262,12 @@ class StaticStep:
             slice_.cache.advance(len(slice_.tokens))
         return results, predicted
 
-    def _fields(self, slices: Sequence[Slice], bucket: Bucket) -> list[list[int]]:
-        """The step's input fields (module contract; ``TOKEN_FIELDS`` then ``SEQUENCE_FIELDS``) as Python ints (a
-        slice without ``host_positions`` / ``host_rows`` has its tensors read instead)."""
-        tokens = bucket.tokens
-        fields: list[list[int]] = [[] for _ in (*TOKEN_FIELDS, *SEQUENCE_FIELDS)]
-        ids, positions, parents, read_rows, write_rows, write_slots, lengths, rows = fields
-        for index in range(bucket.sequences):
-            slice_ = slices[index] if index < len(slices) else None
-            base = index * tokens
-            if slice_ is None:  # a padding sequence: the scratch row, nothing cached
-                real, length, row, read = 0, 0, self.pool.scratch_row, ()
-            else:
-                real, length, row = len(slice_.tokens), slice_.cache.length, slice_.cache.pool_row
-                ids += slice_.tokens
-                positions += slice_.host_positions if slice_.host_positions is not None else slice_.positions.tolist()
-                parents += slice_.parents if slice_.parents is not None else range(-1, real - 1)
-                read = slice_.host_rows if slice_.host_rows is not None else slice_.logit_rows.tolist()
-            pad = tokens - real
-            ids += [0] * pad
-            positions += [length + real] * pad  # padding: past the sequence, any finite value
-            parents += [-1] * pad
-            read_rows += [base + r for r in read] if base else read
-            read_rows += [base] * (tokens - len(read))
-            write_rows += [row] * tokens
-            write_slots += range(length, length + tokens)
-            lengths.append(length)
-            rows.append(row)
-        return fields
-
     def _compiled(self, bucket: Bucket) -> _Compiled:
         """The bucket's buffers and callable, built (and in ``"graphs"`` mode captured) on first use."""
         compiled = self._buckets.get(bucket)
         if compiled is not None:
             return compiled
-        compiled = _Compiled(bucket, self.device, self.device.type == "cuda", self.pool.sequences + 1,
-                             self.weights.embed.shape[0])
+        compiled = _Compiled(bucket, self.device, self.device.type == "cuda")
         caches = self._views(bucket.attended)
         if self.mode == "compile":
             function = torch.compile(fresh_forward(), fullgraph=True, dynamic=False, backend=self.backend)
@@ -494,12 +365,9 @@ class StaticStep:
         bucket = compiled.bucket
         count = bucket.sequences * bucket.tokens
         host = torch.zeros(bucket.input_size, dtype=torch.long)
-        parents_start, rows_field = 2 * count, 4 * count
-        host[parents_start : parents_start + count] = -1
-        host[rows_field : rows_field + count] = self.pool.scratch_row
-        host[5 * count : 6 * count] = torch.arange(bucket.tokens).repeat(bucket.sequences)
-        host[6 * count + bucket.sequences :] = self.pool.scratch_row
-        check_inputs(host, bucket, compiled.bounds)
+        host[2 * count : 3 * count] = -1  # parents: none
+        host[4 * count + bucket.sequences :] = self.pool.scratch_row  # rows (lengths 0: slots 0.., all in scratch)
+        check_inputs(host, bucket, input_bounds(bucket, self.pool.sequences + 1, self.vocab))
         compiled.inputs.copy_(host)
 
     def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,9 @@ from transformers import PreTrainedModel
 
 from decoding import lean
 
-# The input buffer's fields, in order: six of ``sequences * tokens`` ints, then two of ``sequences``.
-TOKEN_FIELDS = ("token_ids", "positions", "parents", "read_rows", "write_rows", "write_slots")
+# The input buffer's fields, in order: four of ``sequences * tokens`` ints, then two of ``sequences`` (a token's keys
+# and values go to its sequence's pool row, at the sequence's length plus the token's index: derived on the device).
+TOKEN_FIELDS = ("token_ids", "positions", "parents", "read_rows")
 SEQUENCE_FIELDS = ("lengths", "rows")
 
 
@@ -217,7 +218,7 @@ def static_forward(
     bucket) when it is given."""
     count = sequences * tokens
     sizes = [count] * len(TOKEN_FIELDS) + [sequences] * len(SEQUENCE_FIELDS)
-    token_ids, positions, parents, read_rows, write_rows, write_slots, lengths, rows = inputs.split(sizes)
+    token_ids, positions, parents, read_rows, lengths, rows = inputs.split(sizes)
     dtype = weights.embed.dtype
     hidden = F.embedding(token_ids, weights.embed)  # [n, hidden]
     rotation = _rotation(weights, positions, dtype)
@@ -225,7 +226,9 @@ def static_forward(
     group = weights.heads // weights.kv_heads
     if weights.fold_groups:
         mask = mask.repeat(1, 1, group, 1)
-    destination = (write_rows.unsqueeze(1), weights.kv_columns, write_slots.unsqueeze(1))  # [n, 1], [2 kv], [n, 1]
+    write_rows = rows.unsqueeze(1).expand(sequences, tokens).reshape(count, 1)  # [n, 1]
+    write_slots = (lengths.unsqueeze(1) + torch.arange(tokens, device=lengths.device)).view(count, 1)  # [n, 1]
+    destination = (write_rows, weights.kv_columns, write_slots)  # [n, 1], [2 kv], [n, 1]
     for layer, cache in zip(weights.layers, caches, strict=True):
         hidden = _attention_block(weights, layer, cache, hidden, rotation, mask, destination, rows, sequences)
         normed = _rms_norm(hidden, layer.post_norm, weights.eps)
