@@ -307,7 +307,9 @@ def _reach(offered: Sequence[tuple[str, Sequence[Draft]]], verified: Sequence[Dr
         prefixes = {tuple(draft[:end]) for draft in verified for end in range(1, len(draft) + 1)}
     for source, drafts in offered:
         runs.setdefault(source, []).extend(draft for draft in drafts if draft in prefixes)
-    return {source: (max(map(len, drafts)), max(common_prefix(draft, accepted) for draft in drafts))
+    first = accepted[0] if accepted else None  # a draft that misses it reaches 0 (most do)
+    return {source: (max(map(len, drafts)),
+                     max((common_prefix(draft, accepted) for draft in drafts if draft[0] == first), default=0))
             for source, drafts in runs.items() if drafts}
 
 

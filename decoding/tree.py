@@ -164,12 +164,17 @@ class TreeBuilder:
 
     def add(self, candidate: Draft) -> None:
         """Add ``candidate`` (a tuple): its prefixes not yet nodes become nodes. The prefixes held are closed under
-        taking prefixes, so the walk looks up prefixes until the first one missing and adds every longer one."""
+        taking prefixes, so the walk looks up prefixes until the first one missing and adds every longer one (or,
+        when all but the last token is there, adds the last)."""
         owner = len(self.candidates)
         self.candidates.append(candidate)
         index, known, parent = self.index, 0, -1
         if candidate in index:
             return
+        if len(candidate) > 1:  # most often all but its last token is there (a tree's leaves, a longer copy)
+            node = index.get(candidate[:-1])
+            if node is not None:
+                parent, known = node, len(candidate) - 1
         while known < len(candidate):
             node = index.get(candidate[: known + 1])
             if node is None:

@@ -173,29 +173,30 @@ def best_first(table: dict[int, Sequence[int]], last: int, odds: Sequence[float]
     paths: list[Draft] = []
     ranks: list[int] = []
     parents: list[int] = []
-
-    def expand(index: int, path: Draft, score: float, token: int) -> None:
-        """Put the best child of the node ``index`` (``path``, ``score``, whose token is ``token``) in the heap."""
+    push, pop = heapq.heappush, heapq.heappop
+    index, path, score, token = -1, (), 1.0, last
+    while True:
+        # the node just taken (``last`` first) puts its best child in the heap
         successors = table.get(token, ())[:top_k] if len(path) < TREE_DEPTH else ()
-        if not successors:
-            return
-        if order is None:
-            ranked = sorted(range(len(successors)), key=lambda rank: (-score * odds[rank], rank))
-        else:
-            ranked = order if len(successors) == top_k else [rank for rank in order if rank < len(successors)]
-        heapq.heappush(heap, (-score * odds[ranked[0]], index, 0, ranked, successors, path, score))
-
-    expand(-1, (), 1.0, last)
-    while heap and len(paths) < nodes:
-        negative, parent, at, ranked, successors, path, score = heapq.heappop(heap)
+        if successors:
+            if order is None:
+                ranked = sorted(range(len(successors)), key=lambda rank: (-score * odds[rank], rank))  # noqa: B023
+            else:
+                ranked = order if len(successors) == top_k else [rank for rank in order if rank < len(successors)]
+            push(heap, (-score * odds[ranked[0]], index, 0, ranked, successors, path, score))
+        if not heap or len(paths) >= nodes:
+            break
+        negative, parent, at, ranked, successors, parent_path, parent_score = pop(heap)
         if at + 1 < len(ranked):  # the parent's next best child takes its place
-            heapq.heappush(heap, (-score * odds[ranked[at + 1]], parent, at + 1, ranked, successors, path, score))
+            push(heap, (-parent_score * odds[ranked[at + 1]], parent, at + 1, ranked, successors, parent_path,
+                        parent_score))
         rank = ranked[at]
-        child = (*path, successors[rank])
-        paths.append(child)
+        token = successors[rank]
+        path = (*parent_path, token)
+        paths.append(path)
         ranks.append(rank)
         parents.append(parent)
-        expand(len(paths) - 1, child, -negative, child[-1])
+        index, score = len(paths) - 1, -negative
     inner = set(parents)
     return BestFirst(paths, ranks, parents, [path for index, path in enumerate(paths) if index not in inner])
 
