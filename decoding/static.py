@@ -36,6 +36,7 @@ life of the process). A ``Bucket`` that cannot hold its tokens cannot be built.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import struct
@@ -93,9 +94,17 @@ class StaticStats:
 
 def _round_up(value: int, choices: Sequence[int]) -> int | None:
     """The smallest of ``choices`` (ascending) that is at least ``value``; None when none is."""
-    return next((choice for choice in choices if choice >= value), None)
+    at = bisect.bisect_left(choices, value)
+    return choices[at] if at < len(choices) else None
 
 
+@functools.lru_cache(maxsize=4096)
+def _bucket(sequences: int, tokens: int, attended: int) -> Bucket:
+    """``Bucket(sequences, tokens, attended)``, made once per shape (a step asks for one every time)."""
+    return Bucket(sequences, tokens, attended)
+
+
+@functools.lru_cache(maxsize=4096)
 def bucket_shape(
     sequences: int, tokens: int, max_sequences: int = SEQUENCE_BUCKETS[-1], max_tokens: int = MAX_BUCKET_TOKENS
 ) -> tuple[int, int] | None:
@@ -217,7 +226,7 @@ class StaticStep:
                 return None
             reach = max(reach, slice_.cache.length + tokens)
         attended = _round_up(reach, self.attended)
-        return None if attended is None else Bucket(sequences, tokens, attended)
+        return None if attended is None else _bucket(sequences, tokens, attended)
 
     def run(self, slices: Sequence[Slice], bucket: Bucket | None = None) -> tuple[list[torch.Tensor], list[RowIds]]:
         """Run ``slices`` (they must fit: ``bucket(slices)`` is not None); see the module contract."""

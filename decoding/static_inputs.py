@@ -14,6 +14,7 @@ and ``max`` of each, a few passes), never a tensor.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Sequence
@@ -58,9 +59,10 @@ class Bucket:
         return len(TOKEN_FIELDS) * self.sequences * self.tokens + len(SEQUENCE_FIELDS) * self.sequences
 
 
+@functools.lru_cache(maxsize=1024)
 def _ranges(bucket: Bucket, pool_rows: int, vocab: int) -> dict[str, tuple[int, int]]:
     """Each field's range ``[low, high)`` (``input_bounds``), a parent's high being its sequence's token count (it
-    must also come before its token)."""
+    must also come before its token). Cached: read only."""
     return {
         "token_ids": (0, vocab), "positions": (0, 2**62), "parents": (-1, bucket.tokens),
         "read_rows": (0, bucket.sequences * bucket.tokens), "lengths": (0, bucket.attended - bucket.tokens + 1),
