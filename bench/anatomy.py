@@ -3,20 +3,24 @@
 Contract: ``python -m bench anatomy [--preset cpu|cuda] [--json FILE]`` (``main(argv)``) decodes with a greedy
 and a lookahead stream of the preset (its W/N/G, copies and batch policy) on ``tiny_deep_llama``: the default
 model's depth (30 LLaMA layers) at a tiny width, so that a forward's arithmetic is negligible and what is left is
-the work a GPU step pays on the host. Each is run twice: through today's eager path (``forward_packed``) and
-through the static step (``decoding.static``, eager mode on the CPU). It prints, per path and stream:
+the work a GPU step pays on the host. Each is run twice, each step one ``BatchEngine.step()`` (the server's engine
+step, whole): through today's eager path (``forward_packed``) and through the static step (``decoding.static``,
+eager mode on the CPU). It prints, per path and stream:
 
-- ``host_ms``: CPU thread milliseconds per step outside the model's forward (median over the decode), and per
-  phase: ``plan`` (propose, allocate, layout), ``inputs`` (the static step's input buffer; the eager path builds
-  its inputs and masks inside ``forward_packed``, outside ``lean.forward``: counted there), ``commit`` (staging
-  the pool's deferred KV moves: their index, copied without blocking), ``read`` (the step's results to Python)
-  and ``finish`` (verify, commit, pool). The moves themselves (a gather and a scatter: two kernels on a GPU, the
-  CPU's memory latency here) are device work like the forward: ``commit_device_ms``, outside ``host_ms``.
-  The forward is ``lean.forward`` (eager) or the static forward's launch (static: its mask is built inside it,
-  as on a GPU).
-- ``aten_ops_forward``: ATen ops dispatched by one forward (``count_aten_ops``), at the decode's median step.
-- ``syncs_in_step`` / ``syncs_in_static``: blocking host-device copies per step (``SyncCounter``), in the whole
-  step and inside the forward.
+- ``step_host_ms`` (also ``host_ms``): CPU thread milliseconds per engine step, the device's work excluded (median
+  over the decode), and per phase (each exclusive of the others): ``plan`` (propose, allocate, layout),
+  ``inputs`` (the static step's input buffer and its check; the eager path builds its inputs and masks inside
+  ``forward_packed``, outside ``lean.forward``: counted there), ``commit`` (staging the pool's deferred KV moves:
+  their index, copied without blocking), ``read`` (the step's results to Python), ``finish`` (verify, commit,
+  pool, proposers' feedback, the stream's ``Step``) and ``other`` (the engine's own bookkeeping: the bucket, the
+  results). The device's work is the forward (``lean.forward``, or the static forward's launch: its mask is built
+  inside it, as on a GPU) and the KV moves (a gather and a scatter: ``commit_device_ms``).
+- ``kernels_per_forward`` (also ``aten_ops_forward``): ATen ops dispatched by one forward (``count_aten_ops``) at
+  the decode's median step: ATen ops, not yet the kernels an inductor-compiled graph would launch (it fuses many).
+- ``reads_per_step``: device-to-host reads into Python per step (``item``, ``tolist``, ``bool()`` ...; median, and
+  ``reads_per_step_max``); ``syncs_in_step``: those plus blocking host-to-device copies (``SyncCounter``);
+  ``syncs_in_static``: those inside the forward. Counted in a second, identical decode, so that the counter's own
+  Python is not timed.
 - ``graphs_per_bucket``: graphs ``torch.compile(fullgraph=True, dynamic=False)`` made for each bucket over a whole
   decode, recompiles made errors (static path only).
 
@@ -43,11 +47,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.report import write_json
 from bench.settings import batch_policy
 from decoding import lean
-from decoding.batch import BatchPolicy, finish_batch, forward_batch, plan_batch
-from decoding.engine import DecodeStream
+from decoding.batch import BatchEngine, BatchPolicy, forward_batch
 from decoding.kv_cache import KVPool
 from decoding.params import LookaheadConfig, StopCriteria
 from decoding.static import StaticStep
+from decoding.steps import Step
 from server.config import load_config
 
 DEPTH = 30  # the default model's layers
@@ -95,6 +99,7 @@ class SyncCounter(TorchFunctionMode):
         super().__init__()
         self.device = torch.device(device)
         self.calls: list[str] = []
+        self.reads = 0  # of which reads into Python (device-to-host)
 
     @property
     def count(self) -> int:
@@ -102,8 +107,10 @@ class SyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _READS or self._blocking_copy(func, args, kwargs):
+        read = func in _READS
+        if read or self._blocking_copy(func, args, kwargs):
             self.calls.append(getattr(func, "__name__", str(func)))
+            self.reads += read
         return func(*args, **kwargs)
 
     def _blocking_copy(self, func, args: tuple, kwargs: dict) -> bool:
@@ -134,105 +141,137 @@ def anatomy_prompt(vocab: int, length: int = PROMPT_TOKENS) -> list[int]:
     return [(token + (index // 36)) % vocab for index, token in enumerate(phrase * (length // 12 + 1))][:length]
 
 
-@dataclasses.dataclass
 class _Clock:
-    """Thread-time totals per phase of one step."""
+    """Thread time per phase of one engine step: ``wrap`` makes a callable count as a phase, exclusive of the
+    phases it calls (so that the phases add up to at most the step)."""
 
-    phases: dict[str, float] = dataclasses.field(default_factory=Counter)
+    def __init__(self) -> None:
+        self.phases: Counter[str] = Counter()
+        self._open: list[str] = []
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        started = time.thread_time()
-        try:
-            yield
-        finally:
-            self.phases[name] += time.thread_time() - started
+    def wrap(self, name: str, function: Callable) -> Callable:
+        """``function``, its time counted as phase ``name`` (less the wrapped phases inside it)."""
+
+        def timed(*args, **kwargs):
+            self._open.append(name)
+            started = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent = time.thread_time() - started
+                self._open.pop()
+                self.phases[name] += spent
+                if self._open:
+                    self.phases[self._open[-1]] -= spent
+
+        return timed
+
+    def reset(self) -> None:
+        self.phases = Counter()
 
 
 @contextlib.contextmanager
-def _timed_lean_forward(clock: _Clock) -> Iterator[None]:
-    """Count ``decoding.lean.forward`` (the eager path's model forward) as the ``forward`` phase."""
-    original = lean.forward
-
-    def timed(*args, **kwargs):
-        with clock.phase("forward"):
-            return original(*args, **kwargs)
-
-    lean.forward = timed
+def _patched(patches: Sequence[tuple[object, str, Callable]]) -> Iterator[None]:
+    """Set each ``(owner, attribute, value)`` for the block, then put the originals back."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        lean.forward = original
+        for owner, name, value in reversed(originals):
+            setattr(owner, name, value)
 
 
-def _step(streams: list[DecodeStream], policy: BatchPolicy, static: StaticStep | None, clock: _Clock) -> list:
-    """One batched step of ``streams``, as ``decoding.batch.step_batch`` takes it, each phase on ``clock``."""
-    results: list = [None] * len(streams)
-    with clock.phase("plan"):
-        planned, slices = plan_batch(streams, policy, results)
-    bucket = static.bucket(slices) if static is not None else None
-    with torch.inference_mode():
-        if bucket is None:
-            with clock.phase("eager_forward"):
-                logits, argmax = forward_batch(streams[0].model, slices)
-        else:
-            with clock.phase("commit"):
-                staged = static.pool.stage_moves()
-            with clock.phase("commit_device"):  # two kernels on a GPU: device work, like the forward
-                static.pool.apply_moves(staged)
-            with clock.phase("inputs"):
-                compiled = static.prepare(slices, bucket)
-            with clock.phase("forward"):
-                outputs = static.launch(compiled)
-            with clock.phase("read"):
-                logits, argmax = static.collect(slices, *outputs)
-    with clock.phase("finish"):
-        finish_batch(streams, planned, logits, argmax, results)
-    return results
+def _phases(clock: _Clock, static: StaticStep | None) -> list[tuple[object, str, Callable]]:
+    """What to patch so that ``clock`` splits an engine step into the module contract's phases."""
+    from decoding import batch
+
+    patches = [(batch, "plan_batch", clock.wrap("plan", batch.plan_batch)),
+               (batch, "finish_batch", clock.wrap("finish", batch.finish_batch)),
+               (batch, "forward_packed", clock.wrap("inputs", batch.forward_packed)),  # less lean.forward
+               (lean, "forward", clock.wrap("forward", lean.forward))]
+    if static is not None:
+        pool = static.pool
+        patches += [(static, "prepare", clock.wrap("inputs", static.prepare)),
+                    (pool, "stage_moves", clock.wrap("commit", pool.stage_moves)),
+                    (pool, "apply_moves", clock.wrap("commit_device", pool.apply_moves)),
+                    (static, "launch", clock.wrap("forward", static.launch)),
+                    (static, "collect", clock.wrap("read", static.collect))]
+    return patches
+
+
+def _decode(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
+            static: StaticStep | None, max_tokens: int) -> BatchEngine:
+    """An engine (as the server's: ``BatchEngine``, the static step's pool) with one decode of the anatomy prompt."""
+    engine = BatchEngine(model, policy, static=static)
+    engine.add(0, anatomy_prompt(model.config.vocab_size), StopCriteria(max_tokens, frozenset()), lookahead=lookahead)
+    return engine
+
+
+def _engine_step(engine: BatchEngine) -> Step:
+    """One ``engine.step()``: the decode's step (raised if it failed)."""
+    ((_, step),) = engine.step()
+    if isinstance(step, BaseException):
+        raise step
+    return step
 
 
 def measure_decode(
     model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy, static: StaticStep | None,
     max_tokens: int = DECODE_TOKENS,
 ) -> dict:
-    """Decode one stream (prefill excluded from the figures) and report the module contract's measures."""
-    pool = static.pool if static is not None else None
-    stream = DecodeStream(model, anatomy_prompt(model.config.vocab_size), StopCriteria(max_tokens, frozenset()),
-                          lookahead=lookahead, pool=pool)
+    """Decode one stream through ``BatchEngine.step`` (prefill excluded from the figures) and report the module
+    contract's measures: timed in one decode, the syncs counted in a second, identical one (the counter's own
+    Python would be timed too)."""
+    clock = _Clock()
+    engine = _decode(model, lookahead, policy, static, max_tokens)
     per_step: list[dict[str, float]] = []
-    syncs: list[int] = []
     tokens: list[int] = []
-    while not stream.finished:
-        prefill = stream.sequence.cache.length < stream.sequence.prompt_length
-        clock = _Clock()
-        counter = SyncCounter(model.device)
-        with _timed_lean_forward(clock), counter:
+    with torch.inference_mode(), _patched(_phases(clock, static)):
+        while engine.has_work:
+            clock.reset()
             started = time.thread_time()
-            (step,) = _step([stream], policy, static, clock)
+            step = _engine_step(engine)
             total = time.thread_time() - started
-        if isinstance(step, BaseException):
-            raise step
-        if prefill:
-            continue
-        if "eager_forward" in clock.phases:  # forward_packed outside lean.forward: its inputs, masks, dispatch
-            clock.phases["inputs"] += clock.phases.pop("eager_forward") - clock.phases.get("forward", 0.0)
-        device = clock.phases.get("forward", 0.0) + clock.phases.get("commit_device", 0.0)
-        per_step.append({**clock.phases, "host": total - device})
-        syncs.append(counter.count)
-        tokens.append(step.stats.input_tokens)
-    stream.close()
+            if step.stats.prefill:
+                continue
+            phases = dict(clock.phases)
+            device = phases.get("forward", 0.0) + phases.get("commit_device", 0.0)
+            per_step.append({**phases, "other": total - sum(phases.values()), "host": total - device})
+            tokens.append(step.stats.input_tokens)
+    syncs, reads = _count_syncs(model, lookahead, policy, static, max_tokens)
     phases = sorted({name for step in per_step for name in step} - {"forward", "host", "commit_device"})
-    median_tokens = statistics.median_low(tokens)
+    host_ms = round(1000 * statistics.median(step["host"] for step in per_step), 3)
     return {
         "steps": len(per_step),
-        "median_step_tokens": median_tokens,
-        "host_ms": round(1000 * statistics.median(step["host"] for step in per_step), 3),
+        "median_step_tokens": statistics.median_low(tokens),
+        "host_ms": host_ms,
+        "step_host_ms": host_ms,
         "phases_ms": {name: round(1000 * statistics.median(step.get(name, 0.0) for step in per_step), 3)
                       for name in phases},
         "forward_ms": round(1000 * statistics.median(step.get("forward", 0.0) for step in per_step), 3),
         "commit_device_ms": round(1000 * statistics.median(step.get("commit_device", 0.0) for step in per_step), 3),
         "syncs_in_step": statistics.median_low(syncs),
+        "reads_per_step": statistics.median_low(reads),
+        "reads_per_step_max": max(reads),
     }
+
+
+def _count_syncs(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
+                 static: StaticStep | None, max_tokens: int) -> tuple[list[int], list[int]]:
+    """Per decode step (prefill excluded): the blocking copies and reads (``SyncCounter``), and the reads alone."""
+    engine = _decode(model, lookahead, policy, static, max_tokens)
+    syncs: list[int] = []
+    reads: list[int] = []
+    with torch.inference_mode():
+        while engine.has_work:
+            with SyncCounter(model.device) as counter:
+                step = _engine_step(engine)
+            if not step.stats.prefill:
+                syncs.append(counter.count)
+                reads.append(counter.reads)
+    return syncs, reads
 
 
 def forward_ops(model: LlamaForCausalLM, static: StaticStep | None, tokens: int) -> tuple[int, int]:
@@ -292,17 +331,13 @@ def graphs_per_bucket(model: LlamaForCausalLM, lookahead: LookaheadConfig, polic
     try:
         for config in (None, lookahead):
             known = set(static._buckets)
-            stream = DecodeStream(model, anatomy_prompt(model.config.vocab_size),
-                                  StopCriteria(GRAPH_DECODE_TOKENS, frozenset()), lookahead=config, pool=static.pool)
-            while not stream.finished:
+            engine = _decode(model, config, policy, static, GRAPH_DECODE_TOKENS)
+            while engine.has_work:
                 before = len(graphs)
-                (step,) = _step([stream], policy, static, _Clock())
-                if isinstance(step, BaseException):
-                    raise step
+                _engine_step(engine)
                 for bucket in set(static._buckets) - known:
                     per_bucket[f"{bucket.sequences}x{bucket.tokens}@{bucket.attended}"] = len(graphs) - before
                 known = set(static._buckets)
-            stream.close()
     finally:
         torch._dynamo.config.error_on_recompile = previous
         torch._dynamo.reset()
@@ -321,7 +356,7 @@ def run(preset: str, graphs: bool = True) -> dict:
         for name, config in (("greedy", None), ("lookahead", lookahead)):
             measured = measure_decode(model, config, policy, static)
             ops, inside = forward_ops(model, static, measured["median_step_tokens"])
-            measured.update(aten_ops_forward=ops, syncs_in_static=inside)
+            measured.update(aten_ops_forward=ops, kernels_per_forward=ops, syncs_in_static=inside)
             report[path][name] = measured
     if graphs:
         counted = graphs_per_bucket(tiny_deep_llama(), lookahead, policy)
@@ -333,15 +368,15 @@ def run(preset: str, graphs: bool = True) -> dict:
 
 def table(report: dict) -> str:
     """The report as a markdown table, one row per path and stream."""
-    lines = ["| path | stream | step tokens | host ms | phases (ms) | forward ms | ATen ops | syncs in step | "
-             "syncs in forward |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| path | stream | step tokens | host ms | phases (ms) | forward ms | ATen ops | reads | syncs in step | "
+             "syncs in forward |", "|---|---|---|---|---|---|---|---|---|---|"]
     for path in ("eager", "static"):
         for name in ("greedy", "lookahead"):
             row = report[path][name]
             phases = ", ".join(f"{phase} {value:.3f}" for phase, value in row["phases_ms"].items())
-            lines.append(f"| {path} | {name} | {row['median_step_tokens']} | {row['host_ms']:.3f} | {phases} | "
-                         f"{row['forward_ms']:.2f} | {row['aten_ops_forward']} | {row['syncs_in_step']} | "
-                         f"{row['syncs_in_static']} |")
+            lines.append(f"| {path} | {name} | {row['median_step_tokens']} | {row['step_host_ms']:.3f} | {phases} | "
+                         f"{row['forward_ms']:.2f} | {row['kernels_per_forward']} | {row['reads_per_step']} | "
+                         f"{row['syncs_in_step']} | {row['syncs_in_static']} |")
     graphs = report["static"]["lookahead"].get("graphs_per_bucket")
     if graphs is not None:
         lines.append("")

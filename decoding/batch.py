@@ -26,6 +26,7 @@ the budgets.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -184,7 +185,7 @@ def forward_batch(
 ) -> tuple[list[torch.Tensor], list[list[int]] | list[None]]:
     """One forward over ``slices``: each slice's logits, and their rows' argmax ids when the static step ran it
     (``static`` given and a bucket fits; None per slice after an eager forward)."""
-    with torch.inference_mode():
+    with _inference():
         bucket = static.bucket(slices) if static is not None else None
         if bucket is not None:
             return static.run(slices, bucket)
@@ -214,10 +215,15 @@ def finish_batch(
     """Hand each planned stream its logits (and argmax ids); its ``Step`` or exception goes to ``results``."""
     for index, stream_logits, stream_argmax in zip(planned, logits, argmax, strict=True):
         try:
-            with torch.inference_mode():
+            with _inference():
                 results[index] = streams[index].finish(stream_logits, stream_argmax)
         except Exception as error:
             results[index] = error
+
+
+def _inference() -> contextlib.AbstractContextManager:
+    """``torch.inference_mode()``, or nothing to enter where it is on already (the engine's thread steps in it)."""
+    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
 
 
 # (model, prompt_ids, stop, sampling, lookahead, memory, prediction) -> a new decode

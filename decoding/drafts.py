@@ -14,53 +14,61 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decoding.grammar import Constraint
 from decoding.params import MAX_STEP_TOKENS
 from decoding.proposers import Context, Draft, Proposer
 from decoding.proposers.base import Price, free
-from decoding.tree import TokenTree
+from decoding.tree import TokenTree, TreeBuilder
 
 
 @dataclass(frozen=True)
 class Shape:
     """A step's shape: the window (or not), the drafts it verifies, best first, with each one's source; ``offered``
     every proposer's drafts as proposed (grammar-cut), to credit those merged into another's; ``gain`` the best
-    running mean of the proposers whose drafts it holds."""
+    running mean of the proposers whose drafts it holds; ``built``: their token tree when it was grown with them
+    (else ``tree`` builds it)."""
 
     window: bool
     candidates: tuple[Draft, ...] = ()
     sources: tuple[str, ...] = ()
     offered: tuple[tuple[str, tuple[Draft, ...]], ...] = ()
     gain: float = 0.0
+    built: TokenTree | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def tree(self) -> TokenTree:
         """The candidates merged into one token tree (built once per shape)."""
-        return TokenTree.build(self.candidates)
+        return self.built if self.built is not None else TokenTree.build(self.candidates)
 
     def keep(self, count: int, window: bool | None = None) -> Shape:
         """The same step with only its first ``count`` candidates (and the window when ``window`` says so)."""
         window = self.window if window is None else window
-        return Shape(window, self.candidates[:count], self.sources[:count], self.offered, self.gain)
+        return Shape(window, self.candidates[:count], self.sources[:count], self.offered, self.gain,
+                     self.tree.first(count))
+
+    def joined(self, other: Shape, window: bool) -> Shape:
+        """This shape's drafts, then ``other``'s, in one step (with the window when ``window`` says so)."""
+        return Shape(window, self.candidates + other.candidates, self.sources + other.sources,
+                     self.offered + other.offered, max(self.gain, other.gain), self.tree.merged(other.tree))
 
 
 def gather(proposers: Sequence[Proposer], context: Context, constraint: Constraint | None, copy_candidates: int,
            limit: int | None, cost: Callable[[int], float] | None, base: int, gain: float) -> Shape:
     """The ``proposers``' drafts, merged (module contract), each proposer told the price of more tokens on a step
     that already holds ``base`` tokens plus the drafts kept before it and expects the best gain among ``gain`` and
-    their proposers'. The shape's ``window`` is False: the step decides it."""
-    kept: list[Draft] = []
+    their proposers'. The shape's ``window`` is False: the step decides it; its tree is grown as drafts are kept."""
+    kept = TreeBuilder()  # the drafts kept, and every prefix of them
     sources: list[str] = []
     offered: list[tuple[str, tuple[Draft, ...]]] = []
-    prefixes: set[Draft] = set()
+    exact: set[Draft] = set()
     counted = 0  # kept drafts that count toward ``limit``
     strict = limit is None or constraint is not None
     for proposer in proposers:
         within = limit is not None and proposer.in_guess_set
         room = copy_candidates if limit is None else limit - counted if within else MAX_STEP_TOKENS
-        context.price = free if cost is None else step_price(cost, base + len(prefixes), gain)
+        context.price = free if cost is None else step_price(cost, base + len(kept), gain)
         drafts = tuple(cut(proposer.propose(context, room), constraint))
         if not drafts:
             continue
@@ -69,17 +77,17 @@ def gather(proposers: Sequence[Proposer], context: Context, constraint: Constrai
         for draft in drafts:
             if within and counted == limit:
                 break
-            if draft in prefixes if strict else draft in kept:
+            if draft in kept if strict else draft in exact:
                 continue
             counted += within
-            kept.append(draft)
+            kept.add(draft)
+            exact.add(draft)
             sources.append(proposer.name)
-            prefixes.update(draft[:end] for end in range(1, len(draft) + 1))
             taken = True
         if taken:
             gain = max(gain, proposer.expected)
     context.price = free
-    return Shape(False, tuple(kept), tuple(sources), tuple(offered), gain)
+    return Shape(False, tuple(kept.candidates), tuple(sources), tuple(offered), gain, kept.tree())
 
 
 def step_price(cost: Callable[[int], float], base: int, gain: float) -> Price:

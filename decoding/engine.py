@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
@@ -215,7 +214,7 @@ class DecodeStream:
         step = planned(logits, argmax)
         if step.finish_reason is not None and self.memory is not None and self.sequence.generated:
             self.memory.add(self.sequence.tokens[max(0, self.sequence.prompt_length - MEMORY_PROMPT_TAIL) :])
-        return replace(step, stats=replace(step.stats, seconds=time.perf_counter() - self._started))
+        return step.timed(time.perf_counter() - self._started)
 
     def _plan_prefill(self, budget: int) -> tuple[Slice, Finisher]:
         """The next prompt chunk; the chunk reaching the prompt's end reads the first token off its last row

@@ -17,12 +17,12 @@ the plain loop's whatever the drafts; a sampled step is the same walk over the s
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from decoding.choice import greedy_ids, top_ids
+from decoding.choice import RowIds, greedy_ids, top_ids
 from decoding.drafts import Shape, gather
 from decoding.logits import adjust_logits, needs_adjusting
 from decoding.packed import Slice
@@ -41,7 +41,7 @@ from decoding.steps import (
     step_logprobs,
 )
 from decoding.tree import TokenTree
-from decoding.verify import ChosenRows, Verdict, verify_constrained, verify_greedy
+from decoding.verify import ChosenRows, Verdict, verify_constrained, verify_greedy, verify_tree
 from decoding.window import step_layout, window_chains, window_logit_row
 
 
@@ -76,8 +76,7 @@ class LookaheadStep:
             return Proposal(1 + len(copies.tree), copies.gain, copies.gain < config.break_even, smallest=2)
         found = self._gather(False, config.guess_set_size, cost, base + len(copies.tree), copies.gain)
         window = bool(found.candidates) or self.jacobi.wants_window
-        shape = self._wanted = Shape(window, copies.candidates + found.candidates, copies.sources + found.sources,
-                                      copies.offered + found.offered, max(copies.gain, found.gain))
+        shape = self._wanted = copies.joined(found, window)
         if not window and not shape.candidates:
             return Proposal(1)
         tokens = (self.jacobi.window_tokens if window else 1) + len(shape.tree)
@@ -92,7 +91,7 @@ class LookaheadStep:
         cache = self.sequence.cache
         shape = self._fit(self._wanted, min(budget, cache.capacity - cache.length))
         if not shape.window and not shape.candidates:
-            return one_token_slice(self.sequence), self._finish_plain
+            return one_token_slice(self.sequence, self.top_k), self._finish_plain
         sequence, last, position = self.sequence, self.sequence.tokens[-1], len(self.sequence.tokens) - 1
         if shape.window:
             width, levels = self.config.window_size, len(self.jacobi.window.rows)
@@ -105,7 +104,7 @@ class LookaheadStep:
         tokens += tree.tokens
         positions = [position + offset for offset in layout.offset_values]
         slice_ = Slice(tokens, None, None, None, sequence.cache, layout.parents, positions, layout.row_values,
-                       visibility=lambda: layout.visible)
+                       visibility=lambda: layout.visible, top_k=self.top_k)
         row_tokens = [tokens[index] for index in layout.row_values[: 1 + width + len(tree)]]
         return slice_, lambda logits, argmax: self._finish(logits, argmax, shape, width, levels, position, chains,
                                                            row_tokens)
@@ -136,7 +135,7 @@ class LookaheadStep:
         last = self.sequence.tokens[-1]
         step = finish_one_token(self.sequence, self.sampling, logits, argmax)
         self.jacobi.skip(step.stats.committed)
-        self._tell(Outcome(step.stats.committed, **_top(logits, self.top_k, [last], [0])), {})
+        self._tell(Outcome(step.stats.committed, **_top(logits, argmax, self.top_k, [last], [0])), {})
         return step
 
     def _finish(self, logits: torch.Tensor, argmax: Sequence[int] | None, shape: Shape, width: int, levels: int,
@@ -148,17 +147,17 @@ class LookaheadStep:
 
         def candidate_row(candidate: int, k: int) -> int:
             if candidate < in_tree:
-                return 1 + width + tree.paths[candidate][k]
+                return 1 + width + tree.path(candidate)[k]
             return window_logit_row(chains.indices[candidate - in_tree][k], width, levels, len(tree))
 
         verified = [*shape.candidates, *chains.tokens]
         scores = _adjust(logits, self.sampling, sequence, tree, width)
         predicted = _chosen(self.sampling, sequence, scores, argmax if scores is logits else None, tree, width, levels)
-        verdict = _verify(self.sampling, sequence, scores, predicted, verified, candidate_row)
+        verdict = _verify(self.sampling, sequence, scores, predicted, tree, chains.tokens, candidate_row, width)
         committed = sequence.accept(verdict.tokens)
         slots: Sequence[int] = ()
         if verdict.candidate is not None:
-            slots = ([window_tokens + node for node in tree.paths[verdict.candidate]] if verdict.candidate < in_tree
+            slots = ([window_tokens + node for node in tree.path(verdict.candidate)] if verdict.candidate < in_tree
                      else chains.indices[verdict.candidate - in_tree])
         _commit_cache(sequence, position, slots, len(committed))
         if shape.window:
@@ -173,8 +172,9 @@ class LookaheadStep:
         accepted_run = tuple(verdict.tokens[: verdict.num_accepted])
         rows = [0] + ([candidate_row(verdict.candidate, k) for k in range(verdict.num_accepted)]
                       if verdict.candidate is not None else [])
-        reach = _reach(shape.offered, verified, [*shape.sources, *[POOL] * len(chains.tokens)], accepted_run)
-        self._tell(Outcome(len(committed), accepted_run, **_top(logits, self.top_k, row_tokens, rows)), reach)
+        reach = _reach(shape.offered, verified, [*shape.sources, *[POOL] * len(chains.tokens)], accepted_run,
+                       tree.index if not chains.tokens else None)
+        self._tell(Outcome(len(committed), accepted_run, **_top(logits, argmax, self.top_k, row_tokens, rows)), reach)
         accepted, depth = min(verdict.num_accepted, len(committed)), max(map(len, verified), default=0)
         stats = StepStats(window_tokens + len(tree), len(committed), depth, accepted,
                           tuple(k < accepted for k in range(depth)), **_exclusive(reach, accepted),
@@ -190,19 +190,28 @@ class LookaheadStep:
             self.context.index.extend(self.sequence.tokens, len(self.sequence.tokens) - 1)
         for proposer in self.proposers:
             far = reach.get(proposer.name)
-            proposer.feedback(self.context, replace(outcome, reach=None if far is None else far[1]))
+            own = None if far is None else far[1]
+            proposer.feedback(self.context, Outcome(outcome.committed, outcome.accepted, own, outcome.successors,
+                                                    outcome.runners_up))
 
 
-def _top(logits: torch.Tensor, k: int, row_tokens: Sequence[int], path: Sequence[int]) -> dict[str, tuple]:
+def _top(logits: torch.Tensor, ids: Sequence[int] | None, k: int, row_tokens: Sequence[int],
+         path: Sequence[int]) -> dict[str, tuple]:
     """``Outcome``'s ``successors`` (each read row's input token and top-``k`` next tokens) and ``runners_up`` (the
-    top-k of ``path[-1]``, the row that chose the new ``last``), when a proposer asks for them (``k`` > 0)."""
+    top-k of ``path[-1]``, the row that chose the new ``last``), when a proposer asks for them (``k`` > 0): from
+    ``ids`` when the forward read them with its argmax (``RowIds``), else off the logits."""
     if not k:
         return {}
     k = min(k, logits.shape[-1])
-    top = top_ids(logits[: len(row_tokens)], k)
-    last_row = path[-1]  # a window chain's row lies past the tree's: read it on its own
-    runners_up = top[last_row] if last_row < len(top) else top_ids(logits[last_row : last_row + 1], k)[0]
-    return {"successors": tuple(zip(row_tokens, map(tuple, top), strict=True)), "runners_up": tuple(runners_up)}
+    last_row = path[-1]  # a window chain's row lies past the tree's
+    top = ids.top(k) if isinstance(ids, RowIds) else None
+    if top is not None:
+        successors, runners_up = top[: len(row_tokens)], top[last_row]
+    else:
+        successors = list(map(tuple, top_ids(logits[: len(row_tokens)], k)))
+        runners_up = (successors[last_row] if last_row < len(successors)  # else read it on its own
+                      else tuple(top_ids(logits[last_row : last_row + 1], k)[0]))
+    return {"successors": tuple(zip(row_tokens, successors, strict=True)), "runners_up": runners_up}
 
 
 def _chains(config: LookaheadConfig, sampling: SamplingParams, sequence: SequenceState, tokens: Sequence[int],
@@ -234,13 +243,21 @@ def _chosen(sampling: SamplingParams, sequence: SequenceState, scores: torch.Ten
 
 
 def _verify(sampling: SamplingParams, sequence: SequenceState, logits: torch.Tensor, predicted: ChosenRows,
-            candidates: list[Draft], candidate_row: Callable[[int, int], int]) -> Verdict:
-    """The greedy walk over the chosen rows; under a grammar, the walk that masks each row it reaches."""
+            tree: TokenTree, chains: Sequence[Draft], candidate_row: Callable[[int, int], int], width: int) -> Verdict:
+    """The greedy walk over the chosen rows: down the tree (``verify_tree``), then along the window's ``chains``
+    (candidates after the tree's: one wins only when it accepts more); under a grammar, the walk over every
+    candidate that masks each row it reaches."""
     constraint = sequence.constraint
     if constraint is not None:
         choose = row_chooser(sampling, sequence.seed, sequence.generated)
-        return verify_constrained(logits, candidates, candidate_row, constraint, choose)
-    return verify_greedy(predicted, candidates, candidate_row)
+        return verify_constrained(logits, [*tree.candidates, *chains], candidate_row, constraint, choose)
+    verdict = verify_tree(predicted, tree, lambda node: 1 + width + node)
+    if chains:
+        first = len(tree.candidates)
+        chained = verify_greedy(predicted, chains, lambda chain, k: candidate_row(first + chain, k))
+        if chained.num_accepted > verdict.num_accepted:
+            return Verdict(first + chained.candidate, chained.num_accepted, chained.tokens)
+    return verdict
 
 
 def _adjust(logits: torch.Tensor, sampling: SamplingParams, sequence: SequenceState, tree: TokenTree,
@@ -275,9 +292,10 @@ def _fitting(tree: TokenTree, room: int) -> int:
 
 
 def _reach(offered: Sequence[tuple[str, Sequence[Draft]]], verified: Sequence[Draft], sources: Sequence[str],
-           accepted: Sequence[int]) -> dict[str, tuple[int, int]]:
+           accepted: Sequence[int], prefixes: Container[Draft] | None = None) -> dict[str, tuple[int, int]]:
     """Per source with a verified draft: ``(offered, reach)``, the longest of its drafts that were verified (its
     own, or merged into another's as a prefix of it) and how many of the ``accepted`` tokens they proposed.
+    ``prefixes``: every prefix of the ``verified`` drafts (their token tree's ``index``), made here when None.
 
     >>> _reach([("copy", [(1, 2)]), ("memory", [(1,)])], [(1, 2), (5, 6)], ["copy", "pool"], [1, 2, 3])
     {'copy': (2, 2), 'pool': (2, 0), 'memory': (1, 1)}
@@ -285,10 +303,13 @@ def _reach(offered: Sequence[tuple[str, Sequence[Draft]]], verified: Sequence[Dr
     runs: dict[str, list[Sequence[int]]] = {}
     for draft, source in zip(verified, sources, strict=True):
         runs.setdefault(source, []).append(draft)
-    prefixes = {tuple(draft[:end]) for draft in verified for end in range(1, len(draft) + 1)}
+    if prefixes is None:
+        prefixes = {tuple(draft[:end]) for draft in verified for end in range(1, len(draft) + 1)}
     for source, drafts in offered:
         runs.setdefault(source, []).extend(draft for draft in drafts if draft in prefixes)
-    return {source: (max(map(len, drafts)), max(common_prefix(draft, accepted) for draft in drafts))
+    first = accepted[0] if accepted else None  # a draft that misses it reaches 0 (most do)
+    return {source: (max(map(len, drafts)),
+                     max((common_prefix(draft, accepted) for draft in drafts if draft[0] == first), default=0))
             for source, drafts in runs.items() if drafts}
 
 

@@ -34,6 +34,8 @@ class Slice:
       None (made when an eager forward needs them).
     - ``visibility`` (optional): makes ``visible`` when an eager forward needs it (``visible`` then None), so a
       static step never builds the ``[t, t]`` mask on the host.
+    - ``top_k``: the top ids per read row its finisher wants beside the argmax (a static step reads them in the
+      same copy, ``decoding.choice.RowIds``; 0: none).
     """
 
     tokens: list[int]
@@ -45,6 +47,7 @@ class Slice:
     host_positions: Sequence[int] | None = None
     host_rows: Sequence[int] | None = None
     visibility: Callable[[], torch.Tensor] | None = None
+    top_k: int = 0
 
     @property
     def row_count(self) -> int:

@@ -4,17 +4,20 @@ Contract: ``StaticStep(model, pool)`` runs the same forward as ``decoding.packed
 model, ``supports``) for slices whose caches are rows of ``pool`` (``decoding.kv_cache.KVPool``), padded up to a
 ``Bucket``: ``sequences`` x ``tokens`` input tokens attending over ``attended`` cache slots. ``run(slices)``
 returns, per slice, the logits ``[len(logit_rows), vocab]`` of its ``logit_rows`` (a view of the bucket's output
-buffer, valid until the next ``run``) and their argmax ids as Python ints; each slice's cache grows by its token
-count, as in an eager forward. ``bucket(slices)`` says which bucket a step would run in (None: it does not fit,
+buffer, valid until the next ``run``) and their ids as Python ints (``decoding.choice.RowIds``: the argmax ids,
+and the top ``Slice.top_k`` ids of each row, computed on the device for up to ``top_k`` and read back with the
+argmax in the step's one device-to-host copy); each slice's cache grows by its token count, as in an eager
+forward. ``bucket(slices)`` says which bucket a step would run in (None: it does not fit,
 run it eagerly).
 
-Everything a step varies is data in one int64 input buffer, filled on the host and copied in one go: token ids,
-positions, each token's parent in the step (the mask is the ancestor closure of the parents, built on the device
-once per step), the rows to read, where each token's keys/values go (pool row, slot), each sequence's cache
-length and pool row. Keys/values are written by index (``index_put_``) and read with one gather per layer;
-attention runs over the bucket's attended length under an additive mask. Padding tokens of a real sequence are
-written in the scratch slots past its tokens; padding sequences use the pool's scratch row. Padding tokens see
-themselves (and their row's prefix), so no row is empty and no NaN arises; real tokens never see padding.
+Everything a step varies is data in one int64 input buffer (``decoding.static_inputs``), packed from Python ints on
+the host and copied in one go: token ids, positions, each token's parent in the step (the mask is the ancestor
+closure of the parents, built on the device once per step), the rows to read, each sequence's cache length and pool
+row (where its tokens' keys/values go: that row, from slot length on). Keys/values are written by index
+(``index_put_``) and read with one gather per layer; attention runs over the bucket's attended length under an
+additive mask. Padding tokens of a real sequence are written in the scratch slots past its tokens; padding sequences
+use the pool's scratch row. Padding tokens see themselves (and their row's prefix), so no row is empty and no NaN
+arises; real tokens never see padding.
 
 The forward itself is ``decoding.static_forward``: plain torch over fixed shapes, no host sync.
 
@@ -25,36 +28,47 @@ CUDA rehearses the capture: the forward takes CUDA's code path (``prepare_weight
 folded, attention outputs with CUDA's strides), each bucket is run on the capture's warm-up inputs into the shared
 output buffers, and a replay is a plain call; only the CUDA graph API is left out.
 
-Every index a step's kernels use is checked on the host before they run (``check_inputs``): a bad index is a
+Every index a step's kernels use is checked on the host before they run (``check_slices``, on the step's ints;
+``check_inputs`` on a whole buffer): a bad index is a
 ``StaticInputError`` naming the bucket, never a device-side assert (which would poison the CUDA context for the
 life of the process). A ``Bucket`` that cannot hold its tokens cannot be built.
 """
 
 from __future__ import annotations
 
-import array
+import bisect
 import functools
 import logging
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from decoding.choice import RowIds
 from decoding.engine import context_length
 from decoding.kv_cache import KVPool
 from decoding.packed import CUDA_BACKENDS, Slice
-from decoding.params import MAX_STEP_TOKENS
+from decoding.params import MAX_STEP_TOKENS, MAX_TOP_TOKENS
 from decoding.static_forward import (
-    SEQUENCE_FIELDS,
-    TOKEN_FIELDS,
     fresh_forward,
     prepare_weights,
     static_forward,
     supports,
 )
+from decoding.static_inputs import (
+    Bucket,
+    StaticInputError,
+    check_inputs,
+    check_slices,
+    input_bounds,
+    step_values,
+)
+
+__all__ = ["Bucket", "StaticInputError", "StaticStats", "StaticStep", "attended_lengths", "bucket_shape",
+           "build_static_step", "check_inputs", "input_bounds", "warm_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -78,44 +92,19 @@ class StaticStats:
     capture_seconds: float
 
 
-class StaticInputError(ValueError):
-    """A static step's inputs index outside its bucket, the KV pool or the vocabulary (the message names which)."""
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """A static step's shape: ``sequences`` x ``tokens`` input tokens, attending over ``attended`` cache slots.
-
-    A bucket whose tokens do not fit its attended slots cannot be built: its keys/values would be written past
-    the slots it attends over.
-
-    >>> Bucket(1, 96, 64)
-    Traceback (most recent call last):
-    ...
-    ValueError: Bucket(sequences=1, tokens=96, attended=64) cannot hold its tokens: 96 tokens > 64 attended slots
-    """
-
-    sequences: int
-    tokens: int
-    attended: int
-
-    def __post_init__(self) -> None:
-        if min(self.sequences, self.tokens) < 1:
-            raise ValueError(f"{self} has no tokens")
-        if self.tokens > self.attended:
-            raise ValueError(f"{self} cannot hold its tokens: {self.tokens} tokens > {self.attended} attended slots")
-
-    @property
-    def input_size(self) -> int:
-        """Ints in the step's input buffer."""
-        return len(TOKEN_FIELDS) * self.sequences * self.tokens + len(SEQUENCE_FIELDS) * self.sequences
-
-
 def _round_up(value: int, choices: Sequence[int]) -> int | None:
     """The smallest of ``choices`` (ascending) that is at least ``value``; None when none is."""
-    return next((choice for choice in choices if choice >= value), None)
+    at = bisect.bisect_left(choices, value)
+    return choices[at] if at < len(choices) else None
 
 
+@functools.lru_cache(maxsize=4096)
+def _bucket(sequences: int, tokens: int, attended: int) -> Bucket:
+    """``Bucket(sequences, tokens, attended)``, made once per shape (a step asks for one every time)."""
+    return Bucket(sequences, tokens, attended)
+
+
+@functools.lru_cache(maxsize=4096)
 def bucket_shape(
     sequences: int, tokens: int, max_sequences: int = SEQUENCE_BUCKETS[-1], max_tokens: int = MAX_BUCKET_TOKENS
 ) -> tuple[int, int] | None:
@@ -167,64 +156,18 @@ def attended_lengths(row_capacity: int) -> tuple[int, ...]:
     return (*lengths, row_capacity)
 
 
-def input_bounds(bucket: Bucket, pool_rows: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(low, high)``: for each int of ``bucket``'s input buffer (module contract), the range ``[low, high)`` the
-    kernels that use it can index: token ids below ``vocab``; rows read within the step's tokens; pool rows
-    (written and read) below ``pool_rows``; write slots below the attended length; each token's parent -1 or an
-    earlier token of its sequence; cache lengths that leave room for the step's tokens."""
-    count, tokens, sequences = bucket.sequences * bucket.tokens, bucket.tokens, bucket.sequences
-    unbounded = 2**62
-    within = np.tile(np.arange(tokens, dtype=np.int64), sequences)  # each token's index in its sequence
-    ranges = {
-        "token_ids": (0, vocab), "positions": (0, unbounded), "parents": (-1, within), "read_rows": (0, count),
-        "write_rows": (0, pool_rows), "write_slots": (0, bucket.attended),
-        "lengths": (0, bucket.attended - tokens + 1), "rows": (0, pool_rows),
-    }
-    low, high = [], []
-    for name in (*TOKEN_FIELDS, *SEQUENCE_FIELDS):
-        size = count if name in TOKEN_FIELDS else sequences
-        for bounds, value in zip((low, high), ranges[name], strict=True):
-            bounds.append(value if isinstance(value, np.ndarray) else np.full(size, value, dtype=np.int64))
-    return np.concatenate(low), np.concatenate(high)
-
-
-def check_inputs(values: np.ndarray, bucket: Bucket, bounds: tuple[np.ndarray, np.ndarray]) -> None:
-    """Raise ``StaticInputError``, naming ``bucket``, the field and the value, unless every int of the host input
-    buffer ``values`` (int64) lies in its range (``bounds``: ``input_bounds(bucket, ...)``). A few microseconds
-    when all is well, in numpy (host memory: no torch op, nothing that could read a device); a step that passes
-    cannot index out of range on the device.
-
-    >>> bucket = Bucket(1, 2, 64)
-    >>> bounds = input_bounds(bucket, pool_rows=3, vocab=10)
-    >>> check_inputs(np.array([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 62, 63, 62, 0]), bucket, bounds)
-    >>> check_inputs(np.array([5, 6, 0, 1, -1, 0, 0, 1, 0, 0, 63, 64, 63, 0]), bucket, bounds)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    decoding.static.StaticInputError: Bucket(sequences=1, tokens=2, attended=64): write_slots[1] holds 64, ...
-    """
-    low, high = bounds
-    outside = (values < low) | (values >= high)
-    if not outside.any():
-        return
-    index = int(np.flatnonzero(outside)[0])
-    count, token_ints = bucket.sequences * bucket.tokens, len(TOKEN_FIELDS) * bucket.sequences * bucket.tokens
-    if index < token_ints:
-        name, offset = TOKEN_FIELDS[index // count], index % count
-    else:
-        name, offset = SEQUENCE_FIELDS[(index - token_ints) // bucket.sequences], (index - token_ints) % (
-            bucket.sequences)
-    raise StaticInputError(f"{bucket}: {name}[{offset}] holds {int(values[index])}, outside "
-                           f"[{int(low[index])}, {int(high[index])})")
-
-
 class _Compiled:
-    """One bucket's device buffers and callable (eager, compiled, or a replayed CUDA graph)."""
+    """One bucket's buffers and callable (eager, compiled, or a replayed CUDA graph). ``host`` is the input buffer
+    on the host (pinned on CUDA; on the CPU the device's ``inputs`` itself), ``writable`` its memory, which
+    ``packer`` packs a step's Python ints into without a tensor op."""
 
-    def __init__(self, bucket: Bucket, device: torch.device, pinned: bool, pool_rows: int, vocab: int) -> None:
+    def __init__(self, bucket: Bucket, device: torch.device, pinned: bool) -> None:
         self.bucket = bucket
-        self.bounds = input_bounds(bucket, pool_rows, vocab)
         self.host = torch.zeros(bucket.input_size, dtype=torch.long, pin_memory=pinned)
-        self.inputs = torch.zeros(bucket.input_size, dtype=torch.long, device=device)
+        self.writable = memoryview(self.host.numpy()).cast("B")
+        self.packer = struct.Struct(f"={bucket.input_size}q")
+        self.inputs = self.host if device.type == "cpu" else torch.zeros(bucket.input_size, dtype=torch.long,
+                                                                           device=device)
         self.run: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
@@ -236,11 +179,13 @@ class StaticStep:
     (``decoding.batch.forward_batch`` counts them), ``replays`` and ``captures`` the graph replays and captures
     (``capture_seconds`` their total time; a rehearsal counts its own), ``capture_failures`` the captures that
     failed on a device still usable (the step then runs eagerly, logged once). ``rehearsal``: ``"graphs"`` off CUDA.
+    ``top_k``: the top ids every forward computes per read row (at most the vocabulary), for slices that want them
+    (``Slice.top_k``; a slice wanting more reads them off its logits itself).
     """
 
     def __init__(
         self, model: PreTrainedModel, pool: KVPool, mode: str = "eager", backend: str | Callable = "inductor",
-        max_bucket_tokens: int = MAX_BUCKET_TOKENS,
+        max_bucket_tokens: int = MAX_BUCKET_TOKENS, top_k: int = MAX_TOP_TOKENS,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -251,6 +196,8 @@ class StaticStep:
         self.rehearsal = mode == "graphs" and self.device.type != "cuda"
         self.weights = prepare_weights(model, "cuda" if mode == "graphs" else None)
         self.max_bucket_tokens = max_bucket_tokens
+        self.vocab = self.weights.embed.shape[0]
+        self.top_k = min(top_k, self.vocab)
         self.attended = attended_lengths(pool.row_capacity)
         self.runs = self.eager = self.replays = self.captures = self.capture_failures = 0
         self.capture_seconds = 0.0
@@ -279,9 +226,9 @@ class StaticStep:
                 return None
             reach = max(reach, slice_.cache.length + tokens)
         attended = _round_up(reach, self.attended)
-        return None if attended is None else Bucket(sequences, tokens, attended)
+        return None if attended is None else _bucket(sequences, tokens, attended)
 
-    def run(self, slices: Sequence[Slice], bucket: Bucket | None = None) -> tuple[list[torch.Tensor], list[list[int]]]:
+    def run(self, slices: Sequence[Slice], bucket: Bucket | None = None) -> tuple[list[torch.Tensor], list[RowIds]]:
         """Run ``slices`` (they must fit: ``bucket(slices)`` is not None); see the module contract."""
         compiled = self.prepare(slices, bucket)
         return self.collect(slices, *self.launch(compiled))
@@ -294,78 +241,49 @@ class StaticStep:
             raise ValueError("these slices fit no static bucket")
         self.pool.flush()
         compiled = self._compiled(bucket)
-        values = self._fill(slices, bucket)
-        check_inputs(np.frombuffer(values, dtype=np.int64), bucket, compiled.bounds)
-        compiled.host.copy_(torch.frombuffer(values, dtype=torch.long))
-        compiled.inputs.copy_(compiled.host, non_blocking=True)
+        values = step_values(slices, bucket, self.pool.scratch_row)
+        check_slices(values, bucket, self.pool.sequences + 1, self.vocab)
+        compiled.packer.pack_into(compiled.writable, 0, *values)
+        if compiled.inputs is not compiled.host:
+            compiled.inputs.copy_(compiled.host, non_blocking=True)
         return compiled
 
     def launch(self, compiled: _Compiled) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run (or replay) the prepared bucket: its logits ``[B, T, vocab]`` and argmax ``[B, T]`` buffers."""
+        """Run (or replay) the prepared bucket: its logits ``[B, T, vocab]`` and ids ``[B, 1 + top_k, T]`` buffers."""
         self.runs += 1
         return compiled.run()
 
     def collect(
-        self, slices: Sequence[Slice], logits: torch.Tensor, argmax: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """Read the step's argmax ids (its one device-to-host copy), grow each slice's cache by its tokens, and
-        split the outputs per slice."""
-        ids = argmax.tolist()
+        self, slices: Sequence[Slice], logits: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[RowIds]]:
+        """Read the step's ids (its one device-to-host copy: every read row's argmax and as many top ids as a slice
+        wants, ``Slice.top_k``), grow each slice's cache by its tokens, and split the outputs per slice."""
+        rows = max(slice_.row_count for slice_ in slices)
+        wanted = min(max(slice_.top_k for slice_ in slices), ids.shape[1] - 1)
+        read = ids[: len(slices), : 1 + wanted, :rows].tolist()
         results, predicted = [], []
         for index, slice_ in enumerate(slices):
-            rows = slice_.row_count
-            results.append(logits[index, :rows])
-            predicted.append(ids[index][:rows])
+            count, columns = slice_.row_count, read[index]
+            results.append(logits[index, :count])
+            if count < rows:
+                columns = [column[:count] for column in columns]
+            predicted.append(RowIds(columns[0], columns[1 : 1 + min(slice_.top_k, wanted)]))
             slice_.cache.advance(len(slice_.tokens))
         return results, predicted
-
-    def _fill(self, slices: Sequence[Slice], bucket: Bucket) -> array.array:
-        """The step's inputs (module contract) as 8-byte ints, from Python ints (a slice without
-        ``host_positions`` / ``host_rows`` has its tensors read instead)."""
-        tokens = bucket.tokens
-        fields: list[list[int]] = [[] for _ in TOKEN_FIELDS]
-        ids, positions, parents, read_rows, write_rows, write_slots = fields
-        lengths: list[int] = []
-        rows: list[int] = []
-        for index in range(bucket.sequences):
-            slice_ = slices[index] if index < len(slices) else None
-            base = index * tokens
-            if slice_ is None:  # a padding sequence: the scratch row, nothing cached
-                real, length, row, read = 0, 0, self.pool.scratch_row, ()
-            else:
-                real, length, row = len(slice_.tokens), slice_.cache.length, slice_.cache.pool_row
-                ids += slice_.tokens
-                positions += slice_.host_positions if slice_.host_positions is not None else slice_.positions.tolist()
-                parents += slice_.parents if slice_.parents is not None else range(-1, real - 1)
-                read = slice_.host_rows if slice_.host_rows is not None else slice_.logit_rows.tolist()
-            pad = tokens - real
-            ids += [0] * pad
-            positions += [length + real] * pad  # padding: past the sequence, any finite value
-            parents += [-1] * pad
-            read_rows += [base + r for r in read]
-            read_rows += [base] * (tokens - len(read))
-            write_rows += [row] * tokens
-            write_slots += range(length, length + tokens)
-            lengths.append(length)
-            rows.append(row)
-        values = array.array("q")  # 8-byte ints: ~10x faster into a tensor than torch.tensor(list)
-        for field in (*fields, lengths, rows):
-            values.extend(field)
-        return values
 
     def _compiled(self, bucket: Bucket) -> _Compiled:
         """The bucket's buffers and callable, built (and in ``"graphs"`` mode captured) on first use."""
         compiled = self._buckets.get(bucket)
         if compiled is not None:
             return compiled
-        compiled = _Compiled(bucket, self.device, self.device.type == "cuda", self.pool.sequences + 1,
-                             self.weights.embed.shape[0])
+        compiled = _Compiled(bucket, self.device, self.device.type == "cuda")
         caches = self._views(bucket.attended)
         if self.mode == "compile":
             function = torch.compile(fresh_forward(), fullgraph=True, dynamic=False, backend=self.backend)
         else:
             function = static_forward
-        call = functools.partial(function, self.weights, caches, compiled.inputs, bucket.sequences, bucket.tokens)
+        call = functools.partial(function, self.weights, caches, compiled.inputs, bucket.sequences, bucket.tokens,
+                                 top_k=self.top_k)
         if self.mode != "graphs":
             compiled.run = self._kernels(call)
         elif self.rehearsal:
@@ -455,22 +373,19 @@ class StaticStep:
         """Fill the bucket's device inputs with a step of padding sequences only (scratch row, no cache)."""
         bucket = compiled.bucket
         count = bucket.sequences * bucket.tokens
-        host = np.zeros(bucket.input_size, dtype=np.int64)
-        parents_start, rows_field = 2 * count, 4 * count
-        host[parents_start : parents_start + count] = -1
-        host[rows_field : rows_field + count] = self.pool.scratch_row
-        host[5 * count : 6 * count] = np.tile(np.arange(bucket.tokens), bucket.sequences)
-        host[6 * count + bucket.sequences :] = self.pool.scratch_row
-        check_inputs(host, bucket, compiled.bounds)
-        compiled.inputs.copy_(torch.from_numpy(host))
+        host = torch.zeros(bucket.input_size, dtype=torch.long)
+        host[2 * count : 3 * count] = -1  # parents: none
+        host[4 * count + bucket.sequences :] = self.pool.scratch_row  # rows (lengths 0: slots 0.., all in scratch)
+        check_inputs(host, bucket, input_bounds(bucket, self.pool.sequences + 1, self.vocab))
+        compiled.inputs.copy_(host)
 
     def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and argmax buffers every captured bucket writes (one allocation, not one per graph)."""
+        """The logits and ids buffers every captured bucket writes (one allocation, not one per graph)."""
         if self._output_buffers is None:
             vocab = self.weights.head.shape[1]
             rows = self.max_bucket_tokens
             self._output_buffers = (torch.empty((rows, vocab), dtype=self.weights.embed.dtype, device=self.device),
-                                    torch.empty(rows, dtype=torch.long, device=self.device))
+                                    torch.empty(rows * (1 + self.top_k), dtype=torch.long, device=self.device))
         return self._output_buffers
 
     def _views(self, attended: int) -> tuple[torch.Tensor, ...]:

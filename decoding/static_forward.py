@@ -6,7 +6,8 @@ views of the fused matrices, so the model is held once). ``static_forward(weight
 tokens)`` runs ``sequences`` x ``tokens`` step tokens whose every varying value is data in the int64 ``inputs``
 buffer (fields ``TOKEN_FIELDS`` of ``sequences * tokens`` ints, then ``SEQUENCE_FIELDS`` of ``sequences``): it
 builds the attention mask on the device from each token's parent, writes the step's keys/values into the KV pool
-views ``caches`` by index, attends over their length, and returns the logits of the rows read and their argmax.
+views ``caches`` by index, attends over their length, and returns the logits of the rows read and their ids: each
+row's argmax and, with ``top_k``, its best ``top_k`` ids, in one buffer (``row_ids``).
 No Python value depends on the step's data, so ``torch.compile(fullgraph=True, dynamic=False)`` traces it into one
 graph per shape and a CUDA graph can capture it. About 21 ATen ops a layer. The runner around it (buckets, the input
 buffer, capture): ``decoding.static``.
@@ -26,8 +27,9 @@ from transformers import PreTrainedModel
 
 from decoding import lean
 
-# The input buffer's fields, in order: six of ``sequences * tokens`` ints, then two of ``sequences``.
-TOKEN_FIELDS = ("token_ids", "positions", "parents", "read_rows", "write_rows", "write_slots")
+# The input buffer's fields, in order: four of ``sequences * tokens`` ints, then two of ``sequences`` (a token's keys
+# and values go to its sequence's pool row, at the sequence's length plus the token's index: derived on the device).
+TOKEN_FIELDS = ("token_ids", "positions", "parents", "read_rows")
 SEQUENCE_FIELDS = ("lengths", "rows")
 
 
@@ -207,15 +209,16 @@ def _attention_mask(parents: torch.Tensor, lengths: torch.Tensor, attended: int,
 
 def static_forward(
     weights: StaticWeights, caches: Sequence[torch.Tensor], inputs: torch.Tensor, sequences: int, tokens: int,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None, top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One static step. ``caches[l]``: layer l's pool view ``[rows, 2 kv, attended, d]``; ``inputs``: the int64
     buffer (module contract) for ``sequences`` x ``tokens``. Returns the logits ``[B, T, vocab]`` of the rows
-    read (``read_rows``, flat indices into the step's tokens) and their argmax ``[B, T]``, written into the
-    front of ``out`` (``[rows, vocab]`` and ``[rows]`` buffers shared by every bucket) when it is given."""
+    read (``read_rows``, flat indices into the step's tokens) and their ids ``[B, 1 + top_k, T]`` (``row_ids``),
+    written into the front of ``out`` (``[rows, vocab]`` and ``[rows * (1 + top_k)]`` buffers shared by every
+    bucket) when it is given."""
     count = sequences * tokens
     sizes = [count] * len(TOKEN_FIELDS) + [sequences] * len(SEQUENCE_FIELDS)
-    token_ids, positions, parents, read_rows, write_rows, write_slots, lengths, rows = inputs.split(sizes)
+    token_ids, positions, parents, read_rows, lengths, rows = inputs.split(sizes)
     dtype = weights.embed.dtype
     hidden = F.embedding(token_ids, weights.embed)  # [n, hidden]
     rotation = _rotation(weights, positions, dtype)
@@ -223,7 +226,9 @@ def static_forward(
     group = weights.heads // weights.kv_heads
     if weights.fold_groups:
         mask = mask.repeat(1, 1, group, 1)
-    destination = (write_rows.unsqueeze(1), weights.kv_columns, write_slots.unsqueeze(1))  # [n, 1], [2 kv], [n, 1]
+    write_rows = rows.unsqueeze(1).expand(sequences, tokens).reshape(count, 1)  # [n, 1]
+    write_slots = (lengths.unsqueeze(1) + torch.arange(tokens, device=lengths.device)).view(count, 1)  # [n, 1]
+    destination = (write_rows, weights.kv_columns, write_slots)  # [n, 1], [2 kv], [n, 1]
     for layer, cache in zip(weights.layers, caches, strict=True):
         hidden = _attention_block(weights, layer, cache, hidden, rotation, mask, destination, rows, sequences)
         normed = _rms_norm(hidden, layer.post_norm, weights.eps)
@@ -231,12 +236,31 @@ def static_forward(
         hidden = torch.addmm(hidden, F.silu(gate) * up, layer.down)
     read = _rms_norm(hidden.index_select(0, read_rows), weights.norm, weights.eps)
     if out is None:
-        logits = torch.mm(read, weights.head).view(sequences, tokens, -1)
-        return logits, logits.argmax(dim=-1)
-    logits, argmax = out[0][:count], out[1][:count]
-    torch.mm(read, weights.head, out=logits)
-    torch.argmax(logits, dim=-1, out=argmax)
-    return logits.view(sequences, tokens, -1), argmax.view(sequences, tokens)
+        logits = torch.mm(read, weights.head)
+        return logits.view(sequences, tokens, -1), row_ids(logits, sequences, top_k)
+    logits = torch.mm(read, weights.head, out=out[0][:count])
+    ids = row_ids(logits, sequences, top_k, out[1][: count * (1 + top_k)].view(sequences, 1 + top_k, tokens))
+    return logits.view(sequences, tokens, -1), ids
+
+
+def row_ids(logits: torch.Tensor, sequences: int, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, 1 + top_k, T]`` ids of the rows of ``logits`` ``[B * T, vocab]``: index 0 each row's argmax (the first
+    maximum, as ``decoding.choice.greedy_ids``), then its ``top_k`` best ids, best first (the device's order among
+    equal scores: guesses only). One buffer, so that the host reads every id a step needs in one copy; laid out
+    by column, so that a row's argmax ids are one list and its top ids ``zip`` into rows (``decoding.choice``).
+    Written into ``out`` when given. Three ATen ops (argmax, top-k, their copy into one buffer), one without
+    ``top_k``.
+
+    >>> row_ids(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]), 1, 2).tolist()
+    [[[1, 0], [1, 0], [2, 2]]]
+    """
+    tokens = logits.shape[0] // sequences
+    if not top_k:
+        argmax = torch.argmax(logits, dim=-1, out=None if out is None else out.view(-1))
+        return argmax.view(sequences, 1, tokens)
+    argmax = logits.argmax(dim=-1).view(sequences, 1, tokens)
+    top = logits.topk(top_k, dim=-1).indices.view(sequences, tokens, top_k).transpose(1, 2)
+    return torch.cat((argmax, top), dim=1, out=out)
 
 
 def _attention_block(

@@ -151,6 +151,17 @@ class Step:
     prompt_logprobs: list[TokenLogprob] | None = None
     stop_token: int | None = None
 
+    def timed(self, seconds: float) -> Step:
+        """This step with ``stats.seconds`` set (``dataclasses.replace``'s result, without its generic walk).
+
+        >>> Step([4], StepStats(1, 1)).timed(0.5).stats.seconds
+        0.5
+        """
+        s = self.stats
+        stats = StepStats(s.input_tokens, s.committed, s.offered, s.accepted, s.accepted_per_position, seconds,
+                          s.prefill, s.memory_accepted, s.prediction_accepted, s.sources)
+        return Step(self.token_ids, stats, self.finish_reason, self.logprobs, self.prompt_logprobs, self.stop_token)
+
 
 @dataclass
 class SequenceState:
@@ -241,10 +252,10 @@ def adjusted(
     return adjust_logits(logits, sampling, sequence.stop, sequence.tokens, sequence.prompt_length, paths)
 
 
-def one_token_slice(sequence: SequenceState) -> Slice:
-    """A plain step's slice: ``last`` alone at its position, its logits read."""
+def one_token_slice(sequence: SequenceState, top_k: int = 0) -> Slice:
+    """A plain step's slice: ``last`` alone at its position, its logits read (and ``top_k`` top ids with them)."""
     position = len(sequence.tokens) - 1
-    return Slice([sequence.tokens[-1]], None, None, None, sequence.cache, (-1,), (position,), (0,))
+    return Slice([sequence.tokens[-1]], None, None, None, sequence.cache, (-1,), (position,), (0,), top_k=top_k)
 
 
 def finish_one_token(

@@ -8,6 +8,9 @@ on that position only (the argmax, or the seeded sample of ``decoding.sampling``
 exactly when it is the token that would have been chosen there.
 
 - ``verify_greedy`` walks the candidates over the chosen token of each row (argmax ids, or ``SampledRows``).
+- ``verify_tree`` gives ``verify_greedy``'s verdict on a token tree's candidates in one walk down the tree: every
+  candidate through a node reads the same row there, so the candidates' walks are one walk along the chosen tokens,
+  and the winner is the first candidate through the deepest node it reaches.
 - ``verify_constrained`` does the same under a grammar's masks: it walks the candidates position by position,
   masking each row after the tokens accepted before it, so each mask is computed once per accepted token (plus
   one), never for rows that are not reached.
@@ -22,6 +25,7 @@ from typing import Protocol
 import torch
 
 from decoding.grammar import Constraint
+from decoding.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,27 @@ def verify_greedy(
             best, best_length, best_next = index, length, expected
     accepted = list(candidates[best][:best_length]) if best is not None else []
     return Verdict(best, best_length, [*accepted, best_next])
+
+
+def verify_tree(predicted: ChosenRows, tree: TokenTree, node_row: Callable[[int], int]) -> Verdict:
+    """``verify_greedy(predicted, tree.candidates, lambda c, k: node_row(tree.path(c)[k]))`` in one walk: from
+    ``last`` (row 0) down the child holding each row's chosen token, reading only the rows walked through.
+
+    >>> tree = TokenTree.build([(7, 8), (7, 9, 4), (7, 9, 5)])  # nodes: 7, 8, 9, 4, 5
+    >>> verify_tree([7, 9, 0, 5, 0, 0], tree, lambda node: 1 + node)  # 7 then 9 (row 1), then 5 (row 3): none
+    Verdict(candidate=2, num_accepted=3, tokens=[7, 9, 5, 0])
+    """
+    accepted: list[int] = []
+    expected, deepest = predicted[0], -1
+    while True:
+        node = tree.index.get((*accepted, expected))
+        if node is None:
+            break
+        accepted.append(expected)
+        deepest, expected = node, predicted[node_row(node)]
+    if deepest < 0:
+        return Verdict(None, 0, [expected])
+    return Verdict(tree.owners[deepest], len(accepted), [*accepted, expected])
 
 
 def verify_constrained(

@@ -214,7 +214,7 @@ def common_prefix(draft: Sequence[int], accepted: Sequence[int]) -> int:
     >>> common_prefix((4, 5, 9), (4, 5, 6))
     2
     """
-    count = 0
-    while count < min(len(draft), len(accepted)) and draft[count] == accepted[count]:
+    count, limit = 0, min(len(draft), len(accepted))
+    while count < limit and draft[count] == accepted[count]:
         count += 1
     return count

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from decoding.params import LookaheadConfig
 from decoding.proposers.base import Context, Draft, Gate, Outcome, break_even, tree_size
@@ -68,6 +69,7 @@ class RecycledProposer:
         self.table: dict[int, tuple[int, ...]] = {} if table is None else table  # shared: the engine's
         self.odds = RankOdds(self.top_k)
         self.offered: dict[Draft, int] = {}  # this step's tree: each node's path and its rank among its siblings
+        self._tree: BestFirst | None = None  # this step's best-first tree, when it offered one
 
     @property
     def expected(self) -> float:
@@ -84,18 +86,21 @@ class RecycledProposer:
         >>> source.propose(Context([0, 1], 1, None, frozenset()), budget=8)
         [(2, 4, 7), (2, 5), (3, 6)]
         """
-        self.offered = {}
+        self.offered, self._tree = {}, None
         if budget <= 0 or context.last not in self.table:
             return ()
         drafts: list[Draft] = []
         if self.config.recycled_tree:
-            self.offered = self._best_first(context.last, self.config.recycled_tree)
-            parents = {path[:-1] for path in self.offered}
-            drafts = [path for path in self.offered if path not in parents][:budget]
+            tree = best_first(self.table, context.last, [self.odds[rank] for rank in range(self.top_k)],
+                              self.config.recycled_tree)
+            drafts = tree.leaves[:budget]
+            size = len(tree.paths) if len(drafts) == len(tree.leaves) else tree_size(drafts)  # every node is a
+            self.offered, self._tree = dict(zip(tree.paths, tree.ranks, strict=True)), tree  # prefix of a leaf
         else:
             self._grow((), context.last, drafts, budget)
-        if not self.gate.pays(break_even(self.config, context, tree_size(drafts))):
-            self.offered = {}
+            size = tree_size(drafts)
+        if not self.gate.pays(break_even(self.config, context, size)):
+            self.offered, self._tree = {}, None
             return ()
         return drafts
 
@@ -114,38 +119,98 @@ class RecycledProposer:
                 return
             self._grow((*path, child), child, drafts, budget)
 
-    def _best_first(self, last: int, nodes: int) -> dict[Draft, int]:
-        """The best ``nodes`` nodes under ``last``, in the order taken (best first): each one's path and rank."""
-        heap: list[tuple[float, int, Draft, int]] = []
-        order = 0
-
-        def push(path: Draft, score: float, token: int) -> None:
-            nonlocal order
-            if len(path) >= TREE_DEPTH:
-                return
-            for rank, child in enumerate(self.table.get(token, ())[: self.top_k]):
-                heapq.heappush(heap, (-score * self.odds[rank], order, (*path, child), rank))
-                order += 1
-
-        push((), 1.0, last)
-        taken: dict[Draft, int] = {}
-        while heap and len(taken) < nodes:
-            negative, _, path, rank = heapq.heappop(heap)
-            taken[path] = rank
-            push(path, -negative, path[-1])
-        return taken
-
     def feedback(self, context: Context, outcome: Outcome) -> None:
         """Store each read row's top successors under its input token; learn the ranks' odds from a best-first
         tree's nodes whose parent was accepted (when the tree was verified); fold the reach into the gate."""
-        if self.offered and outcome.reach is not None:
-            accepted = outcome.accepted
-            for path, rank in self.offered.items():
-                depth = len(path) - 1
-                if depth <= len(accepted) and path[:-1] == accepted[:depth]:
-                    self.odds.seen(rank, depth < len(accepted) and accepted[depth] == path[-1])
-        self.offered = {}
-        for token, successors in outcome.successors:
-            self.table[token] = successors
+        if self._tree is not None and outcome.reach is not None:
+            self._learn(self._tree, outcome.accepted)
+        self.offered, self._tree = {}, None
+        self.table.update(outcome.successors)
         if outcome.reach is not None:
             self.gate.update(outcome.reach)
+
+    def _learn(self, tree: BestFirst, accepted: Sequence[int]) -> None:
+        """Count every node whose parent (or ``last``) lies on the ``accepted`` path as one try of its rank, a hit
+        when it lies on that path too (parents come before children in ``tree``)."""
+        on_path: list[bool] = []
+        for path, rank, parent in zip(tree.paths, tree.ranks, tree.parents, strict=True):
+            hit = False
+            if parent < 0 or on_path[parent]:
+                depth = len(path) - 1
+                hit = depth < len(accepted) and accepted[depth] == path[-1]
+                self.odds.seen(rank, hit)
+            on_path.append(hit)
+
+
+@dataclass(frozen=True)
+class BestFirst:
+    """A best-first tree: its nodes in the order taken, each one's ``paths`` (tokens after ``last``), ``ranks``
+    (among its siblings) and ``parents`` (index of its parent node, -1: a child of ``last``); ``leaves``: the
+    paths of the nodes none of whose children was taken, in that order."""
+
+    paths: list[Draft]
+    ranks: list[int]
+    parents: list[int]
+    leaves: list[Draft]
+
+
+def best_first(table: dict[int, Sequence[int]], last: int, odds: Sequence[float], nodes: int) -> BestFirst:
+    """The ``nodes`` best-scoring nodes under ``last``, at most ``TREE_DEPTH`` deep: a node's score is its parent's
+    times ``odds[rank]`` (``last``'s is 1), its children the first ``len(odds)`` successors ``table`` holds for
+    its token.
+
+    Taken in the order of a heap of every child of every taken node, keyed (-score, order pushed), children pushed
+    rank by rank when their parent is taken: but each taken node keeps only its best untaken child in the heap
+    (its children ranked once: by score, then rank), keyed (-score, when its parent was taken, rank), the same
+    order, so a node costs two heap operations, not ``len(odds)`` + 1.
+
+    >>> tree = best_first({1: (2, 3), 2: (4, 5), 3: (6,)}, 1, [0.5, 0.2], nodes=4)
+    >>> tree.paths, tree.ranks, tree.parents, tree.leaves
+    ([(2,), (2, 4), (3,), (2, 5)], [0, 0, 1, 1], [-1, 0, -1, 0], [(2, 4), (3,), (2, 5)])
+    """
+    top_k, order = len(odds), _rank_order(odds)
+    heap: list[tuple] = []
+    paths: list[Draft] = []
+    ranks: list[int] = []
+    parents: list[int] = []
+    push, pop = heapq.heappush, heapq.heappop
+    index, path, score, token = -1, (), 1.0, last
+    while True:
+        # the node just taken (``last`` first) puts its best child in the heap
+        successors = table.get(token, ())[:top_k] if len(path) < TREE_DEPTH else ()
+        if successors:
+            if order is None:
+                ranked = sorted(range(len(successors)), key=lambda rank: (-score * odds[rank], rank))  # noqa: B023
+            else:
+                ranked = order if len(successors) == top_k else [rank for rank in order if rank < len(successors)]
+            push(heap, (-score * odds[ranked[0]], index, 0, ranked, successors, path, score))
+        if not heap or len(paths) >= nodes:
+            break
+        negative, parent, at, ranked, successors, parent_path, parent_score = pop(heap)
+        if at + 1 < len(ranked):  # the parent's next best child takes its place
+            push(heap, (-parent_score * odds[ranked[at + 1]], parent, at + 1, ranked, successors, parent_path,
+                        parent_score))
+        rank = ranked[at]
+        token = successors[rank]
+        path = (*parent_path, token)
+        paths.append(path)
+        ranks.append(rank)
+        parents.append(parent)
+        index, score = len(paths) - 1, -negative
+    inner = set(parents)
+    return BestFirst(paths, ranks, parents, [path for index, path in enumerate(paths) if index not in inner])
+
+
+def _rank_order(odds: Sequence[float]) -> list[int] | None:
+    """The ranks by odds, best first (then by rank): the order of any node's children by (score, rank), unless
+    two ranks out of rank order have odds so close that their scores could round to a tie (then None: rank each
+    node's children by their scores).
+
+    >>> _rank_order([0.5, 0.1, 0.2]), _rank_order([0.1, 0.1]), _rank_order([0.1, 0.1 * (1 + 1e-12)])
+    ([0, 2, 1], [0, 1], None)
+    """
+    order = sorted(range(len(odds)), key=lambda rank: (-odds[rank], rank))
+    for better, worse in zip(order, order[1:], strict=False):
+        if better > worse and odds[better] <= odds[worse] * (1.0 + 1e-9):
+            return None
+    return order

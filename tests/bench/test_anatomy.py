@@ -38,17 +38,19 @@ def report():
 def test_the_report_has_each_measure_for_greedy_and_lookahead(report, tmp_path):
     for name in ("greedy", "lookahead"):
         row = report[name]
-        assert {"host_ms", "aten_ops_forward", "syncs_in_step", "syncs_in_static"} <= set(row)
-        assert row["steps"] > 0 and row["host_ms"] > 0
+        assert {"step_host_ms", "kernels_per_forward", "reads_per_step", "host_ms", "aten_ops_forward",
+                "syncs_in_step", "syncs_in_static"} <= set(row)
+        assert row["steps"] > 0 and row["step_host_ms"] > 0 and row["kernels_per_forward"] == row["aten_ops_forward"]
+        assert {"plan", "inputs", "read", "finish", "other"} <= set(row["phases_ms"])
     json.dumps(report)  # the --json file is this, as is
 
 
 def test_the_static_step_reads_once_and_never_inside_the_forward(report):
-    # A preset that recycles logits (decoding.proposers.recycled) reads the rows' top tokens back once more per
-    # lookahead step; harvesting them on the device into the argmax readback is not done yet.
-    recycling = 1 if report["settings"]["recycled"] else 0
+    """One device-to-host read a step, lookahead included: the recycled source's top-k come back with the argmax."""
+    assert report["settings"]["recycled"]  # the preset recycles logits: their top-k ride on the one read
     for name in ("greedy", "lookahead"):
-        assert report["static"][name]["syncs_in_step"] == 1 + (recycling if name == "lookahead" else 0)
+        assert report["static"][name]["reads_per_step"] == report["static"][name]["reads_per_step_max"] == 1
+        assert report["static"][name]["syncs_in_step"] == 1
         assert report["static"][name]["syncs_in_static"] == 0
         assert report["eager"][name]["syncs_in_step"] > 1  # the counter is not blind: the eager path copies
     assert report["static"]["lookahead"]["median_step_tokens"] > 16  # the preset's window and tree, not a plain step

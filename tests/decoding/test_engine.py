@@ -380,3 +380,13 @@ def test_empty_prompt_and_context_overflow(tiny_model):
     with pytest.raises(ContextLengthError) as error:
         next(generate_lookahead(tiny_model, [1] * 600, StopCriteria(1)))
     assert error.value.param == "prompt"
+
+
+def test_a_timed_step_is_the_step_with_its_seconds_set():
+    """``Step.timed`` (the stream's per-step timing, without ``dataclasses.replace``) keeps every other field."""
+    from dataclasses import fields
+
+    from decoding.steps import Step, StepStats
+    stats = StepStats(*(f"stats {index}" for index, _ in enumerate(fields(StepStats))))
+    step = Step("tokens", stats, *(f"step {index}" for index, _ in enumerate(fields(Step)[2:])))
+    assert step.timed(1.5) == replace(step, stats=replace(stats, seconds=1.5))

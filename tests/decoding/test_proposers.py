@@ -328,3 +328,51 @@ def test_a_step_that_runs_its_window_anyway_prices_drafts_on_top_of_it():
     lazy_tokens, lazy_forwards = batched_tokens(model, [5, 3, 0, 2], stop, replace(config, lazy_window=True), STEEP)
     assert tokens == lazy_tokens == [(3 + k) % 8 for k in range(60)]
     assert forwards < 20 and lazy_forwards > 2 * forwards, (forwards, lazy_forwards)
+
+
+def _every_child_heap(table, last, odds, nodes):
+    """The reference best-first tree: every child of a taken node pushed, keyed (-score, order pushed)."""
+    import heapq
+
+    from decoding.proposers.recycled import TREE_DEPTH
+    heap, taken, order = [], {}, 0
+
+    def push(path, score, token):
+        nonlocal order
+        if len(path) < TREE_DEPTH:
+            for rank, child in enumerate(table.get(token, ())[: len(odds)]):
+                heapq.heappush(heap, (-score * odds[rank], order, (*path, child), rank))
+                order += 1
+
+    push((), 1.0, last)
+    while heap and len(taken) < nodes:
+        negative, _, path, rank = heapq.heappop(heap)
+        taken[path] = rank
+        push(path, -negative, path[-1])
+    return taken
+
+
+@pytest.mark.parametrize("odds_kind", ["distinct", "tied", "nearly-tied"])
+def test_the_best_first_tree_takes_the_nodes_of_a_heap_of_every_child_in_its_order(odds_kind):
+    """Keeping one child per taken node in the heap takes the same nodes in the same order as pushing them all,
+    ties included (equal odds, and odds one rounding apart out of rank order)."""
+    import random
+
+    from decoding.proposers.recycled import best_first
+    rng = random.Random(7)
+    for _ in range(300):
+        vocab, k = rng.choice([4, 30]), rng.randint(1, 8)
+        table = {token: tuple(rng.sample(range(vocab), min(rng.randint(1, k), vocab))) for token in range(vocab)
+                 if rng.random() < 0.9}
+        if odds_kind == "distinct":
+            odds = [rng.random() for _ in range(k)]
+        elif odds_kind == "tied":
+            odds = [rng.choice([0.5, 0.25, 0.1]) for _ in range(k)]
+        else:
+            odds = [0.3 * (1 + rng.choice([0.0, 1e-16, -1e-16])) for _ in range(k)]
+        nodes = rng.choice([1, 8, 128])
+        expected = _every_child_heap(table, 0, odds, nodes)
+        tree = best_first(table, 0, odds, nodes)
+        assert list(zip(tree.paths, tree.ranks, strict=True)) == list(expected.items())
+        inner = {path[:-1] for path in expected}
+        assert tree.leaves == [path for path in expected if path not in inner]

@@ -9,6 +9,7 @@ import torch
 
 from bench.anatomy import SyncCounter, count_aten_ops, tiny_deep_llama
 from decoding.batch import BatchEngine, BatchPolicy, step_batch
+from decoding.choice import greedy_ids, top_ids
 from decoding.engine import DecodeStream
 from decoding.kv_cache import KVPool, new_cache
 from decoding.packed import Slice, forward_packed
@@ -102,6 +103,29 @@ def test_real_rows_equal_the_packed_forward(pair):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
                 assert ids == want.argmax(dim=-1).tolist()
     assert [cache.length for cache in caches] == [cache.length for cache in references]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_the_top_ids_come_back_with_the_argmax_in_one_read(mode):
+    """Each slice's rows' top ids, as many as it wants (``Slice.top_k``), read in the step's one read: those of
+    ``top_ids`` on its logits; a slice wanting none, or more than the step computes, gets none."""
+    model = tiny_llama()
+    runner = static_runner(model, sequences=4, capacity=64, mode=mode, top_k=5)
+    caches = [runner.pool.acquire(60) for _ in range(3)]
+    with torch.inference_mode():
+        runner.run([Slice([3, 9, 4, 1][: 2 + index], torch.arange(2 + index), None, torch.arange(1), cache)
+                    for index, cache in enumerate(caches)])
+        slices = [Slice([7, 1, 2], None, None, None, cache, host_positions=range(2 + index, 5 + index),
+                        host_rows=range(3 - index), top_k=wanted)
+                  for index, (cache, wanted) in enumerate(zip(caches, (5, 0, 3), strict=True))]
+        with SyncCounter() as syncs:
+            logits, ids = runner.run(slices)
+        assert syncs.calls == ["tolist"]
+    for rows, row_ids, wanted in zip(logits, ids, (5, 0, 3), strict=True):
+        assert row_ids == greedy_ids(rows)
+        assert (row_ids.top(wanted) if wanted else None) == (list(map(tuple, top_ids(rows, wanted))) if wanted
+                                                              else None)
+        assert row_ids.top(wanted + 1) is None
 
 
 def test_padding_is_finite_and_does_not_touch_real_rows():
@@ -242,7 +266,7 @@ def test_no_host_sync_inside_the_static_forward():
         step = Slice(list(range(layout.num_tokens)), layout.offsets + 3, layout.visible, layout.logit_rows, cache,
                      layout.parents)
         bucket = runner.bucket([step])
-        compiled = runner.prepare([step], bucket)  # the step's inputs, checked and on their way
+        compiled = runner.prepare([step], bucket)
         with SyncCounter() as syncs:
             static_forward(runner.weights, runner._views(bucket.attended), compiled.inputs, bucket.sequences,
                            bucket.tokens)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -26,6 +25,7 @@ from decoding.static import (
     input_bounds,
     warm_buckets,
 )
+from decoding.static_inputs import check_slices
 from decoding.window import step_layout
 from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
 
@@ -152,24 +152,26 @@ def input_buffer(bucket: Bucket, **fields: list[int]) -> torch.Tensor:
     values = {
         "token_ids": [1] * count, "positions": list(range(count)),
         "parents": [-1 if index % bucket.tokens == 0 else index % bucket.tokens - 1 for index in range(count)],
-        "read_rows": list(range(count)), "write_rows": [0] * count,
-        "write_slots": [index % bucket.tokens for index in range(count)],
+        "read_rows": list(range(count)),
         "lengths": [0] * bucket.sequences, "rows": [0] * bucket.sequences,
     }
     values.update(fields)
-    return np.array([value for field in values.values() for value in field], dtype=np.int64)
+    return torch.tensor([value for field in values.values() for value in field])
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("token_ids", [1, 64]), ("token_ids", [-1, 1]), ("read_rows", [0, 2]), ("write_rows", [0, 3]),
-    ("write_slots", [0, 8]), ("rows", [3]), ("parents", [-1, 1]), ("parents", [-2, 0]), ("lengths", [7]),
+    ("token_ids", [1, 64]), ("token_ids", [-1, 1]), ("read_rows", [0, 2]), ("read_rows", [-1, 0]),
+    ("rows", [3]), ("parents", [-1, 1]), ("parents", [-2, 0]), ("lengths", [7]), ("lengths", [-1]),
 ])
 def test_an_index_out_of_range_is_an_error_naming_the_bucket_and_field(field, value):
     bucket = Bucket(1, 2, 8)
     bounds = input_bounds(bucket, pool_rows=3, vocab=64)
     check_inputs(input_buffer(bucket), bucket, bounds)
+    check_slices(input_buffer(bucket).tolist(), bucket, pool_rows=3, vocab=64)
     with pytest.raises(StaticInputError, match=rf"Bucket\(sequences=1, tokens=2, attended=8\): {field}\["):
         check_inputs(input_buffer(bucket, **{field: value}), bucket, bounds)
+    with pytest.raises(StaticInputError, match=rf"Bucket\(sequences=1, tokens=2, attended=8\): {field}\["):
+        check_slices(input_buffer(bucket, **{field: value}).tolist(), bucket, pool_rows=3, vocab=64)
 
 
 def test_every_field_of_a_batched_bucket_is_named_where_it_fails():
@@ -179,9 +181,9 @@ def test_every_field_of_a_batched_bucket_is_named_where_it_fails():
     rows = [0, 1, 2, 5]
     with pytest.raises(StaticInputError, match=r": rows\[3\] holds 5, outside \[0, 5\)"):
         check_inputs(input_buffer(bucket, rows=rows), bucket, bounds)
-    slots = [slot if index != 17 else 64 for index, slot in enumerate(input_buffer(bucket)[160:192])]
-    with pytest.raises(StaticInputError, match=r": write_slots\[17\] holds 64"):
-        check_inputs(input_buffer(bucket, write_slots=slots), bucket, bounds)
+    read = [row if index != 17 else 32 for index, row in enumerate(range(32))]
+    with pytest.raises(StaticInputError, match=r": read_rows\[17\] holds 32"):
+        check_inputs(input_buffer(bucket, read_rows=read), bucket, bounds)
 
 
 def test_a_step_with_a_bad_token_fails_on_the_host_before_its_forward():
