@@ -142,6 +142,8 @@ class Step:
     ``prompt_logprobs`` (only when ``SamplingParams.prompt_logprobs`` is set, else None): on a prefill step, the
     logprobs of the prompt tokens its chunk's rows predicted, in order; prompt token 0 has none, so a whole
     prefill's steps together carry tokens 1..P-1.
+    ``cached_tokens``: on a decode's first step, the prompt tokens whose KV came from the prefix cache
+    (``decoding.prefix_cache``) instead of a forward; 0 on every other step.
     """
 
     token_ids: list[int]
@@ -150,6 +152,7 @@ class Step:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     stop_token: int | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
