@@ -136,8 +136,9 @@ class PrefixCache:
 
     def store(self, tokens: Sequence[int], cache: SlotCache, index: ContextIndex | None = None) -> bool:
         """Keep a copy of the first ``len(tokens)`` slots of ``cache`` (the KV of ``tokens``) and ``index`` (the copy
-        index over them: the part of it that indexes every position from the first); True when stored. Nothing is stored when the cache is
-        off (``max_tokens`` 0), ``tokens`` is empty, or the cache cannot be copied (``SlotCache.snapshot``)."""
+        index over them: its part that indexes every position from the first); True when stored. Nothing is stored
+        when the cache is off (``max_tokens`` 0), ``tokens`` is empty, or the cache cannot be copied
+        (``SlotCache.snapshot``)."""
         length = min(len(tokens), self.max_tokens, cache.length)
         if length <= 0:
             return False

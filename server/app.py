@@ -104,7 +104,7 @@ def batch_policy(config: ServerConfig) -> BatchPolicy:
     settings = config.batch
     curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
     return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
-                       config.max_running, settings.measure_step_cost)
+                       config.max_running, settings.measure_step_cost, settings.prefix_cache_tokens)
 
 
 class Runtime:

@@ -172,6 +172,12 @@ class BatchSettings(BaseModel):
         "(wall clock, its host work included) and price drafts on that curve instead of step_cost "
         "(decoding/calibration.py; the lookahead_step_cost metric and the start's log show it)",
     )
+    prefix_cache_tokens: int = Field(
+        4096, ge=0, le=10_000_000,
+        description="prefix cache: tokens of finished requests' KV kept (least recently used first out) so that a "
+        "prompt starting the same way (the next turn of a conversation) prefills only the rest (0: off; the "
+        "default model's float32 KV takes 46 KB a token; a request opts out with cache_prompt false)",
+    )
 
     @model_validator(mode="after")
     def _curve_ascends(self) -> BatchSettings:

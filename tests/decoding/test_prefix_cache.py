@@ -94,13 +94,10 @@ def test_every_later_turn_reuses_the_whole_last_conversation(model):
     (that token's KV was never computed: it is the ``last`` the next step would have run)."""
     engine = BatchEngine(model, on())
     results = converse(engine, [None])
-    prompt = len(SYSTEM) + 1
+    held = len(SYSTEM) + 1  # the tokens of the conversation so far
     for turn, (tokens, _, cached) in enumerate(results[0]):
-        prompt += len(USER_TURNS[turn])
-        if turn:
-            assert cached == previous_prompt + len(previous_tokens) - 1
-        previous_prompt, previous_tokens = prompt, tokens
-        prompt += len(tokens)
+        assert cached == (held - 1 if turn else 0)  # all of it but the last output token
+        held += len(USER_TURNS[turn]) + len(tokens)
 
 
 def test_seeded_sampling_and_logprobs_are_the_same_with_the_cache(model):
