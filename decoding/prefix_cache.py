@@ -98,8 +98,9 @@ Running = tuple[Sequence[int], SlotCache, int]  # a running decode's tokens, its
 class PrefixCache:
     """A bounded LRU of finished decodes' KV, looked up by longest common prefix (module contract)."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, restore_index: bool = True) -> None:
         self.max_tokens = max_tokens
+        self.restore_index = restore_index  # False: hits carry no copy index (the decode builds its own)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id, least recently used first
         self._next = 0
         self._tokens = 0
@@ -131,7 +132,8 @@ class PrefixCache:
             return PrefixHit(best, best_cache.view(best))
         entry = self._entries[best_key]
         self._entries.move_to_end(best_key)
-        index = entry.index.prefix(best) if entry.index is not None and entry.index.dense >= best else None
+        kept = entry.index if self.restore_index else None
+        index = kept.prefix(best) if kept is not None and kept.dense >= best else None
         return PrefixHit(best, entry.kv[:, :, :, :, :best], index)
 
     def store(self, tokens: Sequence[int], cache: SlotCache, index: ContextIndex | None = None) -> bool:

@@ -56,7 +56,8 @@ async def test_prompt_list_with_n_numbers_choices_and_sums_usage(client, tokeniz
     ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
     by_ids = await complete(client, prompt=ids, n=2, **GREEDY)
     assert [choice["text"] for choice in by_ids["choices"]] == texts
-    assert by_ids["usage"] == usage
+    assert {**by_ids["usage"], "prompt_tokens_details": None} == {**usage, "prompt_tokens_details": None}
+    assert by_ids["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompts again: KV reused
     single = await complete(client, prompt=ids[1], **GREEDY)  # one list of token ids is one prompt
     assert [choice["text"] for choice in single["choices"]] == [texts[2]]
 
