@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from bench.cli import PRESETS, add_lookahead_flags, add_model_flags, lookahead_config, start
+from bench.conversation import EARLY_STEPS, Timing, side_by_side
 from bench.datasets import SPLIT_NAMES, PromptSpec, encode_prompt, split_indices
 from bench.settings import SERVER_MEMORY_TOKENS, resolve
 from bench.workload import serve
-from decoding.batch import BatchEngine
+from decoding.batch import BatchEngine, BatchPolicy
 from decoding.decoder import Decoder
 from decoding.engine import StepCounts
 from decoding.memory import NGramMemory
@@ -138,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-tokens", type=int, default=SERVER_MEMORY_TOKENS, help="shared memory (0: none)")
     parser.add_argument("--preset", choices=PRESETS, help="whose lookahead settings and batch policy (this device's)")
     parser.add_argument("--output", metavar="PATH", help="write the turns and totals as JSON")
+    parser.add_argument("--prefix-cache", type=int, metavar="TOKENS",
+                        help="instead: each turn side by side with a prefix cache of TOKENS (its copy index restored, "
+                        "or not) and without; wall time per turn and the first steps' tokens per step")
     add_lookahead_flags(parser)
     add_model_flags(parser)
     return parser
@@ -154,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_ids = frozenset(Decoder(loaded).eos_token_ids())
     indices = split_indices("agent", args.split)
     chosen = [SCENARIOS[index] for index in (indices if not args.limit else indices[: args.limit])]
+    if args.prefix_cache:
+        return compare_prefix_cache(loaded, resolved.policy, chosen, config, stop_ids, args)
     memory = NGramMemory(args.memory_tokens) if args.memory_tokens else None
     engine = BatchEngine(loaded.model, resolved.policy, memory=memory)
     plain = BatchEngine(loaded.model, resolved.policy)
@@ -179,4 +186,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.output, "w", encoding="utf-8") as sink:
             json.dump({"config": asdict(config), "turns": [asdict(turn) for turn in turns],
                        "total": asdict(total)}, sink)
+    return 0 if same else 1
+
+
+def compare_prefix_cache(loaded, policy: BatchPolicy, chosen: Sequence[Scenario], config: LookaheadConfig,
+                         stop_ids: frozenset[int], args: argparse.Namespace) -> int:
+    """``--prefix-cache``: every scenario through three engines turn by turn (``bench.conversation.side_by_side``),
+    each with its own shared memory: the prefix cache with its copy index restored (``guesses``), without it
+    (``kv``), and none (``off``). Prints per turn the median wall time of each and the tokens per step of the first
+    ``EARLY_STEPS`` steps after the prefill; 0 when every output agreed."""
+    variants = {"guesses": (args.prefix_cache, True), "kv": (args.prefix_cache, False), "off": (0, True)}
+    engines = {}
+    for name, (tokens, restore) in variants.items():
+        memory = NGramMemory(args.memory_tokens) if args.memory_tokens else None
+        engines[name] = BatchEngine(loaded.model, replace(policy, prefix_cache_tokens=tokens), memory=memory)
+        if engines[name].prefix_cache is not None:
+            engines[name].prefix_cache.restore_index = restore
+    stop = StopCriteria(args.max_tokens, stop_ids)
+    runs: dict[str, list[list[Timing]]] = {name: [] for name in engines}
+    same = True
+    for scenario in chosen:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first_message(scenario)}]
+        timings, agreed = side_by_side(engines, loaded.tokenizer, messages,
+                                       lambda turn, reply, s=scenario: next_message(s, turn, reply), TURNS, stop,
+                                       config)
+        same &= agreed
+        for name, turns in timings.items():
+            runs[name].append(turns)
+    report = {}
+    for name, scenario_runs in runs.items():
+        report[name] = [{"seconds": statistics.median(run[turn].seconds for run in scenario_runs),
+                         "first_token": statistics.median(run[turn].first_token for run in scenario_runs),
+                         "cached_tokens": sum(run[turn].cached_tokens for run in scenario_runs),
+                         "early_tokens_per_step": sum(run[turn].early_tokens for run in scenario_runs)
+                         / max(1, sum(run[turn].early_steps for run in scenario_runs))}
+                        for turn in range(TURNS)]
+        report[name + "_total_seconds"] = sum(t.seconds for run in scenario_runs for t in run)
+    for turn in range(TURNS):
+        print(f"turn {turn + 1}: " + "; ".join(
+            f"{name} {report[name][turn]['seconds']:.2f} s (first token {report[name][turn]['first_token']:.3f} s, "
+            f"reused {report[name][turn]['cached_tokens']}, first {EARLY_STEPS} steps "
+            f"{report[name][turn]['early_tokens_per_step']:.2f} tok/step)" for name in engines))
+    print(f"agent {args.split}, {len(chosen)} scenarios: wall " + ", ".join(
+        f"{name} {report[name + '_total_seconds']:.1f} s" for name in engines)
+        + f"; off / guesses {report['off_total_seconds'] / report['guesses_total_seconds']:.2f}x"
+        + ("" if same else "; OUTPUTS DIFFER"))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as sink:
+            json.dump(report, sink, indent=1)
     return 0 if same else 1

@@ -278,7 +278,8 @@ def forward_ops(model: LlamaForCausalLM, static: StaticStep | None, tokens: int)
     """ATen ops of one forward of ``tokens`` tokens after a 96-token prompt, and the blocking copies inside
     it: the static forward's, or the eager ``lean.forward``'s (``forward_packed``'s inputs and masks excluded)."""
     from decoding.kv_cache import new_cache
-    from decoding.packed import Slice, forward_packed
+    from decoding.packed import forward_packed
+    from decoding.slices import Slice
 
     prompt = anatomy_prompt(model.config.vocab_size)
     cache = static.pool.acquire(len(prompt) + tokens) if static is not None else new_cache(model, len(prompt) + tokens)

@@ -95,7 +95,8 @@ SERVER_DEFAULT = "default: the server's"
 PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config.load_config(device_preset=...)``)
 # ``python -m bench NAME ...``: the module of ``bench`` that runs subcommand NAME with the rest of the arguments.
 SUBCOMMANDS = {"heldout": "heldout", "memory": "memory", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
-               "tune": "tuning", "weights": "weights", "compile": "compiled", "threads": "threads"}
+               "tune": "tuning", "weights": "weights", "compile": "compiled", "threads": "threads",
+               "conversation": "conversation"}
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m bench`` argument parser; flags the server configures default to None (filled later)."""

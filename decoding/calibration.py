@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from decoding.batch import forward_batch
 from decoding.kv_cache import SlotCache, new_cache
-from decoding.packed import Slice
+from decoding.slices import Slice
 from decoding.static import TOKEN_BUCKETS, StaticStep
 
 CONTEXT = 256  # cached tokens under the timed steps: a conversation's first turn

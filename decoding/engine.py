@@ -31,9 +31,10 @@ from decoding.kv_cache import KVPool, new_cache
 from decoding.logprobs import TokenLogprob, token_logprobs
 from decoding.lookahead import LookaheadStep
 from decoding.memory import NGramMemory
-from decoding.packed import Slice, forward_packed
+from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria, draw_seed
 from decoding.pool import ContextIndex
+from decoding.prefix_cache import PrefixHit
 from decoding.proposers import (
     PREDICTION_COPY_LENGTH,
     PROPOSERS,
@@ -44,6 +45,7 @@ from decoding.proposers import (
     extra_step_tokens,
     prediction_copy_length,
 )
+from decoding.slices import Slice
 from decoding.steps import (
     Finisher,
     PlainStep,
@@ -114,6 +116,11 @@ class DecodeStream:
     A stream whose ``sampling.grammar`` is set takes that grammar's ``constraint`` (``decoding.grammar``): every
     token it chooses or verifies is masked by it, and guesses it forbids are cut before they are offered, so
     constrained lookahead commits exactly what the constrained autoregressive loop does.
+    A stream given a ``prefix`` (a ``decoding.prefix_cache.PrefixHit`` of fewer tokens than its prompt) copies
+    those keys and values into its cache at once and prefills only the rest of its prompt; its first step reports
+    them (``Step.cached_tokens``), and a lookahead stream starts from the hit's copy index when it has one (equal to
+    the one it would build). Ignored when ``sampling.prompt_logprobs`` is set (every prompt row must be read).
+    ``prefix_state()``, once the stream finished, is what a prefix cache keeps of it.
     """
 
     def __init__(
@@ -129,6 +136,7 @@ class DecodeStream:
         pool: KVPool | None = None,
         proposers: dict[str, Factory] | None = None,
         successors: dict[int, tuple[int, ...]] | None = None,
+        prefix: PrefixHit | None = None,
     ) -> None:
         validate_request(model, prompt_ids, stop, sampling, lookahead)
         if (sampling.grammar is None) != (constraint is None):
@@ -150,6 +158,13 @@ class DecodeStream:
         )
         if not sampling.greedy:
             self.sequence.seed = sampling.seed if sampling.seed is not None else draw_seed()
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self._prefix_index: ContextIndex | None = None
+        if prefix is not None and sampling.prompt_logprobs is None and 0 < prefix.tokens < len(prompt_ids):
+            self.sequence.cache.load_prefix(prefix.kv)
+            self.cached_tokens, self._prefix_index = prefix.tokens, prefix.index
+        self._unreported_cached = self.cached_tokens
+        self.completed = False  # the last step returned with a finish reason
         self._policy: PlainStep | LookaheadStep | None = None
         self._planned: Finisher | None = None
         self._started = 0.0
@@ -214,7 +229,19 @@ class DecodeStream:
         step = planned(logits, argmax)
         if step.finish_reason is not None and self.memory is not None and self.sequence.generated:
             self.memory.add(self.sequence.tokens[max(0, self.sequence.prompt_length - MEMORY_PROMPT_TAIL) :])
-        return step.timed(time.perf_counter() - self._started)
+        self.completed = step.finish_reason is not None
+        cached, self._unreported_cached = self._unreported_cached, 0  # reported once, on the first step
+        return step.timed(time.perf_counter() - self._started, cached)
+
+    def prefix_state(self) -> tuple[list[int], ContextIndex | None] | None:
+        """What a prefix cache may keep of this finished stream (call before ``close``): the tokens its cache holds
+        KV of (every committed token but ``last``), and its copy index (None without one); None while it has not
+        completed (a failed or cancelled stream leaves nothing)."""
+        cache = self.sequence.cache
+        if not self.completed or self.closed or cache is None:
+            return None
+        context = getattr(self._policy, "context", None)
+        return self.sequence.tokens[: cache.length], None if context is None else context.index
 
     def _plan_prefill(self, budget: int) -> tuple[Slice, Finisher]:
         """The next prompt chunk; the chunk reaching the prompt's end reads the first token off its last row
@@ -252,7 +279,10 @@ class DecodeStream:
         sequence, config = self.sequence, self.lookahead
         index = ContextIndex()
         if config.prompt_pool and config.rank_by_context:
+            if self._prefix_index is not None:  # the cached prefix's index: the same positions, not rebuilt
+                index = self._prefix_index
             index.extend(sequence.tokens, sequence.prompt_length)
+        self._prefix_index = None
         index.skip_to(sequence.prompt_length)
         context = Context(sequence.tokens, sequence.prompt_length, index, sequence.stop.stop_token_ids)
         inputs = Inputs(self.memory, self.prediction, sequence.constraint, self.successors)

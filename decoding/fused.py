@@ -15,9 +15,9 @@ its four products, five native calls and two additions (docs/benchmarks.md, "The
 Exactness: every native call computes a row from that row alone, and attention visits a row's visible keys in
 position order with an exact two-pass softmax, so a token's logits are the same bits in a one-token step and in
 a lookahead step whose mask shows it the same tokens: greedy lookahead equals greedy exactly. A prompt chunk (a
-causal slice with no tree) of more than ``NATIVE_ATTENTION_ROWS`` tokens attends with torch's scaled-dot-product
-attention, which is faster there; its keys/values are stored the same way. A decode step of any size (greedy's
-one token, a lookahead tree) attends natively.
+causal slice with no tree) of more than ``NATIVE_ATTENTION_ROWS`` tokens, or of more than one after a filled cache,
+attends with torch's scaled-dot-product attention, which is faster there; its keys/values are stored the same way.
+A decode step of any size (greedy's one token, a lookahead tree) attends natively.
 
 Threads: each native call splits its work over the native thread pool (``decoding.native.set_threads``) with the
 same bits at any thread count, so the exactness above holds at every count; a wide step's products, which are
@@ -180,10 +180,15 @@ def _reserve(cache: SlotCache, count: int, kv_heads: int, dim: int) -> None:
 
 
 def _is_prefill_chunk(slice_: Slice, mask: torch.Tensor | None) -> bool:
-    """Whether ``slice_`` is a causal prompt chunk of more than ``NATIVE_ATTENTION_ROWS`` tokens (no mask, no
-    tree): those attend through SDPA. Every decode step (greedy: one token; lookahead: a tree, however large)
-    attends natively, so greedy and lookahead rows are computed alike."""
-    return mask is None and slice_.parents is None and len(slice_.tokens) > NATIVE_ATTENTION_ROWS
+    """Whether ``slice_`` is a causal prompt chunk (no mask, no tree) of more than ``NATIVE_ATTENTION_ROWS`` tokens,
+    or of more than one after a filled cache (the rest of a prompt whose prefix came from the prefix cache, or a
+    later chunk: the native attention's cost grows with rows x past): those attend through SDPA. Every decode step
+    (greedy: one token; lookahead: a tree, however large) attends natively, so greedy and lookahead rows are
+    computed alike."""
+    if mask is not None or slice_.parents is not None:
+        return False
+    rows = len(slice_.tokens)
+    return rows > NATIVE_ATTENTION_ROWS or (rows > 1 and slice_.cache.length > 0)
 
 
 def _visible_bytes(slice_: Slice) -> torch.Tensor | None:

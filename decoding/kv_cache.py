@@ -180,6 +180,49 @@ class SlotCache(Cache):
             self._storage[:, :, :, :, keep : keep + count] = self._storage[:, :, :, :, index]
         self._set_lengths(keep + count)
 
+    @property
+    def shared(self) -> bool:
+        """True when every layer's keys and values are views of one storage (``snapshot`` and ``load_prefix`` work)."""
+        return self._storage is not None and self._in_storage == len(self.layers)
+
+    def snapshot(self, length: int) -> torch.Tensor | None:
+        """A copy of slots ``[0, length)`` of every layer, ``[2, layers, batch, heads, length, dim]`` (keys, then
+        values), its pool's deferred commits applied first; None when the layers do not share one storage (a model
+        whose layers differ in shape) or ``length`` is outside ``[1, self.length]``."""
+        if not self.shared or not 0 < length <= self.length:
+            return None
+        if self.pool is not None:
+            self.pool.flush()
+        return self._storage[:, :, :, :, :length].clone()
+
+    def view(self, length: int) -> torch.Tensor:
+        """Slots ``[0, length)`` of every layer as a view of the shared storage, ``[2, layers, batch, heads, length,
+        dim]`` (no copy: read it before the next forward). Raises ``ValueError`` when the layers share none."""
+        if not self.shared:
+            raise ValueError("this cache's layers do not share one storage")
+        return self._storage[:, :, :, :, :length]
+
+    def load_prefix(self, kv: torch.Tensor) -> None:
+        """Start this empty cache with ``kv`` (a ``snapshot``, or a slice of one, of a cache of the same model):
+        slots ``[0, kv.shape[-2])`` become those keys and values, ``length`` that count; the buffers are allocated
+        first when no forward has run. Raises ``ValueError`` when the cache is not empty or ``kv`` does not fit its
+        layers, ``CacheOverflowError`` when it holds more slots than the capacity."""
+        length = kv.shape[-2]
+        if self.length:
+            raise ValueError("load_prefix needs an empty cache")
+        if length > self.capacity:
+            raise CacheOverflowError(f"KV cache capacity {self.capacity} exceeded ({length} slots needed)")
+        if kv.dim() != 6 or kv.shape[:2] != (2, len(self.layers)):
+            raise ValueError(f"expected [2, {len(self.layers)}, batch, heads, slots, dim] keys and values")
+        for index, layer in enumerate(self.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(kv[0, index], kv[1, index])
+        storage = self._storage
+        if not self.shared or storage.shape[2:4] != kv.shape[2:4] or storage.shape[-1] != kv.shape[-1]:
+            raise ValueError("keys and values of another shape than this cache's")
+        storage[:, :, :, :, :length].copy_(kv)
+        self._set_lengths(length)
+
     def advance(self, count: int) -> None:
         """Count ``count`` slots written past ``length`` by someone else (a static step) as filled."""
         end = self.length + count

@@ -25,11 +25,11 @@ import torch
 from decoding.choice import RowIds, greedy_ids, top_ids
 from decoding.drafts import Shape, gather
 from decoding.logits import adjust_logits, needs_adjusting
-from decoding.packed import Slice
 from decoding.params import LookaheadConfig, SamplingParams
 from decoding.proposers import COPY, MEMORY, POOL, PREDICTION, Context, Draft, JacobiProposer, Outcome, Proposer
 from decoding.proposers.base import common_prefix
 from decoding.sampling import SampledRows, row_chooser
+from decoding.slices import Slice
 from decoding.steps import (
     Finisher,
     Proposal,

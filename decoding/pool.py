@@ -10,6 +10,7 @@ the most recent first.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 
 
@@ -150,17 +151,44 @@ class ContextIndex:
     def __init__(self) -> None:
         self._positions: dict[int, list[int]] = {}
         self._indexed = 0
+        self._dense = 0  # positions [0, _dense) are all indexed (no skip_to gap before them)
+
+    @property
+    def dense(self) -> int:
+        """How many leading positions are all indexed: ``prefix`` can cut the index anywhere up to there."""
+        return self._dense
 
     def extend(self, tokens: Sequence[int], upto: int | None = None) -> None:
         """Index ``tokens[indexed:upto]`` (default: to the end); positions already indexed are skipped."""
         stop = len(tokens) if upto is None else upto
         for position in range(self._indexed, stop):
             self._positions.setdefault(tokens[position], []).append(position)
+        if self._dense == self._indexed:
+            self._dense = max(self._dense, stop)
         self._indexed = max(self._indexed, stop)
 
     def skip_to(self, position: int) -> None:
         """Leave positions before ``position`` unindexed (e.g. the prompt, when only the output is a source)."""
         self._indexed = max(self._indexed, position)
+
+    def prefix(self, length: int) -> ContextIndex:
+        """A new index of positions ``[0, length)`` alone, equal to ``ContextIndex().extend(tokens, length)`` over
+        the same tokens (this one is left as it is). Raises ``ValueError`` past ``dense``.
+
+        >>> index = ContextIndex()
+        >>> index.extend([1, 2, 1, 3])
+        >>> index.prefix(3)._positions
+        {1: [0, 2], 2: [1]}
+        """
+        if length > self._dense:
+            raise ValueError(f"positions up to {length} asked of an index dense up to {self._dense}")
+        copy = ContextIndex()
+        for token, positions in self._positions.items():
+            kept = positions[: bisect.bisect_left(positions, length)]
+            if kept:
+                copy._positions[token] = kept
+        copy._indexed = copy._dense = length
+        return copy
 
     def candidates(self, tokens: Sequence[int], length: int, limit: int) -> list[tuple[int, ...]]:
         """Up to ``limit`` distinct continuations of ``tokens[-1]``, best context match first."""

@@ -50,8 +50,9 @@ from transformers import PreTrainedModel
 from decoding.choice import RowIds
 from decoding.engine import context_length
 from decoding.kv_cache import KVPool
-from decoding.packed import CUDA_BACKENDS, Slice
+from decoding.packed import CUDA_BACKENDS
 from decoding.params import MAX_STEP_TOKENS, MAX_TOP_TOKENS
+from decoding.slices import Slice
 from decoding.static_forward import (
     fresh_forward,
     prepare_weights,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.packed import Slice
+from decoding.slices import Slice
 from decoding.static_forward import SEQUENCE_FIELDS, TOKEN_FIELDS
 
 

@@ -22,9 +22,9 @@ from decoding.grammar import Constraint
 from decoding.kv_cache import SlotCache
 from decoding.logits import adjust_logits, needs_adjusting
 from decoding.logprobs import TokenLogprob, token_logprobs
-from decoding.packed import Slice
 from decoding.params import SamplingParams, StopCriteria
 from decoding.sampling import sample_rows
+from decoding.slices import Slice
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,8 @@ class Step:
     ``prompt_logprobs`` (only when ``SamplingParams.prompt_logprobs`` is set, else None): on a prefill step, the
     logprobs of the prompt tokens its chunk's rows predicted, in order; prompt token 0 has none, so a whole
     prefill's steps together carry tokens 1..P-1.
+    ``cached_tokens``: on a decode's first step, the prompt tokens whose KV came from the prefix cache
+    (``decoding.prefix_cache``) instead of a forward; 0 on every other step.
     """
 
     token_ids: list[int]
@@ -150,9 +152,11 @@ class Step:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     stop_token: int | None = None
+    cached_tokens: int = 0
 
-    def timed(self, seconds: float) -> Step:
-        """This step with ``stats.seconds`` set (``dataclasses.replace``'s result, without its generic walk).
+    def timed(self, seconds: float, cached_tokens: int = 0) -> Step:
+        """This step with ``stats.seconds`` and ``cached_tokens`` set (``dataclasses.replace``'s result, without its
+        generic walk).
 
         >>> Step([4], StepStats(1, 1)).timed(0.5).stats.seconds
         0.5
@@ -160,7 +164,8 @@ class Step:
         s = self.stats
         stats = StepStats(s.input_tokens, s.committed, s.offered, s.accepted, s.accepted_per_position, seconds,
                           s.prefill, s.memory_accepted, s.prediction_accepted, s.sources)
-        return Step(self.token_ids, stats, self.finish_reason, self.logprobs, self.prompt_logprobs, self.stop_token)
+        return Step(self.token_ids, stats, self.finish_reason, self.logprobs, self.prompt_logprobs, self.stop_token,
+                    cached_tokens)
 
 
 @dataclass

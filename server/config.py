@@ -194,6 +194,12 @@ class BatchSettings(BaseModel):
         "(wall clock, its host work included) and price drafts on that curve instead of step_cost "
         "(decoding/calibration.py; the lookahead_step_cost metric and the start's log show it)",
     )
+    prefix_cache_tokens: int = Field(
+        4096, ge=0, le=10_000_000,
+        description="prefix cache: tokens of finished requests' KV kept (least recently used first out) so that a "
+        "prompt starting the same way (the next turn of a conversation) prefills only the rest (0: off; the "
+        "default model's float32 KV takes 46 KB a token; a request opts out with cache_prompt false)",
+    )
 
     @model_validator(mode="after")
     def _curve_ascends(self) -> BatchSettings:
@@ -324,7 +330,7 @@ def batch_policy(config: ServerConfig) -> BatchPolicy:
     settings = config.batch
     curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
     return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
-                       config.max_running, settings.measure_step_cost)
+                       config.max_running, settings.measure_step_cost, settings.prefix_cache_tokens)
 
 
 # ---- Layers -------------------------------------------------------------------------------------------------

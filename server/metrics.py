@@ -32,6 +32,11 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
 - ``static_buckets``, ``static_capture_failures`` and ``static_capture_seconds`` describe the static step
   (``decoding.static``): the shapes built so far, the captures that failed on a working device (their shapes run
   eagerly), and the seconds building them took (absent without a static step);
+- ``prefix_cache_hits_total`` / ``prefix_cache_misses_total`` count the engine's prefix-cache lookups (a request
+  that opted out, or reads prompt logprobs, looks nothing up), ``prefix_cache_cached_tokens_total`` the prompt
+  tokens reused (not computed), ``prefix_cache_evictions_total`` entries dropped for room (least recently used
+  first), and ``prefix_cache_tokens`` / ``prefix_cache_bytes`` what the cache holds now (``decoding.prefix_cache``;
+  all 0 when it is off);
 - ``step_cost{tokens}`` is the step-cost curve the engine prices drafts on (relative to a one-token forward):
   measured on the device at start (``batch.measure_step_cost``), else the preset's;
 - ``time_to_first_token_seconds`` runs from arrival to the first step that kept a token, so it includes
@@ -48,6 +53,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:  # only read here; importing decoding would load torch for the deployment tests
     from decoding import StepCounts
+    from decoding.prefix_cache import PrefixCacheStats
     from decoding.static import StaticStats
 
 PREFIX = "lookahead"
@@ -161,6 +167,16 @@ class Metrics:
             registry=registry,
         )
         self._static: StaticStats | None = None
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix-cache lookups that found a reusable prefix.")
+        self.prefix_misses = counter("prefix_cache_misses", "Prefix-cache lookups that found none.")
+        self.prefix_cached_tokens = counter(
+            "prefix_cache_cached_tokens", "Prompt tokens whose KV came from the prefix cache, not a forward.")
+        self.prefix_evictions = counter("prefix_cache_evictions", "Prefix-cache entries dropped for room (LRU).")
+        self.prefix_tokens = Gauge(f"{PREFIX}_prefix_cache_tokens", "Tokens of KV the prefix cache holds.",
+                                   registry=registry)
+        self.prefix_bytes = Gauge(f"{PREFIX}_prefix_cache_bytes", "Bytes of KV the prefix cache holds.",
+                                  registry=registry)
+        self._prefix: PrefixCacheStats | None = None
         self.step_cost = Gauge(
             f"{PREFIX}_step_cost", "The step-cost curve drafts are priced on: a forward of `tokens` input tokens "
             "against one (measured at start with batch.measure_step_cost, else the preset's).", ("tokens",),
@@ -273,6 +289,19 @@ class Metrics:
         self.static_buckets.set(stats.buckets)
         self.static_capture_failures.set(stats.capture_failures)
         self.static_capture_seconds.set(stats.capture_seconds)
+
+    def set_prefix_cache(self, stats: PrefixCacheStats) -> None:
+        """The prefix cache's contents, and its counters' growth since the last call (``PrefixCacheStats``)."""
+        last = self._prefix
+        self._prefix = stats
+        if last is None or stats.hits < last.hits:  # the first report (or a new engine): counted from zero
+            last = type(stats)()
+        self.prefix_hits.inc(stats.hits - last.hits)
+        self.prefix_misses.inc(max(0, stats.misses - last.misses))
+        self.prefix_cached_tokens.inc(max(0, stats.cached_tokens - last.cached_tokens))
+        self.prefix_evictions.inc(max(0, stats.evictions - last.evictions))
+        self.prefix_tokens.set(stats.tokens)
+        self.prefix_bytes.set(stats.bytes)
 
     def _publish_kv_usage(self) -> None:
         tokens, capacity = self._kv

@@ -38,7 +38,8 @@ class Asked:
 @dataclass(frozen=True)
 class GenerationPlan:
     """Everything the decoder needs for one request, in its own types, plus the stop strings (``prediction``:
-    the predicted output's token ids, None when the request sent none)."""
+    the predicted output's token ids, None when the request sent none; ``cache_prompt``: False keeps it out of
+    the engine's prefix cache)."""
 
     prompt_ids: list[int]
     stop: StopCriteria
@@ -46,19 +47,21 @@ class GenerationPlan:
     lookahead: LookaheadConfig | None
     stop_strings: tuple[str, ...]
     prediction: tuple[int, ...] | None = None
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True)
 class Summary:
     """A finished request: the ``usage`` and ``decoding`` numbers (``counts`` sums all its steps;
     ``prediction_tokens``: its prediction's length, None without one; ``seed``: the seed its sampled tokens were
-    drawn with, None when greedy)."""
+    drawn with, None when greedy; ``cached_tokens``: prompt tokens whose KV came from the prefix cache)."""
 
     prompt_tokens: int
     counts: StepCounts
     lookahead: LookaheadConfig | None
     prediction_tokens: int | None = None
     seed: int | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

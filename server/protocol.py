@@ -299,6 +299,7 @@ class GenerationFields(StrictModel):
     user: str | None = None
     lookahead: LookaheadRequest | None = None
     stream_steps: bool | None = False
+    cache_prompt: bool = True
 
     @field_validator("stop")
     @classmethod

@@ -37,6 +37,7 @@ from server.replies import (
     DecodingInfo,
     DeltaMessage,
     DeltaToolCall,
+    PromptTokensDetails,
     ReplyMessage,
     SourceInfo,
     StepInfo,
@@ -70,6 +71,8 @@ def usage_of(summaries: Sequence[Summary], n: int = 1) -> Usage:
     counted once, completion tokens summed; with a prediction, the accepted tokens and the rest of each choice's
     prediction as rejected."""
     prompt_tokens = sum(summary.prompt_tokens for summary in summaries[::n])
+    cached_tokens = sum(max(summary.cached_tokens for summary in summaries[start : start + n])
+                        for start in range(0, len(summaries), n))
     completion_tokens = sum(summary.counts.tokens for summary in summaries)
     details = None
     if summaries[0].prediction_tokens is not None:
@@ -83,6 +86,7 @@ def usage_of(summaries: Sequence[Summary], n: int = 1) -> Usage:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         completion_tokens_details=details,
     )
 

@@ -34,12 +34,21 @@ class CompletionTokensDetails(BaseModel):
     rejected_prediction_tokens: int
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's prompt counts: ``cached_tokens``, the prompt tokens whose KV the server reused from an earlier
+    request (the prefix cache, ``decoding.prefix_cache``) rather than computing them."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
-    """Token counts; ``completion_tokens_details`` only when the request sent a prediction (absent otherwise)."""
+    """Token counts; ``prompt_tokens_details`` always (as OpenAI sends it), ``completion_tokens_details`` only when
+    the request sent a prediction (absent otherwise)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     completion_tokens_details: CompletionTokensDetails | None = None
 
     @model_serializer(mode="wrap")

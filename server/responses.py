@@ -58,6 +58,7 @@ from server.responses_protocol import (
     FunctionTool,
     IncompleteDetails,
     InputItem,
+    InputTokensDetails,
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
@@ -183,6 +184,7 @@ def chat_request(request: ResponseRequest, conversation: Sequence[ChatMessage]) 
     return ChatCompletionRequest(
         model=request.model, messages=messages, max_tokens=request.max_output_tokens,
         temperature=request.temperature, top_p=request.top_p, seed=request.seed, lookahead=request.lookahead,
+        cache_prompt=request.cache_prompt,
         tools=chat_tools or None, tool_choice=chat_tool_choice(request.tool_choice),
         parallel_tool_calls=request.parallel_tool_calls, response_format=response_format(request.text),
     )
@@ -282,8 +284,10 @@ class ResponsesRenderer:
             "status": "incomplete" if incomplete else "completed",
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None,
             "output": self._items,
-            "usage": ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                                   total_tokens=usage.total_tokens),
+            "usage": ResponseUsage(
+                input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+                input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens)),
             "decoding": decoding_of(summaries),
         })
         data = dump(response)

@@ -217,6 +217,7 @@ class ResponseRequest(StrictModel):
     metadata: dict[str, str] | None = None
     seed: int | None = chat_field("seed")
     lookahead: LookaheadRequest | None = None
+    cache_prompt: bool = chat_field("cache_prompt")
 
 
 def field_names() -> frozenset[str]:

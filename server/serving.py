@@ -292,6 +292,7 @@ def plan(engine: Engine, request: GenerationFields, asked: Asked, prompt_ids: li
         lookahead=resolve_lookahead(request.lookahead, config.lookahead),
         stop_strings=tuple(stop_strings),
         prediction=None if asked.prediction is None else tuple(asked.prediction),
+        cache_prompt=request.cache_prompt,
     )
 
 

@@ -87,6 +87,7 @@ class EngineLike(Protocol):
         sampling: SamplingParams,
         lookahead: LookaheadConfig | None,
         prediction: Sequence[int] | None = None,
+        cache_prompt: bool = True,
     ) -> None: ...
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]: ...
@@ -94,6 +95,8 @@ class EngineLike(Protocol):
     def cancel(self, request_id: Hashable) -> None: ...
 
     def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None: ...
+
+    # optional: ``prefix_cache_stats() -> decoding.prefix_cache.PrefixCacheStats | None`` (read when present)
 
     def memory_usage(self) -> MemoryUsage | None: ...
 
@@ -117,11 +120,13 @@ class Job:
     last_step: float = 0.0
     first_token_seen: bool = False
     done: bool = False
+    cached_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache
 
     def summary(self) -> Summary:
         prediction, sampling = self.plan.prediction, self.plan.sampling
         return Summary(len(self.plan.prompt_ids), self.totals, self.plan.lookahead,
-                       None if prediction is None else len(prediction), None if sampling.greedy else sampling.seed)
+                       None if prediction is None else len(prediction), None if sampling.greedy else sampling.seed,
+                       self.cached_tokens)
 
     def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
         """An output carrying the counts since the previous one."""
@@ -322,7 +327,8 @@ class Worker:
             job.metrics.request_started(len(job.plan.prompt_ids), job.started - job.arrived)
         plan = job.plan
         try:
-            self.engine.add(job, plan.prompt_ids, plan.stop, plan.sampling, plan.lookahead, plan.prediction)
+            self.engine.add(job, plan.prompt_ids, plan.stop, plan.sampling, plan.lookahead, plan.prediction,
+                            cache_prompt=plan.cache_prompt)
         except Exception as exc:
             logger.exception("generation failed")
             self._finish(job, "error", error=exc)
@@ -356,6 +362,10 @@ class Worker:
             except Exception as exc:
                 logger.exception("generation failed")
                 self._finish(job, "error", error=exc)
+        prefix = getattr(self.engine, "prefix_cache_stats", None)  # engines without a prefix cache have none
+        stats = prefix() if prefix is not None and self.metrics is not None else None
+        if stats is not None:
+            self.metrics.set_prefix_cache(stats)
 
     def _consume(self, job: Job, step: Step) -> None:
         """Turn one step into text, count it, post it; finish the job on its last step."""
@@ -367,6 +377,7 @@ class Worker:
         if stop_token:  # generated, so counted (as vLLM counts EOS), though its text is not the completion's
             counts += StepCounts(tokens=1, steps=0 if counts.steps else 1)
         job.totals += counts
+        job.cached_tokens += step.cached_tokens
         if step.logprobs is not None:
             job.pending_logprobs = (job.pending_logprobs or []) + step.logprobs[: delta.tokens + stop_token]
         if step.prompt_logprobs is not None:

@@ -17,8 +17,9 @@ from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.gguf_model import build_gguf_model
 from decoding.kv_cache import new_cache
 from decoding.linears import pack_float32
-from decoding.packed import LEAN_FORWARD, Slice, forward_packed
+from decoding.packed import LEAN_FORWARD, forward_packed
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.slices import Slice
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_gguf_model import LAYOUTS, write_tiny_gguf
 

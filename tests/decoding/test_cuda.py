@@ -138,7 +138,7 @@ def static_decode(model, runner, prompts, configs, sampling=None, max_tokens=40)
 
 
 def test_a_graph_replay_equals_the_eager_static_step_bit_for_bit(cuda_tiny, no_tf32):
-    from decoding.packed import Slice
+    from decoding.slices import Slice
     from decoding.window import step_layout
 
     layout = step_layout(4, 3, (-1, 0, 1, -1))

@@ -11,8 +11,9 @@ from decoding import fused, native, packed
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.kv_cache import CacheOverflowError, new_cache
 from decoding.linears import pack_float32
-from decoding.packed import Slice, forward_packed
+from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.slices import Slice
 from tests.conftest import tiny_llama, tiny_qwen2
 
 needs_kernel = pytest.mark.skipif(native.fused_ops() is None, reason="needs the native library (AVX2, a compiler)")

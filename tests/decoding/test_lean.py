@@ -11,7 +11,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from decoding import lean, packed
 from decoding.kv_cache import SlotCache, new_cache
 from decoding.linears import pack_float32
-from decoding.packed import Slice, forward_packed
+from decoding.packed import forward_packed
+from decoding.slices import Slice
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_linears import real_prompt_ids
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from decoding.kv_cache import SlotCache
-from decoding.packed import Slice, _folded_attention, _mask, query_group
+from decoding.packed import _folded_attention, _mask, query_group
+from decoding.slices import Slice
 from tests.conftest import tiny_llama
 
 

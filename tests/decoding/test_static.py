@@ -12,8 +12,9 @@ from decoding.batch import BatchEngine, BatchPolicy, step_batch
 from decoding.choice import greedy_ids, top_ids
 from decoding.engine import DecodeStream
 from decoding.kv_cache import KVPool, new_cache
-from decoding.packed import Slice, forward_packed
+from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.slices import Slice
 from decoding.static import Bucket, StaticStep, attended_lengths
 from decoding.static_forward import static_forward, supports
 from decoding.window import step_layout

@@ -13,8 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from decoding.batch import BatchPolicy
 from decoding.kv_cache import KVPool, new_cache
-from decoding.packed import Slice, forward_packed
+from decoding.packed import forward_packed
 from decoding.params import MAX_STEP_TOKENS
+from decoding.slices import Slice
 from decoding.static import (
     SEQUENCE_BUCKETS,
     TOKEN_BUCKETS,

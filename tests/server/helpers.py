@@ -176,7 +176,7 @@ class ScriptedEngine:
 
     def add(
         self, request_id: Hashable, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any,
-        prediction: Any = None,
+        prediction: Any = None, cache_prompt: bool = True,
     ) -> None:
         self.decoder.validate(prompt_ids, stop, sampling, lookahead)
         self.decoder.lookaheads.append(lookahead)

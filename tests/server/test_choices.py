@@ -56,7 +56,8 @@ async def test_prompt_list_with_n_numbers_choices_and_sums_usage(client, tokeniz
     ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
     by_ids = await complete(client, prompt=ids, n=2, **GREEDY)
     assert [choice["text"] for choice in by_ids["choices"]] == texts
-    assert by_ids["usage"] == usage
+    assert {**by_ids["usage"], "prompt_tokens_details": None} == {**usage, "prompt_tokens_details": None}
+    assert by_ids["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompts again: KV reused
     single = await complete(client, prompt=ids[1], **GREEDY)  # one list of token ids is one prompt
     assert [choice["text"] for choice in single["choices"]] == [texts[2]]
 
@@ -89,7 +90,8 @@ async def test_stream_with_prompts_and_n_indexes_every_chunk(client):
             finishes[choice["index"]].append(choice["finish_reason"])
     assert dict(finishes) == {index: ["length"] for index in range(4)}  # one finish chunk per choice
     assert [texts[index] for index in range(4)] == [choice["text"] for choice in whole["choices"]]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {  # the same prompts again: their KV is reused
+        **whole["usage"], "prompt_tokens_details": usage_chunk["usage"]["prompt_tokens_details"]}
 
 
 @pytest.mark.real_model

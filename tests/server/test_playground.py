@@ -115,8 +115,9 @@ async def test_steps_add_up_after_a_stop_string_and_on_completions(client):
 
 
 async def test_standard_stream_is_unchanged_without_the_flag(client):
-    # out of the shared n-gram memory: the first stream's completion would give the second bigger steps
-    body = chat_body("Name a fruit.", **STEPPED, lookahead={"shared_memory": False})
+    # out of the shared n-gram memory: the first stream's completion would give the second bigger steps; out of
+    # the prefix cache: the second would report the first one's prompt as cached tokens
+    body = chat_body("Name a fruit.", **STEPPED, lookahead={"shared_memory": False}, cache_prompt=False)
     plain = await client.post("/v1/chat/completions", json=body)
     off = await client.post("/v1/chat/completions", json={**body, "stream_steps": False})
     assert normalized(plain.text) == normalized(off.text)
