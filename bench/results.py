@@ -2,7 +2,9 @@
 
 Contract: ``python -m bench.results add RUN.json ...`` reads payloads that ``python -m bench heldout --output``
 wrote, keeps one row per (device, prompt set) in ``docs/results.json`` (a newer run replaces the older row), and
-rewrites ``docs/results.md`` from it; ``python -m bench.results render`` only rewrites the page. Each row carries
+rewrites ``docs/results.md`` from it; ``python -m bench.results render`` only rewrites the page. The page ends
+with the latest multi-turn conversation run (``python -m bench conversation``: the prefix cache on and off), kept
+in ``docs/results-conversation.json`` (its ``summary`` and ``stamp``, written there by hand). Each row carries
 the command, commit, date, machine and the preset with its digest (``bench.settings.preset_digest``), so a test can
 tell a row measured on today's preset from a stale one (``stale_rows``). ``docs/benchmarks.md`` stays the dated
 journal of how the figures got here.
@@ -22,6 +24,7 @@ from bench.settings import preset_digest
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 RESULTS_JSON = DOCS / "results.json"
 RESULTS_MD = DOCS / "results.md"
+CONVERSATION_JSON = DOCS / "results-conversation.json"
 DEVICES = {"cpu": "CPU", "cuda": "GPU"}
 HEADER = """# Current results
 
@@ -106,7 +109,30 @@ def render(rows: Sequence[Mapping[str, Any]]) -> str:
             )
             lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines) + "\n")
+    conversation = json.loads(CONVERSATION_JSON.read_text()) if CONVERSATION_JSON.exists() else None
+    if conversation is not None:
+        parts.append(render_conversation(conversation))
     return "\n".join(parts)
+
+
+def render_conversation(run: Mapping[str, Any]) -> str:
+    """The conversation section: time to first token per turn with the prefix cache on and off, and the totals."""
+    summary, stamp = run["summary"], run["stamp"]
+    lines = ["## Multi-turn conversations: the prefix cache on and off\n",
+             f"Machine: {stamp['machine']}. `{stamp['command']}`, commit {stamp['commit']}, {stamp['date']}; "
+             f"{stamp['note']}\n",
+             "| turn | prompt tokens | reused | first token on | first token off | turn on | turn off |",
+             "|---|---|---|---|---|---|---|"]
+    for turn, prompt in enumerate(summary["prompt_tokens"]):
+        lines.append(f"| {turn + 1} | {prompt:.0f} | {summary['cached_tokens'][turn]:.0f} | "
+                     f"{summary['first_token_on'][turn]:.3f} s | {summary['first_token_off'][turn]:.3f} s | "
+                     f"{summary['turn_seconds_on'][turn]:.2f} s | {summary['turn_seconds_off'][turn]:.2f} s |")
+    lines.append(f"\nTotal wall time on {summary['total_seconds_on']:.1f} s, off {summary['total_seconds_off']:.1f} s: "
+                 f"**{summary['speedup']:.2f}x**; first token of turn 8 against turn 1: on "
+                 f"**{summary['last_over_first_on']:.2f}x**, off {summary['last_over_first_off']:.2f}x; largest RSS "
+                 f"{summary['max_rss_mb']:.0f} MiB with {summary['cache_bytes'] / 2**20:.0f} MiB cached (a "
+                 f"{summary['budget_tokens']}-token budget). Same text on and off, every turn.")
+    return "\n".join(lines) + "\n"
 
 
 def load() -> list[dict[str, Any]]:
