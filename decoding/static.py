@@ -288,10 +288,10 @@ class StaticStep:
         if self.mode != "graphs":
             compiled.run = self._kernels(call)
         elif self.rehearsal:
-            compiled.run = self._rehearse(functools.partial(call, self._outputs()), compiled)
+            compiled.run = self._rehearse(functools.partial(call, self._outputs(bucket)), compiled)
         else:
             try:
-                compiled.run = self._capture(functools.partial(call, self._outputs()), compiled)
+                compiled.run = self._capture(functools.partial(call, self._outputs(bucket)), compiled)
             except StaticInputError:
                 raise
             except Exception:
@@ -380,14 +380,17 @@ class StaticStep:
         check_inputs(host, bucket, input_bounds(bucket, self.pool.sequences + 1, self.vocab))
         compiled.inputs.copy_(host)
 
-    def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and ids buffers every captured bucket writes (one allocation, not one per graph)."""
+    def _outputs(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """``bucket``'s views of the logits and ids buffers every captured bucket writes (one allocation, not one per
+        graph): ``[B * T, vocab]`` and ``[B, 1 + top_k, T]``."""
         if self._output_buffers is None:
             vocab = self.weights.head.shape[1]
             rows = self.max_bucket_tokens
             self._output_buffers = (torch.empty((rows, vocab), dtype=self.weights.embed.dtype, device=self.device),
                                     torch.empty(rows * (1 + self.top_k), dtype=torch.long, device=self.device))
-        return self._output_buffers
+        logits, ids = self._output_buffers
+        count = bucket.sequences * bucket.tokens
+        return logits[:count], ids[: count * (1 + self.top_k)].view(bucket.sequences, 1 + self.top_k, bucket.tokens)
 
     def _views(self, attended: int) -> tuple[torch.Tensor, ...]:
         """Each layer's pool view cut to ``attended`` slots (made once per length)."""

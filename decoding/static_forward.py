@@ -214,8 +214,8 @@ def static_forward(
     """One static step. ``caches[l]``: layer l's pool view ``[rows, 2 kv, attended, d]``; ``inputs``: the int64
     buffer (module contract) for ``sequences`` x ``tokens``. Returns the logits ``[B, T, vocab]`` of the rows
     read (``read_rows``, flat indices into the step's tokens) and their ids ``[B, 1 + top_k, T]`` (``row_ids``),
-    written into the front of ``out`` (``[rows, vocab]`` and ``[rows * (1 + top_k)]`` buffers shared by every
-    bucket) when it is given."""
+    written into ``out`` when it is given (``[B * T, vocab]`` and ``[B, 1 + top_k, T]``: the bucket's views of
+    buffers shared by every bucket)."""
     count = sequences * tokens
     sizes = [count] * len(TOKEN_FIELDS) + [sequences] * len(SEQUENCE_FIELDS)
     token_ids, positions, parents, read_rows, lengths, rows = inputs.split(sizes)
@@ -235,31 +235,28 @@ def static_forward(
         gate, up = torch.mm(normed, layer.gate_up).split(layer.down.shape[0], dim=1)
         hidden = torch.addmm(hidden, F.silu(gate) * up, layer.down)
     read = _rms_norm(hidden.index_select(0, read_rows), weights.norm, weights.eps)
-    if out is None:
-        logits = torch.mm(read, weights.head)
-        return logits.view(sequences, tokens, -1), row_ids(logits, sequences, top_k)
-    logits = torch.mm(read, weights.head, out=out[0][:count])
-    ids = row_ids(logits, sequences, top_k, out[1][: count * (1 + top_k)].view(sequences, 1 + top_k, tokens))
-    return logits.view(sequences, tokens, -1), ids
+    logits = torch.mm(read, weights.head, out=None if out is None else out[0]).view(sequences, tokens, -1)
+    return logits, row_ids(logits, top_k, None if out is None else out[1])
 
 
-def row_ids(logits: torch.Tensor, sequences: int, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, 1 + top_k, T]`` ids of the rows of ``logits`` ``[B * T, vocab]``: index 0 each row's argmax (the first
+def row_ids(logits: torch.Tensor, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, 1 + top_k, T]`` ids of the rows of ``logits`` ``[B, T, vocab]``: index 0 each row's argmax (the first
     maximum, as ``decoding.choice.greedy_ids``), then its ``top_k`` best ids, best first (the device's order among
     equal scores: guesses only). One buffer, so that the host reads every id a step needs in one copy; laid out
     by column, so that a row's argmax ids are one list and its top ids ``zip`` into rows (``decoding.choice``).
-    Written into ``out`` when given. Three ATen ops (argmax, top-k, their copy into one buffer), one without
+    Written into ``out`` when given. Five ATen ops (argmax, top-k, their copy into one buffer), two without
     ``top_k``.
 
-    >>> row_ids(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]), 1, 2).tolist()
+    >>> row_ids(torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]]), 2).tolist()
     [[[1, 0], [1, 0], [2, 2]]]
     """
-    tokens = logits.shape[0] // sequences
     if not top_k:
-        argmax = torch.argmax(logits, dim=-1, out=None if out is None else out.view(-1))
-        return argmax.view(sequences, 1, tokens)
-    argmax = logits.argmax(dim=-1).view(sequences, 1, tokens)
-    top = logits.topk(top_k, dim=-1).indices.view(sequences, tokens, top_k).transpose(1, 2)
+        if out is None:
+            return logits.argmax(dim=-1).unsqueeze(1)
+        torch.argmax(logits, dim=-1, out=out.squeeze(1))
+        return out
+    argmax = logits.argmax(dim=-1).unsqueeze(1)  # [B, 1, T]
+    top = logits.topk(top_k, dim=-1).indices.transpose(1, 2)  # [B, k, T]
     return torch.cat((argmax, top), dim=1, out=out)
 
 
