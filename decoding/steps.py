@@ -154,9 +154,9 @@ class Step:
     stop_token: int | None = None
     cached_tokens: int = 0
 
-    def timed(self, seconds: float, cached_tokens: int = 0) -> Step:
-        """This step with ``stats.seconds`` and ``cached_tokens`` set (``dataclasses.replace``'s result, without its
-        generic walk).
+    def timed(self, seconds: float, cached_tokens: int | None = None) -> Step:
+        """This step with ``stats.seconds`` set, and ``cached_tokens`` when given (``dataclasses.replace``'s result,
+        without its generic walk).
 
         >>> Step([4], StepStats(1, 1)).timed(0.5).stats.seconds
         0.5
@@ -165,7 +165,7 @@ class Step:
         stats = StepStats(s.input_tokens, s.committed, s.offered, s.accepted, s.accepted_per_position, seconds,
                           s.prefill, s.memory_accepted, s.prediction_accepted, s.sources)
         return Step(self.token_ids, stats, self.finish_reason, self.logprobs, self.prompt_logprobs, self.stop_token,
-                    cached_tokens)
+                    self.cached_tokens if cached_tokens is None else cached_tokens)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def test_tune_takes_the_servers_configuration(monkeypatch):
     monkeypatch.setattr(flags, "device_preset", lambda device: "cpu")
     args = tuning.build_parser().parse_args(["--copy-length", "8", "--dtype", "float32"])
     config = flags.build_config(args)
-    assert (config.lookahead.copy_length, config.dtype, config.threads) == (8, "float32", 1)
+    assert (config.lookahead.copy_length, config.dtype, config.threads) == (8, "float32", "auto")  # the CPU preset
     assert config.weight_layout == load_config(device_preset="cpu").weight_layout
     with pytest.raises(SystemExit):  # serve-only flags are not tune's
         tuning.build_parser().parse_args(["--port", "1"])

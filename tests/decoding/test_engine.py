@@ -390,3 +390,4 @@ def test_a_timed_step_is_the_step_with_its_seconds_set():
     stats = StepStats(*(f"stats {index}" for index, _ in enumerate(fields(StepStats))))
     step = Step("tokens", stats, *(f"step {index}" for index, _ in enumerate(fields(Step)[2:])))
     assert step.timed(1.5) == replace(step, stats=replace(stats, seconds=1.5))
+    assert step.timed(1.5, 7) == replace(step, stats=replace(stats, seconds=1.5), cached_tokens=7)
