@@ -73,8 +73,8 @@ struct Pool {
     int misses = 0;
 };
 
-Pool* pool = new Pool();
-std::atomic<int64_t> min_cost{MIN_PARALLEL_COST};  // never deleted: workers may outlive static destruction at exit
+Pool* pool = new Pool();  // never deleted: workers may outlive static destruction at exit
+std::atomic<int64_t> min_cost{MIN_PARALLEL_COST};
 
 uint32_t generation_of(uint64_t value) { return static_cast<uint32_t>(value >> 32); }
 
