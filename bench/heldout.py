@@ -21,7 +21,7 @@ memory then defaults to the server's size): a server that has answered those req
 names whose lookahead settings and batch policy run (default: this device's); the model
 loads as this device's preset says either way. ``--preset cuda --methods lookahead,prompt_lookup`` on a CPU
 counts the GPU setting's tokens per step, which is what it buys where a step's cost hardly grows with its size;
-its times on a CPU say nothing about a GPU, so with greedy and lookahead both run the report adds a prediction
+its times on a CPU say nothing about a GPU, so there, with greedy and lookahead both run, the report adds a prediction
 (``bench.gpu_prediction``): each forward priced on the H100's measured graph curve plus host work per step, the
 mean input tokens of a lookahead step, and lookahead's predicted speed-up there. Every other flag overrides one
 setting, as in ``python -m bench``.
@@ -295,7 +295,7 @@ def run_heldout(
     totals, summary = total_lines(runs, rows)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(rows)))
     print("\ntotal\n" + totals, flush=True)
-    prediction = predict(runs)
+    prediction = predict(runs) if resolved.preset == "cuda" else None  # what the GPU would run
     if prediction is not None:
         summary["gpu_prediction"] = asdict(prediction)
         print(describe(prediction), flush=True)
