@@ -37,8 +37,8 @@ class InjectedFault(RuntimeError):
 class FailingStream(DecodeStream):
     """A real decode whose step ``FAIL_AT_STEP`` raises inside the batched step; records when it is closed."""
 
-    def __init__(self, closed: list[str], *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, closed: list[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.closed_log = closed
         self.steps = 0
 
@@ -68,10 +68,11 @@ class FaultyDecoder:
         """A memory-less engine whose streams fail on ``MARKER`` (memory settings are ignored: faults only)."""
         return BatchEngine(self.inner.loaded.model, policy or BatchPolicy(), open_stream=self._open)
 
-    def _open(self, model: Any, prompt_ids: Sequence[int], *args: Any) -> DecodeStream:
+    def _open(self, model: Any, prompt_ids: Sequence[int], *args: Any, **kwargs: Any) -> DecodeStream:
+        """The engine's stream, with what the engine adds by keyword (a prefix-cache hit, a grammar, ...)."""
         if MARKER in self.inner.tokenizer.decode(list(prompt_ids)):
-            return FailingStream(self.closed, model, prompt_ids, *args)
-        return DecodeStream(model, prompt_ids, *args)
+            return FailingStream(self.closed, model, prompt_ids, *args, **kwargs)
+        return DecodeStream(model, prompt_ids, *args, **kwargs)
 
 
 class FaultyTokenizer:
