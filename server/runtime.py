@@ -157,10 +157,8 @@ class Runtime:
         policy = getattr(self.batch, "policy", None)
         if policy is not None:
             self.metrics.set_step_cost(policy.step_cost)
-        static = getattr(self.batch, "static_stats", None)
-        stats = static() if static is not None else None
+        stats = self.worker.publish_static()
         if stats is not None:
-            self.metrics.set_static(stats)
             logger.info("static step: %s, %d shapes built in %.1f s", stats.mode, stats.buckets,
                         stats.capture_seconds)
 

@@ -49,6 +49,7 @@ from decoding import (
     TokenLogprob,
     release_free_memory,
 )
+from decoding.static import StaticStats
 from server.metrics import Metrics
 from server.plans import GenerationPlan, Output, Summary
 from server.text import TextStream
@@ -193,6 +194,15 @@ class Worker:
     def attach(self, engine: EngineLike) -> None:
         """Drive ``engine`` from now on (call before submitting jobs)."""
         self.engine = engine
+
+    def publish_static(self) -> StaticStats | None:
+        """The engine's static-step stats (``decoding.static.StaticStats``) into the metrics, when it has a static
+        step and there are metrics; returned either way (None without one)."""
+        static = getattr(self.engine, "static_stats", None)  # engines without a static step have none
+        stats = static() if static is not None else None
+        if stats is not None and self.metrics is not None:
+            self.metrics.set_static(stats)
+        return stats
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
@@ -346,10 +356,7 @@ class Worker:
         if self.metrics is not None and stepped:
             path = getattr(self.engine, "last_forward", None) or "eager"  # engines without a static step: eager
             self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped), path)
-            static = getattr(self.engine, "static_stats", None)  # engines without a static step have none
-            stats = static() if static is not None else None
-            if stats is not None:
-                self.metrics.set_static(stats)
+            self.publish_static()
         for job, result in results:
             if job.done:
                 continue
