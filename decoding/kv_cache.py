@@ -278,7 +278,8 @@ class KVPool:
         self._heads = torch.arange(2 * kv_heads, device=self.storage.device)
         self._free = list(range(sequences - 1, -1, -1))  # popped from the end: row 0 first
         self._moves: list[tuple[int, int, list[int]]] = []  # deferred commits: (row, keep, sources)
-        self._staging: torch.Tensor | None = None  # pinned, on CUDA: the moves' indices on their way
+        self.staged = self.storage.device.type == "cuda"  # moves' indices go through _staging (_index_on_device)
+        self._staging: torch.Tensor | None = None  # pinned on CUDA: the moves' indices on their way
         self._staged = None  # the CUDA event of the last staged copy
 
     @property
@@ -307,18 +308,24 @@ class KVPool:
         self._free.append(row)
 
     def _index_on_device(self, values: array.array) -> torch.Tensor:
-        """``values`` as an int64 tensor on the pool's device. On CUDA through a pinned staging buffer, copied
-        without blocking; the copy before is waited for first, so the buffer is never overwritten under it."""
+        """``values`` as an int64 tensor on the pool's device. When ``staged`` (on CUDA; a CUDA rehearsal on the
+        CPU sets it) through one reused staging buffer (pinned on CUDA, copied without blocking; the copy before
+        is waited for first, so the buffer is never overwritten under it). Callable in or out of inference mode:
+        the buffer is written in it, whichever mode created it."""
         host = torch.frombuffer(values, dtype=torch.long)
-        if self.storage.device.type != "cuda":
+        if not self.staged:
             return host
-        if self._staging is None or self._staging.numel() < host.numel():
-            self._staging = torch.empty(max(host.numel(), 4096), dtype=torch.long, pin_memory=True)
-        if self._staged is not None:
-            self._staged.synchronize()
-        staging = self._staging[: host.numel()]
-        staging.copy_(host)
-        index = staging.to(self.storage.device, non_blocking=True)
+        cuda = self.storage.device.type == "cuda"
+        with torch.inference_mode():
+            if self._staging is None or self._staging.numel() < host.numel():
+                self._staging = torch.empty(max(host.numel(), 4096), dtype=torch.long, pin_memory=cuda)
+            if self._staged is not None:
+                self._staged.synchronize()
+            staging = self._staging[: host.numel()]
+            staging.copy_(host)
+            if not cuda:
+                return staging.clone()
+            index = staging.to(self.storage.device, non_blocking=True)
         self._staged = torch.cuda.Event()
         self._staged.record()
         return index

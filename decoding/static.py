@@ -195,6 +195,7 @@ class StaticStep:
         self.model, self.pool, self.mode, self.backend = model, pool, mode, backend
         self.device = pool.storage.device
         self.rehearsal = mode == "graphs" and self.device.type != "cuda"
+        pool.staged = pool.staged or self.rehearsal  # a rehearsal stages the pool's moves as CUDA does
         self.weights = prepare_weights(model, "cuda" if mode == "graphs" else None)
         self.max_bucket_tokens = max_bucket_tokens
         self.vocab = self.weights.embed.shape[0]

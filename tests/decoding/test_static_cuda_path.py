@@ -218,3 +218,36 @@ def test_a_pool_commit_outside_its_row_is_an_error_on_the_host():
         with pytest.raises(IndexError, match="KV pool commit out of range"):
             pool.defer(row, keep, sources)
     assert len(pool._moves) == 1
+
+
+def test_a_conversation_through_the_rehearsed_pool_keeps_its_prefix_between_turns():
+    """A finished decode leaves its KV in the prefix cache from the engine's step, outside inference mode, through
+    the pool's staged moves (what failed every request after the first on the GPU server, 2026-11-28: the staging
+    buffer, made in inference mode, written outside it). Greedy turns decode the same as an eager engine's."""
+    from decoding.batch import BatchEngine
+    from decoding.params import LookaheadConfig, StopCriteria
+
+    model = tiny_llama()
+    static = StaticStep(model, KVPool(model, 2, 256, scratch_tokens=TOKEN_BUCKETS[-1]), mode="graphs")
+    assert static.rehearsal and static.pool.staged
+    cached_engine = BatchEngine(model, BatchPolicy(prefix_cache_tokens=4096, static_step="graphs"), static=static)
+    eager_engine = BatchEngine(model)
+    prompt = [1, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2]
+    cached_tokens = []
+    for turn in range(3):
+        outputs = []
+        for engine in (cached_engine, eager_engine):
+            engine.add(turn, list(prompt), StopCriteria(12), lookahead=LookaheadConfig(3, 3, 3))
+            tokens, cached = [], 0
+            while engine.has_work:
+                for _, step in engine.step():
+                    assert not isinstance(step, BaseException), step
+                    tokens.extend(step.token_ids)
+                    cached += step.cached_tokens
+            outputs.append(tokens)
+            if engine is cached_engine:
+                cached_tokens.append(cached)
+        assert outputs[0] == outputs[1]
+        prompt += outputs[0] + [20 + turn, 21]
+    assert cached_tokens[0] == 0 and all(cached > 0 for cached in cached_tokens[1:])
+    assert static.runs > 0 and cached_engine.prefix_cache_stats().hits == 2
