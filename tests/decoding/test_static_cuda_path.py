@@ -22,6 +22,7 @@ from decoding.static import (
     Bucket,
     StaticInputError,
     StaticStep,
+    build_static_step,
     check_inputs,
     input_bounds,
     warm_buckets,
@@ -251,3 +252,38 @@ def test_a_conversation_through_the_rehearsed_pool_keeps_its_prefix_between_turn
         prompt += outputs[0] + [20 + turn, 21]
     assert cached_tokens[0] == 0 and all(cached > 0 for cached in cached_tokens[1:])
     assert static.runs > 0 and cached_engine.prefix_cache_stats().hits == 2
+
+
+def test_eight_wide_lookahead_streams_stay_in_the_buckets():
+    """Eight streams at the CUDA preset's window, priced on a flat curve as a GPU's graphs are: each lookahead
+    step a stream wants alone (up to ~340 tokens) would make an 8 x 384 shape that fits no bucket, and on an H200
+    such forwards ran eagerly at 0.18x one stream's throughput (2026-11-28). The batch keeps every forward in a
+    bucket, and each stream decodes as it does alone."""
+    from decoding.batch import BatchEngine
+    from decoding.params import LookaheadConfig, StopCriteria
+
+    model = tiny_llama()
+    static = build_static_step(model, "graphs", 8)
+    flat = ((1, 1.0), (1024, 1.0))
+    engine = BatchEngine(model, BatchPolicy(max_step_tokens=1024, prefill_chunk=512, step_cost=flat,
+                                            static_step="graphs", static_sequences=8), static=static)
+    config = LookaheadConfig(16, 5, 32, copy_length=16, copy_min_match=0, copy_candidates=4, copy_stretch=4,
+                             recycled=8, recycled_tree=128)  # configs/cuda.yaml's
+    prompts = {index: [1 + index, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2] * 3 for index in range(8)}
+    for index, prompt in prompts.items():
+        engine.add(index, prompt, StopCriteria(48), lookahead=config)
+    outputs: dict[int, list[int]] = {index: [] for index in prompts}
+    widest = 0
+    while engine.has_work:
+        for index, step in engine.step():
+            assert not isinstance(step, BaseException), step
+            outputs[index].extend(step.token_ids)
+            widest = max(widest, len(step.token_ids))
+    assert static.eager == 0 and static.runs > 0
+    alone = BatchEngine(model)
+    for index, prompt in prompts.items():
+        alone.add(index, prompt, StopCriteria(48))
+        tokens = []
+        while alone.has_work:
+            tokens.extend(token for _, step in alone.step() for token in step.token_ids)
+        assert tokens == outputs[index]
