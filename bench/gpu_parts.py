@@ -179,7 +179,7 @@ def run_load(context: PartContext) -> None:
                  "--max-seconds", "20", "--json", str(path)])
     if path.exists():
         keys = ("prompt_set", "concurrency", "requests", "errors", "throughput", "relative_throughput", "ttft_p50",
-                "tokens_per_step")
+                "tokens_per_step", "eager_forwards")
         context.record("rows", [{key: row.get(key) for key in keys} for row in json.loads(path.read_text())["rows"]])
 
 
