@@ -1,12 +1,12 @@
-"""Each row's best token ids (decoding.choice): torch's argmax and topk, by the native kernel where it runs."""
+"""Each row's best token ids (decoding.forward.choice): torch's argmax and topk, by the native kernel where it runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from decoding import native
-from decoding.choice import greedy_id, greedy_ids, top_ids
+from decoding.forward.choice import greedy_id, greedy_ids, top_ids
+from decoding.weights import native
 
 needs_kernel = pytest.mark.skipif(native.fused_ops() is None, reason="needs the native library (AVX2, a compiler)")
 

@@ -1,5 +1,5 @@
-"""The compiled CPU forward (``decoding.compiled``) and the native kernels as torch ops: the graph functions, run
-eagerly, compute the lean forward's logits bit for bit on tiny packed and GGUF models, lookahead == greedy through
+"""The compiled CPU forward (``decoding.forward.compiled``) and the native kernels as torch ops: the graph functions,
+run eagerly, compute the lean forward's logits bit for bit on tiny packed and GGUF models, lookahead == greedy through
 them, the ops equal the kernels and have fake shapes; models it cannot run are refused. A real ``torch.compile``
 takes minutes cold: that test runs only with ``LOOKAHEAD_TEST_COMPILE=1``."""
 
@@ -11,15 +11,16 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from decoding import lean, native
-from decoding.compiled import CompiledForward
-from decoding.engine import generate_autoregressive, generate_lookahead
-from decoding.gguf_model import build_gguf_model
-from decoding.kv_cache import new_cache
-from decoding.linears import pack_float32
-from decoding.packed import LEAN_FORWARD, forward_packed
+from decoding.forward import lean
+from decoding.forward.compiled import CompiledForward
+from decoding.forward.kv_cache import new_cache
+from decoding.forward.packed import LEAN_FORWARD, forward_packed
+from decoding.forward.slices import Slice
 from decoding.params import LookaheadConfig, StopCriteria
-from decoding.slices import Slice
+from decoding.step.stream import generate_autoregressive, generate_lookahead
+from decoding.weights import native
+from decoding.weights.gguf_model import build_gguf_model
+from decoding.weights.linears import pack_float32
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_gguf_model import LAYOUTS, write_tiny_gguf
 
@@ -93,7 +94,7 @@ def test_the_ops_equal_the_kernels_and_have_fake_shapes(gemm):
     assert torch.equal(torch.ops.lookahead.panel_gemm(rows, panels), gemm(rows, panels))
     raw = torch.randint(0, 256, (32, 2 * 34), dtype=torch.uint8)
     raw.view(32, 2, 34)[..., :2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # float16 scale 1.0 per block
-    from decoding.quant_panels import FORMATS, QuantizedWeight, QuantKernel
+    from decoding.weights.quant_panels import FORMATS, QuantizedWeight, QuantKernel
 
     kernel = QuantKernel(QuantizedWeight(FORMATS["Q8_0"], raw, 64), gemm)
     expected = kernel(rows)

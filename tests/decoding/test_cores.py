@@ -1,5 +1,6 @@
-"""``threads: auto`` resolved (decoding.cores): the affinity mask's CPUs, SMT siblings counted once, capped by the
-cgroup's quota, at least one; counts and ``0`` pass through; the thread setting reaches torch and the native pool."""
+"""``threads: auto`` resolved (decoding.weights.cores): the affinity mask's CPUs, SMT siblings counted once, capped by
+the cgroup's quota, at least one; counts and ``0`` pass through; the thread setting reaches torch and the native
+pool."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding import native
-from decoding.cores import parse_cpu_list, parse_threads, resolve_threads, usable_cores
 from decoding.decoder import configure_threads
+from decoding.weights import native
+from decoding.weights.cores import parse_cpu_list, parse_threads, resolve_threads, usable_cores
 
 
 def fake_system(root: Path, siblings: dict[int, str] | None = None, cpu_max: str | None = None) -> Path:

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.proposers.base import PROBE_INTERVAL, Gate, Span
+from decoding.step.stream import generate_autoregressive, generate_lookahead
 from tests.decoding.stubs import StubLM, cycle_model
 
 PROMPTS = [
@@ -386,7 +386,7 @@ def test_a_timed_step_is_the_step_with_its_seconds_set():
     """``Step.timed`` (the stream's per-step timing, without ``dataclasses.replace``) keeps every other field."""
     from dataclasses import fields
 
-    from decoding.steps import Step, StepStats
+    from decoding.step.steps import Step, StepStats
     stats = StepStats(*(f"stats {index}" for index, _ in enumerate(fields(StepStats))))
     step = Step("tokens", stats, *(f"step {index}" for index, _ in enumerate(fields(Step)[2:])))
     assert step.timed(1.5) == replace(step, stats=replace(stats, seconds=1.5))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from decoding import fetch
+from decoding.weights import fetch
 
 
 def make_wheel(path: Path, members: dict[str, bytes]) -> Path:

@@ -1,5 +1,5 @@
-"""The fused CPU step (decoding.fused): the eager forward's logits and cache to float tolerance, each row's result
-the same bits whatever else the step holds, and lookahead == greedy through it."""
+"""The fused CPU step (decoding.forward.fused): the eager forward's logits and cache to float tolerance, each row's
+result the same bits whatever else the step holds, and lookahead == greedy through it."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from decoding import fused, native, packed
-from decoding.engine import generate_autoregressive, generate_lookahead
-from decoding.kv_cache import CacheOverflowError, new_cache
-from decoding.linears import pack_float32
-from decoding.packed import forward_packed
+from decoding.forward import fused, packed
+from decoding.forward.kv_cache import CacheOverflowError, new_cache
+from decoding.forward.packed import forward_packed
+from decoding.forward.slices import Slice
 from decoding.params import LookaheadConfig, StopCriteria
-from decoding.slices import Slice
+from decoding.step.stream import generate_autoregressive, generate_lookahead
+from decoding.weights import native
+from decoding.weights.linears import pack_float32
 from tests.conftest import tiny_llama, tiny_qwen2
 
 needs_kernel = pytest.mark.skipif(native.fused_ops() is None, reason="needs the native library (AVX2, a compiler)")

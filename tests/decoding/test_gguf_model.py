@@ -10,14 +10,14 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoding import native
 from decoding.decoder import check_linear_options, gguf_refusal, resolve_weights
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError, ModelLoadError
-from decoding.gguf_model import build_gguf_model, read_tensors, rope_order
-from decoding.linears import FusedLinear, KernelLinear, PackedFloat32
 from decoding.params import LookaheadConfig, StopCriteria
-from decoding.quant_panels import PanelEmbedding, QuantKernel
+from decoding.step.stream import generate_autoregressive, generate_lookahead
+from decoding.weights import native
+from decoding.weights.gguf_model import build_gguf_model, read_tensors, rope_order
+from decoding.weights.linears import FusedLinear, KernelLinear, PackedFloat32
+from decoding.weights.quant_panels import PanelEmbedding, QuantKernel
 
 gguf = pytest.importorskip("gguf")
 needs_kernel = pytest.mark.skipif(native.panel_gemm() is None, reason="needs the native kernel")

@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from decoding.kv_cache import SlotCache
+from decoding.forward.kv_cache import SlotCache
 
 
 def _fill(cache: SlotCache, keys: list[torch.Tensor], values: list[torch.Tensor], partly: bool = False) -> None:

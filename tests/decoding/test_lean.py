@@ -1,4 +1,4 @@
-"""The lean step (decoding.lean) gives the model's public forward's logits and cache, bit for bit."""
+"""The lean step (decoding.forward.lean) gives the model's public forward's logits and cache, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from decoding import lean, packed
-from decoding.kv_cache import SlotCache, new_cache
-from decoding.linears import pack_float32
-from decoding.packed import forward_packed
-from decoding.slices import Slice
+from decoding.forward import lean, packed
+from decoding.forward.kv_cache import SlotCache, new_cache
+from decoding.forward.packed import forward_packed
+from decoding.forward.slices import Slice
+from decoding.weights.linears import pack_float32
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_linears import real_prompt_ids
 

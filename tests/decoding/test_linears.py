@@ -10,9 +10,10 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decoding.decoder import Decoder, check_linear_options, prepare_linears
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
-from decoding.linears import (
+from decoding.params import LookaheadConfig, StopCriteria
+from decoding.step.stream import generate_autoregressive, generate_lookahead
+from decoding.weights.linears import (
     FusedLinear,
     KernelLinear,
     PackedFloat32,
@@ -21,8 +22,7 @@ from decoding.linears import (
     pack_float32,
     shared_kernel,
 )
-from decoding.params import LookaheadConfig, StopCriteria
-from decoding.quantize import Int8Kernel
+from decoding.weights.quantize import Int8Kernel
 from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
 
 PROMPTS = [

@@ -9,11 +9,11 @@ from collections import Counter
 import pytest
 import torch
 
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
-from decoding.logits import adjust_logits
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.sampling import warp
+from decoding.step.logits import adjust_logits
+from decoding.step.sampling import warp
+from decoding.step.stream import generate_autoregressive, generate_lookahead
 from tests.decoding.test_engine import PROMPTS, tokens_of
 from tests.decoding.test_sampling import P_FLOOR, goodness_of_fit, tiny_vocab_model
 

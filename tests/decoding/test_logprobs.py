@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from decoding.batch import BatchEngine, BatchPolicy
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
-from decoding.logprobs import token_logprobs
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.step.logprobs import token_logprobs
+from decoding.step.stream import generate_autoregressive, generate_lookahead
 from tests.decoding.test_engine import PROMPTS
 
 TOLERANCE = 1e-4

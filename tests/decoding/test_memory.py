@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from decoding.memory import MemoryFileError, NGramMemory, load_memory, save_memory, vocabulary_id
+from decoding.proposers.ngram_memory import MemoryFileError, NGramMemory, load_memory, save_memory, vocabulary_id
 
 
 def reference(documents: list[list[int]], tokens: list[int], length: int, limit: int, min_match: int) -> list[tuple]:

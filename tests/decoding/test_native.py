@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from decoding import native
-from decoding.linears import PackedFloat32
+from decoding.weights import native
+from decoding.weights.linears import PackedFloat32
 
 needs_kernel = pytest.mark.skipif(
     not (native.supported_cpu() and native.compiler()), reason="needs an AVX2 x86-64 CPU and a C++ compiler"
@@ -139,7 +139,7 @@ def test_disabled_by_the_environment(fresh, monkeypatch):
 @needs_kernel
 def test_a_failed_build_falls_back_with_a_warning(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    with caplog.at_level(logging.WARNING, logger="decoding.native"):
+    with caplog.at_level(logging.WARNING, logger="decoding.weights.native"):
         assert fresh() is None
     assert "oneDNN" in caplog.text
 
@@ -150,7 +150,7 @@ def test_a_compiler_without_avx512_builds_the_avx2_entry_alone(fresh, monkeypatc
     wrapper.write_text(f'#!/bin/sh\ncase "$*" in *-mavx512f*) exit 1;; esac\nexec {native.compiler()} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CXX", str(wrapper))
-    with caplog.at_level(logging.WARNING, logger="decoding.native"):
+    with caplog.at_level(logging.WARNING, logger="decoding.weights.native"):
         gemm = fresh()
     assert gemm is not None and gemm.lanes == 8
     assert "AVX-512 entry did not build" in caplog.text

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.kv_cache import SlotCache
-from decoding.packed import _folded_attention, _mask, query_group
-from decoding.slices import Slice
+from decoding.forward.kv_cache import SlotCache
+from decoding.forward.packed import _folded_attention, _mask, query_group
+from decoding.forward.slices import Slice
 from tests.conftest import tiny_llama
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.pool import ContextIndex, NGramPool
+from decoding.proposers.pool import ContextIndex, NGramPool
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def test_prefix_counts_keep_the_pool_as_a_scan_of_its_entries_would():
     import random
     from collections import OrderedDict
 
-    from decoding.pool import NGramPool, covered
+    from decoding.proposers.pool import NGramPool, covered
 
     def reference_add(table, key, ngram, length, capacity):
         entries = table.setdefault(key, OrderedDict())

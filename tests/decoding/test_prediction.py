@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from decoding.batch import BatchEngine, BatchPolicy
-from decoding.engine import PREDICTION_COPY_LENGTH, DecodeStream, StepCounts, generate_autoregressive
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.step.stream import PREDICTION_COPY_LENGTH, DecodeStream, StepCounts, generate_autoregressive
 from tests.decoding.stubs import cycle_model
 
 PROMPTS = [[1, 5, 7, 9, 5, 7, 9, 5, 7, 3, 2, 5, 7], [10, 11, 12, 13], [42]]

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from decoding.batch import BatchEngine, BatchPolicy
-from decoding.engine import DecodeStream
 from decoding.errors import ContextLengthError, EmptyPromptError
-from decoding.kv_cache import KVPool, SlotCache, new_cache
+from decoding.forward.kv_cache import KVPool, SlotCache, new_cache
+from decoding.forward.static import StaticStep
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.pool import ContextIndex
-from decoding.prefix_cache import PrefixCache, common_prefix
-from decoding.static import StaticStep
+from decoding.proposers.pool import ContextIndex
+from decoding.step.prefix_cache import PrefixCache, common_prefix
+from decoding.step.stream import DecodeStream
 from tests.conftest import tiny_llama
 
 CPU_LIKE = LookaheadConfig(1, 3, 2, lazy_window=True, break_even=1.5, copy_length=8, copy_min_match=2)

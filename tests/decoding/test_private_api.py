@@ -1,4 +1,4 @@
-"""Every private torch / transformers API ``decoding`` uses (``decoding.private_api``) exists in the installed
+"""Every private torch / transformers API ``decoding`` uses (``decoding.forward.private_api``) exists in the installed
 versions. Verified with torch 2.13.0 and transformers 5.23.0 (``TESTED_VERSIONS``); after an upgrade, a failure
 here names the API that disappeared and the module to fix."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from decoding import private_api
-from decoding.private_api import PRIVATE_APIS, TESTED_VERSIONS
+from decoding.forward import private_api
+from decoding.forward.private_api import PRIVATE_APIS, TESTED_VERSIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def test_private_api_exists_in_the_installed_versions(api: private_api.PrivateAp
     tested = ", ".join(f"{name} {version}" for name, version in TESTED_VERSIONS.items())
     assert api.check(), (
         f"{api.name} (used by {api.used_by}: {api.why}) is missing or changed in {installed()}; "
-        f"it was verified with {tested}. Adapt {api.used_by} and its entry in decoding/private_api.py."
+        f"it was verified with {tested}. Adapt {api.used_by} and its entry in decoding/forward/private_api.py."
     )
 
 
@@ -40,7 +40,7 @@ def test_the_stated_versions_are_the_ones_pinned() -> None:
 
 
 def test_a_missing_api_is_reported() -> None:
-    gone = private_api.PrivateApi("torch.ops.mkldnn._no_such_op", "decoding.linears", "test",
+    gone = private_api.PrivateApi("torch.ops.mkldnn._no_such_op", "decoding.weights.linears", "test",
                                   private_api.exists("torch.ops.mkldnn._no_such_op"))
     assert not gone.check()
     assert not private_api.exists("transformers.cache_utils.NoSuchLayer")()
@@ -76,7 +76,7 @@ def test_every_private_reference_in_decoding_is_registered() -> None:
         names = {name for name in private_references(path) if not registered_prefix(name, registered)}
         if names:
             unlisted[path.name] = sorted(names)
-    assert unlisted == {}, f"private APIs used but not in decoding/private_api.py: {unlisted}"
+    assert unlisted == {}, f"private APIs used but not in decoding/forward/private_api.py: {unlisted}"
 
 
 def registered_prefix(name: str, registered: list[str]) -> bool:

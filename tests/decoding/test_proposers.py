@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from decoding.batch import BatchEngine, BatchPolicy
-from decoding.engine import DecodeStream, StepCounts, generate_autoregressive
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.pool import ContextIndex
 from decoding.proposers import PROPOSERS, Context, Gate, Outcome
 from decoding.proposers.base import break_even
 from decoding.proposers.copies import CopyProposer
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.proposers.pool import ContextIndex
 from decoding.proposers.recycled import RecycledProposer
+from decoding.step.stream import DecodeStream, StepCounts, generate_autoregressive
 from tests.decoding.stubs import cycle_model
 
 PROMPTS = [

@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from decoding import native
-from decoding.quant_panels import FORMATS, PanelEmbedding, QuantizedWeight, QuantKernel, dequantize, pack, unpack
+from decoding.weights import native
+from decoding.weights.quant_panels import (
+    FORMATS,
+    PanelEmbedding,
+    QuantizedWeight,
+    QuantKernel,
+    dequantize,
+    pack,
+    unpack,
+)
 
 gguf = pytest.importorskip("gguf")
 

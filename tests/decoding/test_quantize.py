@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
-from decoding.linears import FusedLinear, KernelLinear, _replace_below, kernel_linear
 from decoding.params import LookaheadConfig, StopCriteria
-from decoding.quantize import Int8Kernel, quantize_int8
+from decoding.step.stream import generate_autoregressive, generate_lookahead
+from decoding.weights.linears import FusedLinear, KernelLinear, _replace_below, kernel_linear
+from decoding.weights.quantize import Int8Kernel, quantize_int8
 from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
 from tests.decoding.test_linears import PROMPTS, real_prompt_ids, tokens_of
 

@@ -14,12 +14,12 @@ from scipy.stats import chisquare, kstest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decoding.batch import BatchEngine, BatchPolicy
-from decoding.engine import generate_autoregressive, generate_lookahead
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.sampling import GOLDEN32, MASK32, SampledRows, gumbel, mix32, row_key, sample_rows, warp, warp_scores
-from decoding.tree import TokenTree
-from decoding.verify import verify_greedy
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.step.sampling import GOLDEN32, MASK32, SampledRows, gumbel, mix32, row_key, sample_rows, warp, warp_scores
+from decoding.step.stream import generate_autoregressive, generate_lookahead
+from decoding.step.tree import TokenTree
+from decoding.step.verify import verify_greedy
 
 P_FLOOR = 1e-3
 
@@ -250,7 +250,7 @@ def test_top_p_found_among_the_likeliest_tokens_equals_the_full_sort():
         for top_p in (0.0, 0.3, 0.9, 0.99):
             sampling = SamplingParams(temperature=1.0, top_p=top_p)
             kept = ~torch.isinf(warp_scores(logits, sampling))
-            with patch("decoding.sampling.NUCLEUS_WIDTHS", ()):
+            with patch("decoding.step.sampling.NUCLEUS_WIDTHS", ()):
                 assert torch.equal(kept, ~torch.isinf(warp_scores(logits, sampling))), (spread, top_p)
 
 

@@ -9,15 +9,15 @@ import torch
 
 from bench.anatomy import SyncCounter, count_aten_ops, tiny_deep_llama
 from decoding.batch import BatchEngine, BatchPolicy, step_batch
-from decoding.choice import greedy_ids, top_ids
-from decoding.engine import DecodeStream
-from decoding.kv_cache import KVPool, new_cache
-from decoding.packed import forward_packed
+from decoding.forward.choice import greedy_ids, top_ids
+from decoding.forward.kv_cache import KVPool, new_cache
+from decoding.forward.packed import forward_packed
+from decoding.forward.slices import Slice
+from decoding.forward.static import Bucket, StaticStep, attended_lengths
+from decoding.forward.static_forward import static_forward, supports
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.slices import Slice
-from decoding.static import Bucket, StaticStep, attended_lengths
-from decoding.static_forward import static_forward, supports
-from decoding.window import step_layout
+from decoding.proposers.window import step_layout
+from decoding.step.stream import DecodeStream
 from server.config import decoder_lookahead, load_config
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
@@ -298,7 +298,7 @@ def test_attended_lengths_double_up_to_the_row():
 
 def test_the_decoder_builds_the_static_step_its_policy_names():
     from decoding.decoder import Decoder
-    from decoding.loading import LoadedModel
+    from decoding.weights.loading import LoadedModel
 
     model = tiny_llama()
     decoder = Decoder(LoadedModel(model, None, "tiny", "", model.device, model.dtype), "torch")
@@ -318,8 +318,8 @@ def test_the_decoder_builds_the_static_step_its_policy_names():
 
 def test_a_model_the_static_step_cannot_run_keeps_the_eager_path():
     from decoding.decoder import Decoder
-    from decoding.linears import pack_float32
-    from decoding.loading import LoadedModel
+    from decoding.weights.linears import pack_float32
+    from decoding.weights.loading import LoadedModel
 
     model = pack_float32(tiny_llama())
     assert not supports(model)

@@ -12,11 +12,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decoding.batch import BatchPolicy
-from decoding.kv_cache import KVPool, new_cache
-from decoding.packed import forward_packed
-from decoding.params import MAX_STEP_TOKENS
-from decoding.slices import Slice
-from decoding.static import (
+from decoding.forward.kv_cache import KVPool, new_cache
+from decoding.forward.packed import forward_packed
+from decoding.forward.slices import Slice
+from decoding.forward.static import (
     SEQUENCE_BUCKETS,
     TOKEN_BUCKETS,
     Bucket,
@@ -27,8 +26,9 @@ from decoding.static import (
     input_bounds,
     warm_buckets,
 )
-from decoding.static_inputs import check_slices
-from decoding.window import step_layout
+from decoding.forward.static_inputs import check_slices
+from decoding.params import MAX_STEP_TOKENS
+from decoding.proposers.window import step_layout
 from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
 
 CPU_BACKENDS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}
@@ -137,7 +137,7 @@ def test_a_bucket_that_cannot_hold_its_tokens_is_never_built():
 
 def test_the_server_start_rehearses_the_capture_of_every_warm_bucket():
     from decoding.decoder import Decoder
-    from decoding.loading import LoadedModel
+    from decoding.weights.loading import LoadedModel
 
     model = long_tiny_llama()
     decoder = Decoder(LoadedModel(model, None, "tiny", "", model.device, model.dtype), "torch")

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from decoding.tree import TokenTree, TreeBuilder
-from decoding.verify import verify_greedy, verify_tree
+from decoding.step.tree import TokenTree, TreeBuilder
+from decoding.step.verify import verify_greedy, verify_tree
 
 
 def _candidates(rng: random.Random, vocab: int) -> list[tuple[int, ...]]:

@@ -6,8 +6,8 @@ import itertools
 
 import torch
 
-from decoding.tree import TokenTree
-from decoding.window import Window, context_filler, step_layout, window_chains, window_logit_row
+from decoding.proposers.window import Window, context_filler, step_layout, window_chains, window_logit_row
+from decoding.step.tree import TokenTree
 
 
 def _grid(rows: list[str]) -> torch.Tensor:

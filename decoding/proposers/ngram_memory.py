@@ -6,7 +6,7 @@ whole (a document longer than ``max_tokens`` keeps its last ``max_tokens`` token
 ``candidates(tokens, length, limit, min_match)`` returns up to ``limit`` distinct continuations (1..``length``
 tokens each) of the stored occurrences of ``tokens[-1]`` whose preceding tokens match the tokens before
 ``tokens[-1]`` for at least ``min_match`` tokens, ranked as ``ContextIndex.best_copy`` ranks copies
-(``decoding.pool``). Neither a match nor a continuation ever crosses a document boundary.
+(``decoding.proposers.pool``). Neither a match nor a continuation ever crosses a document boundary.
 
 Bounds: a lookup searches only the ``max_occurrences`` most recent occurrences of the last two tokens (with
 ``min_match >= 1``) or of the last token (``min_match == 0``), so it costs O(``max_occurrences`` x
@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.pool import ContextIndex
+from decoding.proposers.pool import ContextIndex
 
 TOKEN_LIMIT = 1 << 32  # token ids lie in [0, TOKEN_LIMIT): a pair (a, b) is keyed by the int a * TOKEN_LIMIT + b
 CORPUS_DOCUMENT_TOKENS = 4096  # a corpus text enters the memory in documents of at most this many tokens

@@ -1,25 +1,24 @@
 """The static step: one forward of fixed shapes over every running sequence, ready to be captured as a CUDA graph.
 
-Contract: ``StaticStep(model, pool)`` runs the same forward as ``decoding.packed.forward_packed`` (a LLaMA-family
-model, ``supports``) for slices whose caches are rows of ``pool`` (``decoding.kv_cache.KVPool``), padded up to a
-``Bucket``: ``sequences`` x ``tokens`` input tokens attending over ``attended`` cache slots. ``run(slices)``
-returns, per slice, the logits ``[len(logit_rows), vocab]`` of its ``logit_rows`` (a view of the bucket's output
-buffer, valid until the next ``run``) and their ids as Python ints (``decoding.choice.RowIds``: the argmax ids,
-and the top ``Slice.top_k`` ids of each row, computed on the device for up to ``top_k`` and read back with the
-argmax in the step's one device-to-host copy); each slice's cache grows by its token count, as in an eager
-forward. ``bucket(slices)`` says which bucket a step would run in (None: it does not fit,
-run it eagerly).
+Contract: ``StaticStep(model, pool)`` runs the same forward as ``decoding.forward.packed.forward_packed`` (a
+LLaMA-family model, ``supports``) for slices whose caches are rows of ``pool`` (``decoding.forward.kv_cache.KVPool``),
+padded up to a ``Bucket``: ``sequences`` x ``tokens`` input tokens attending over ``attended`` cache slots.
+``run(slices)`` returns, per slice, the logits ``[len(logit_rows), vocab]`` of its ``logit_rows`` (a view of the
+bucket's output buffer, valid until the next ``run``) and their ids as Python ints (``decoding.forward.choice.RowIds``:
+the argmax ids, and the top ``Slice.top_k`` ids of each row, computed on the device for up to ``top_k`` and read back
+with the argmax in the step's one device-to-host copy); each slice's cache grows by its token count, as in an eager
+forward. ``bucket(slices)`` says which bucket a step would run in (None: it does not fit, run it eagerly).
 
-Everything a step varies is data in one int64 input buffer (``decoding.static_inputs``), packed from Python ints on
-the host and copied in one go: token ids, positions, each token's parent in the step (the mask is the ancestor
-closure of the parents, built on the device once per step), the rows to read, each sequence's cache length and pool
-row (where its tokens' keys/values go: that row, from slot length on). Keys/values are written by index
-(``index_put_``) and read with one gather per layer; attention runs over the bucket's attended length under an
-additive mask. Padding tokens of a real sequence are written in the scratch slots past its tokens; padding sequences
-use the pool's scratch row. Padding tokens see themselves (and their row's prefix), so no row is empty and no NaN
-arises; real tokens never see padding.
+Everything a step varies is data in one int64 input buffer (``decoding.forward.static_inputs``), packed from Python ints
+on the host and copied in one go: token ids, positions, each token's parent in the step (the mask is the ancestor
+closure of the parents, built on the device once per step), the rows to read, each sequence's cache length and pool row
+(where its tokens' keys/values go: that row, from slot length on). Keys/values are written by index (``index_put_``) and
+read with one gather per layer; attention runs over the bucket's attended length under an additive mask. Padding tokens
+of a real sequence are written in the scratch slots past its tokens; padding sequences use the pool's scratch row.
+Padding tokens see themselves (and their row's prefix), so no row is empty and no NaN arises; real tokens never see
+padding.
 
-The forward itself is ``decoding.static_forward``: plain torch over fixed shapes, no host sync.
+The forward itself is ``decoding.forward.static_forward``: plain torch over fixed shapes, no host sync.
 
 Modes: ``"eager"`` calls ``static_forward``; ``"compile"`` wraps one copy of it per bucket in ``torch.compile``
 (one code object per bucket: one graph each, and no bucket evicts another from Dynamo's cache); ``"graphs"``
@@ -47,19 +46,17 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from decoding.choice import RowIds
-from decoding.engine import context_length
-from decoding.kv_cache import KVPool
-from decoding.packed import CUDA_BACKENDS
-from decoding.params import MAX_STEP_TOKENS, MAX_TOP_TOKENS
-from decoding.slices import Slice
-from decoding.static_forward import (
+from decoding.forward.choice import RowIds
+from decoding.forward.kv_cache import KVPool
+from decoding.forward.packed import CUDA_BACKENDS
+from decoding.forward.slices import Slice
+from decoding.forward.static_forward import (
     fresh_forward,
     prepare_weights,
     static_forward,
     supports,
 )
-from decoding.static_inputs import (
+from decoding.forward.static_inputs import (
     Bucket,
     StaticInputError,
     check_inputs,
@@ -67,6 +64,8 @@ from decoding.static_inputs import (
     input_bounds,
     step_values,
 )
+from decoding.params import MAX_STEP_TOKENS, MAX_TOP_TOKENS
+from decoding.weights.loading import context_length
 
 __all__ = ["Bucket", "StaticInputError", "StaticStats", "StaticStep", "attended_lengths", "bucket_shape",
            "build_static_step", "check_inputs", "input_bounds", "warm_buckets"]
@@ -315,7 +314,7 @@ class StaticStep:
         self.mode = "eager"
 
     def _kernels(self, call: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Callable:
-        """``call`` run with ``decoding.packed``'s attention kernels on CUDA (no cuDNN), as is elsewhere."""
+        """``call`` run with ``decoding.forward.packed``'s attention kernels on CUDA (no cuDNN), as is elsewhere."""
         if self.device.type != "cuda":
             return call
 

@@ -8,8 +8,8 @@ so the plain loop and lookahead choose by one rule. A float32 CPU tensor is read
 ~200 us on the 2-core Xeon); anything else by torch. NaN scores: never chosen by the native kernel, chosen by
 torch's ``argmax``; logits with NaN are a broken model either way.
 
-``RowIds`` is what a forward that chose on the device hands back (``decoding.static``): the rows' argmax ids (the
-list itself) and, when it read them in the same copy, their top ids (``top(k)``), so that a step's greedy choices
+``RowIds`` is what a forward that chose on the device hands back (``decoding.forward.static``): the rows' argmax ids
+(the list itself) and, when it read them in the same copy, their top ids (``top(k)``), so that a step's greedy choices
 and the top-k a proposer recycles come from one device-to-host read.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from decoding import native
+from decoding.weights import native
 
 MAX_NATIVE_K = 64
 
@@ -49,7 +49,7 @@ def greedy_id(scores: torch.Tensor) -> int:
 
 class RowIds(list):
     """Each logits row's argmax id (the list itself), as read off the device, and ``columns``: ``columns[j][r]`` is
-    row r's (j+1)-th best id (``decoding.static_forward.row_ids``' layout), as many as were read.
+    row r's (j+1)-th best id (``decoding.forward.static_forward.row_ids``' layout), as many as were read.
 
     >>> ids = RowIds([7, 3], [[7, 3], [5, 1]])
     >>> ids == [7, 3], ids.top(2), ids.top(3)

@@ -1,10 +1,10 @@
 """A LLaMA-family CPU step with the small operations fused: one native call each for a layer's norms, rotary
-embedding, attention and gated activation, around the native products of ``decoding.linears``.
+embedding, attention and gated activation, around the native products of ``decoding.weights.linears``.
 
-Contract: ``plan_for(model)`` returns a ``FusedPlan`` when ``model`` can step this way (a ``decoding.lean``
+Contract: ``plan_for(model)`` returns a ``FusedPlan`` when ``model`` can step this way (a ``decoding.forward.lean``
 model on the CPU in float32 whose projections are native kernels, fused q/k/v and gate/up, SiLU, head size a
 multiple of 8 up to 256, and the native library built), else None. ``FusedPlan.forward(slices)`` then does what
-``decoding.packed.forward_packed`` does for those slices (each slice's keys/values appended to its own cache,
+``decoding.forward.packed.forward_packed`` does for those slices (each slice's keys/values appended to its own cache,
 its kept rows' logits returned, in order) with the same operations in a different arithmetic order: logits agree
 with the eager forward's to float tolerance, not bit for bit.
 
@@ -19,7 +19,7 @@ causal slice with no tree) of more than ``NATIVE_ATTENTION_ROWS`` tokens, or of 
 attends with torch's scaled-dot-product attention, which is faster there; its keys/values are stored the same way.
 A decode step of any size (greedy's one token, a lookahead tree) attends natively.
 
-Threads: each native call splits its work over the native thread pool (``decoding.native.set_threads``) with the
+Threads: each native call splits its work over the native thread pool (``decoding.weights.native.set_threads``) with the
 same bits at any thread count, so the exactness above holds at every count; a wide step's products, which are
 bound by arithmetic on one thread, gain the most.
 """
@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from decoding import lean, native
-from decoding.kv_cache import CacheOverflowError, SlotCache
-from decoding.linears import KernelLinear, is_float32_cpu, shared_kernel
+from decoding.forward import lean
+from decoding.forward.kv_cache import CacheOverflowError, SlotCache
+from decoding.weights import native
+from decoding.weights.linears import KernelLinear, is_float32_cpu, shared_kernel
 
 if TYPE_CHECKING:
-    from decoding.slices import Slice
+    from decoding.forward.slices import Slice
 
 NATIVE_ATTENTION_ROWS = 32  # a causal prompt chunk of more tokens attends through torch's SDPA
 MAX_HEAD_DIM = 256  # the widest attention head the native attention takes (csrc/fused_ops.cpp: MAX_DIM)

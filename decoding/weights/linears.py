@@ -10,7 +10,7 @@ on the call order); once every member has taken its slice the group lets go of t
 this 2-core CPU a one-token step is a few hundred small GEMMs; fusing halves their number. A tied embedding
 keeps its table; only the output projection's matmul changes. A model with swapped linears cannot be saved.
 
-``pack_float32(model)`` is the float32 layout the CPU preset uses (``PackedFloat32``); ``decoding.quantize``
+``pack_float32(model)`` is the float32 layout the CPU preset uses (``PackedFloat32``); ``decoding.weights.quantize``
 builds its int8 kernels on the same mechanism.
 """
 
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decoding import native
 from decoding.errors import InvalidParameterError
+from decoding.weights import native
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -183,10 +183,10 @@ def require_float32_cpu(model: PreTrainedModel, parameter: str, what: str) -> No
 class PackedFloat32:
     """``rows @ W^T + b`` in float32 from one copy of ``W`` laid out for the CPU.
 
-    - Where the native panel kernel runs (``decoding.native``): ``W`` in column panels only, every product on the
-      kernel whatever the number of rows or threads (the kernel splits its panels over the native thread pool,
-      ``decoding.native.set_threads``, with the same bits at any count), streamed once for the call's rows. A
-      whole forward of 2 tokens cost 1.1x one token's on the machine it was measured on, 4 tokens 1.2x, 8 tokens
+    - Where the native panel kernel runs (``decoding.weights.native``): ``W`` in column panels only, every product on
+      the kernel whatever the number of rows or threads (the kernel splits its panels over the native thread pool,
+      ``decoding.weights.native.set_threads``, with the same bits at any count), streamed once for the call's rows.
+      A whole forward of 2 tokens cost 1.1x one token's on the machine it was measured on, 4 tokens 1.2x, 8 tokens
       1.3x and 16 tokens 1.6x, and a 128-token prefill chunk no more than oneDNN's
       (docs/benchmarks.md, "One copy of the float32 weights"). A row's result is the same bit for bit whatever
       other rows share the call, so a token's logits do not depend on the size of the step (or prefill chunk)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.kv_cache import SlotCache
-from decoding.pool import ContextIndex
+from decoding.forward.kv_cache import SlotCache
+from decoding.proposers.pool import ContextIndex
 
 CHUNK = 64  # tokens compared per slice in ``common_prefix``
 

@@ -1,17 +1,17 @@
 """The lean CPU forward with the dense work between two attentions compiled by ``torch.compile`` (inductor).
 
-Contract: ``CompiledForward.build(model)`` returns a ``CompiledForward`` for a model whose layers ``supports``
-accepts (a ``decoding.lean`` LLaMA-family model, float32 on the CPU, every layer's q/k/v and gate/up fused over
-one native kernel, ``decoding.linears`` / ``decoding.gguf_model``, of one shape and format per role, SiLU), else
-None. Called as ``decoding.lean.forward`` is (``(model, input_ids, position_ids, rows, attend)`` -> the logits
-of ``rows``), it computes the same function: the embedding, rotary tables, attention (``attend``: the KV-cache
-writes and the per-slice attention), final norm and output projection run eagerly as ``lean.forward`` runs them;
-the work between two attentions (output projection, residual, RMS norm, the gated MLP, the next layer's norm,
-q/k/v projection and rotary embedding) is one compiled graph over that layer's tensors, the native GEMMs inside it
-as the ``lookahead::*`` ops of ``decoding.native``. The graphs take the layers' tensors as arguments (one graph for
-every layer; guards on tensors alone) and the step's token count as their one dynamic size: a graph for one-token
-steps and one for any other count (torch specializes a size of 1). The first call of each shape compiles it
-(seconds to minutes on a small CPU; inductor's on-disk cache keeps them across processes).
+Contract: ``CompiledForward.build(model)`` returns a ``CompiledForward`` for a model whose layers ``supports`` accepts
+(a ``decoding.forward.lean`` LLaMA-family model, float32 on the CPU, every layer's q/k/v and gate/up fused over one
+native kernel, ``decoding.weights.linears`` / ``decoding.weights.gguf_model``, of one shape and format per role, SiLU),
+else None. Called as ``decoding.forward.lean.forward`` is (``(model, input_ids, position_ids, rows, attend)`` -> the
+logits of ``rows``), it computes the same function: the embedding, rotary tables, attention (``attend``: the KV-cache
+writes and the per-slice attention), final norm and output projection run eagerly as ``lean.forward`` runs them; the
+work between two attentions (output projection, residual, RMS norm, the gated MLP, the next layer's norm, q/k/v
+projection and rotary embedding) is one compiled graph over that layer's tensors, the native GEMMs inside it as the
+``lookahead::*`` ops of ``decoding.weights.native``. The graphs take the layers' tensors as arguments (one graph for
+every layer; guards on tensors alone) and the step's token count as their one dynamic size: a graph for one-token steps
+and one for any other count (torch specializes a size of 1). The first call of each shape compiles it (seconds to
+minutes on a small CPU; inductor's on-disk cache keeps them across processes).
 
 Exactness: every output row is a function of its own input row (no reduction crosses rows), so lookahead ==
 greedy holds under it as it does eagerly; results may differ from the eager forward's in the last bits (inductor
@@ -26,10 +26,10 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from decoding import lean
-from decoding.lean import Attend
-from decoding.linears import PackedFloat32, shared_kernel
-from decoding.quant_panels import QuantKernel
+from decoding.forward import lean
+from decoding.forward.lean import Attend
+from decoding.weights.linears import PackedFloat32, shared_kernel
+from decoding.weights.quant_panels import QuantKernel
 
 
 class Gemm(NamedTuple):
@@ -73,7 +73,7 @@ Projections = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: Gemm) -> torch.Tensor:
-    """``rows`` [M, K] times one packed weight (``decoding.native``'s ops), plus ``bias``: [M, N]."""
+    """``rows`` [M, K] times one packed weight (``decoding.weights.native``'s ops), plus ``bias``: [M, N]."""
     if gemm.kind is None:
         out = torch.ops.lookahead.panel_gemm(rows, weight)
     else:
@@ -166,7 +166,7 @@ def _token_dim(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class CompiledForward:
-    """``decoding.lean.forward`` with the work between attentions compiled (see the module contract)."""
+    """``decoding.forward.lean.forward`` with the work between attentions compiled (see the module contract)."""
 
     def __init__(self, spec: LayerSpec, layers: list[LayerTensors], compile: Callable[[Callable], Callable]) -> None:
         self.spec, self.layers = spec, layers

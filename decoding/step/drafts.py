@@ -20,7 +20,7 @@ from decoding.grammar import Constraint
 from decoding.params import MAX_STEP_TOKENS
 from decoding.proposers import Context, Draft, Proposer
 from decoding.proposers.base import Price, free
-from decoding.tree import TokenTree, TreeBuilder
+from decoding.step.tree import TokenTree, TreeBuilder
 
 
 @dataclass(frozen=True)

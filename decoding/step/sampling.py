@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from decoding.choice import greedy_id, greedy_ids
+from decoding.forward.choice import greedy_id, greedy_ids
 from decoding.params import SamplingParams
 
 FLOAT32_TINY = torch.finfo(torch.float32).tiny

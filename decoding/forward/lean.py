@@ -7,7 +7,7 @@ returns with ``attend`` as its attention function: the same modules (embedding, 
 projections, activation, output projection) run the same operations on the same tensors in the same order.
 What it leaves out is the framework work around them: keyword plumbing through every module, mask builders,
 output records, per-call checks. On the 2-core CPU a forward of SmolLM2-135M with packed linears
-(``decoding.linears``) took 0.84-0.99x the public forward's time this way, 1 to 16 tokens (docs/benchmarks.md,
+(``decoding.weights.linears``) took 0.84-0.99x the public forward's time this way, 1 to 16 tokens (docs/benchmarks.md,
 "The lean step").
 
 ``attend(layer_idx, query, key, value, scaling)`` takes ``[1, heads, T, head_dim]`` queries and
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from decoding.linears import shared_kernel
+from decoding.weights.linears import shared_kernel
 
 # model_type values whose decoder layer is LLaMA's: pre-norm attention (q/k/v/o projections, rotate-half
 # rotary) and a gated MLP, each added to the residual. Biases (Qwen2) live inside the projections.
@@ -85,7 +85,7 @@ def _rotated_projections(
     attention: torch.nn.Module, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries and keys (rotary applied) and values, ``[1, heads, T, head_dim]`` each. Fused q/k/v projections
-    (``decoding.linears``) run as one product and rotate queries and keys together, element for element as
+    (``decoding.weights.linears``) run as one product and rotate queries and keys together, element for element as
     rotating them apart does."""
     shape = (*normed.shape[:-1], -1, attention.head_dim)  # [1, T, heads, head_dim]
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)

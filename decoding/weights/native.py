@@ -5,7 +5,7 @@ compiled on first use into one library and called through ctypes.
 Contract: ``panel_gemm()`` returns a ``PanelGemm`` (the loaded kernel) or None where it cannot run here: not an
 x86-64 CPU with AVX2, FMA and F16C, no C++ compiler (``$CXX`` or ``g++``), a failed build, or
 ``LOOKAHEAD_NATIVE=0`` in the environment. Callers fall back to torch's kernels on None; nothing else changes.
-The shared library is built once per source version into ``<cache>/native/`` (``decoding.loading.cache_root``):
+The shared library is built once per source version into ``<cache>/native/`` (``decoding.weights.loading.cache_root``):
 each source compiled twice, with ``-O3 -mavx2 -mfma -mf16c`` and again with ``-mavx512f -DPANEL_WIDE`` added,
 and linked into one library (about 10 s; a compiler that cannot build the AVX-512 objects gives a library of the
 AVX2 entries alone), reused by every later process; a concurrent build by another process is harmless (each
@@ -26,7 +26,7 @@ which pays once a step has more than a few rows (16 rows: 0.78x the AVX2 kernel'
 Why native: on a 2-core AVX2 CPU, torch's float32 products over 2-8 rows (oneDNN, MKL) read the weights at
 half the speed of a one-row product, so a lookahead step of 4 tokens cost 1.7x a one-token step. The panel
 kernel streams each weight once for up to 8 rows (``docs/design.md``, "The panel kernel"). The quantized entries
-(``PanelGemm.quantized``) read GGUF's Q4_0 / Q4_1 / Q8_0 blocks packed by ``decoding.quant_panels`` and keep the
+(``PanelGemm.quantized``) read GGUF's Q4_0 / Q4_1 / Q8_0 blocks packed by ``decoding.weights.quant_panels`` and keep the
 same property: every row's result is the same bit for bit whatever other rows share the call.
 """
 
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from decoding.loading import cache_root
+from decoding.weights.loading import cache_root
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("panel_gemm.cpp", "quant_gemm.cpp", "fused_ops.cpp", "thread_pool.cpp"))
@@ -104,7 +104,7 @@ class PanelGemm:
 
     def quantized(self, kind: int, rows: torch.Tensor, panels: torch.Tensor, lanes: int, depth: int) -> torch.Tensor:
         """``rows`` [M, K] times a block-quantized weight packed in panels of ``lanes`` columns
-        (``decoding.quant_panels``: uint8 [N / lanes, K / 32, block bytes], format ``kind``): [M, N] float32."""
+        (``decoding.weights.quant_panels``: uint8 [N / lanes, K / 32, block bytes], format ``kind``): [M, N] float32."""
         rows = rows.contiguous().float()
         count = rows.shape[0]
         if rows.shape[1] != depth:
@@ -120,7 +120,7 @@ class PanelGemm:
 class FusedOps:
     """The small operations of a CPU step over raw float32 buffers (``csrc/fused_ops.cpp``): each output row
     depends on its own row alone, bit for bit. Arguments are ``data_ptr()`` addresses and sizes; the callers
-    (``decoding.fused``) own the shapes. The calls release the GIL."""
+    (``decoding.forward.fused``) own the shapes. The calls release the GIL."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -292,7 +292,7 @@ def forget() -> None:
         cached.cache_clear()
 
 
-# --- the kernels as torch ops, so that torch.compile traces through them (``decoding.compiled``) ------------
+# --- the kernels as torch ops, so that torch.compile traces through them (``decoding.forward.compiled``) ------------
 # Declared with ``torch.library.Library`` (a CPU kernel and a fake one) rather than ``torch.library.custom_op``:
 # a call costs ~3 us more than the ctypes call this way, ~16 us more through ``custom_op``'s wrapper (the 2-core
 # Xeon, one row of 576). The eager forward calls ``PanelGemm`` directly.

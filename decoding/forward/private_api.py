@@ -95,11 +95,11 @@ def _config_has_internal_attention() -> bool:
 
 
 def _llama_layout() -> bool:
-    """A tiny LLaMA built by transformers has the module layout ``decoding.lean`` steps."""
+    """A tiny LLaMA built by transformers has the module layout ``decoding.forward.lean`` steps."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from decoding import lean
+    from decoding.forward import lean
 
     torch.manual_seed(0)
     sizes = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
@@ -121,10 +121,10 @@ def _fbgemm() -> bool:
 _SLOT_LAYER_HOOKS = ("lazy_initialization", "update", "get_seq_length", "get_mask_sizes", "get_max_length", "crop")
 
 def _own_op(name: str) -> Callable[[], bool]:
-    """A check that our op ``torch.ops.lookahead.<name>`` is defined once ``decoding.native`` is imported."""
+    """A check that our op ``torch.ops.lookahead.<name>`` is defined once ``decoding.weights.native`` is imported."""
 
     def check() -> bool:
-        importlib.import_module("decoding.native")
+        importlib.import_module("decoding.weights.native")
         return exists(f"torch.ops.lookahead.{name}")()
 
     return check
@@ -133,33 +133,34 @@ def _own_op(name: str) -> Callable[[], bool]:
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "torch._dynamo.maybe_mark_dynamic",
-        "decoding.compiled",
+        "decoding.forward.compiled",
         "marks a graph input's token count dynamic so one graph serves every step size (python -m bench compile, "
         "not the serving path; tests/decoding/test_compiled.py)",
         exists("torch._dynamo.maybe_mark_dynamic"),
     ),
     PrivateApi(
         "torch.ops.lookahead.panel_gemm",
-        "decoding.compiled",
-        "our own op (decoding.native's float32 panel product), listed because the scan cannot tell it from torch's",
+        "decoding.forward.compiled",
+        "our own op (decoding.weights.native's float32 panel product), listed because the scan cannot tell it from "
+        "torch's",
         _own_op("panel_gemm"),
     ),
     PrivateApi(
         "torch.ops.lookahead.quant_gemm",
-        "decoding.compiled",
-        "our own op (decoding.native's quantized panel product), listed because the scan cannot tell it from "
+        "decoding.forward.compiled",
+        "our own op (decoding.weights.native's quantized panel product), listed because the scan cannot tell it from "
         "torch's",
         _own_op("quant_gemm"),
     ),
     PrivateApi(
         "torch.ops.aten._fused_rms_norm",
-        "decoding.static_forward",
+        "decoding.forward.static_forward",
         "the static step's RMSNorm in one op (F.rms_norm falls back to six; tests/decoding/test_static.py)",
         exists("torch.ops.aten._fused_rms_norm"),
     ),
     PrivateApi(
         "torch.ops.mkldnn._reorder_linear_weight",
-        "decoding.linears",
+        "decoding.weights.linears",
         "PackedFloat32 without the panel kernel reorders each weight once into oneDNN's blocked layout "
         "(tests/decoding/test_native.py)",
         exists("torch.ops.mkldnn._reorder_linear_weight"),
@@ -167,74 +168,74 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "torch.ops.mkldnn._linear_pointwise",
-        "decoding.linears",
+        "decoding.weights.linears",
         "PackedFloat32's product on the blocked weight without the panel kernel (tests/decoding/test_native.py)",
         exists("torch.ops.mkldnn._linear_pointwise"),
         _mkldnn,
     ),
     PrivateApi(
         "torch._make_per_channel_quantized_tensor",
-        "decoding.quantize",
+        "decoding.weights.quantize",
         "builds the int8 per-output-channel weight that fbgemm packs (tests/decoding/test_quantize.py)",
         exists("torch._make_per_channel_quantized_tensor"),
         _fbgemm,
     ),
     PrivateApi(
         "torch.ops.quantized.linear_prepack",
-        "decoding.quantize",
+        "decoding.weights.quantize",
         "packs the int8 weight for fbgemm (tests/decoding/test_quantize.py)",
         exists("torch.ops.quantized.linear_prepack"),
         _fbgemm,
     ),
     PrivateApi(
         "torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32",
-        "decoding.quantize",
+        "decoding.weights.quantize",
         "the int8 x int8 product with float32 output (tests/decoding/test_quantize.py)",
         exists("torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32"),
         _fbgemm,
     ),
     PrivateApi(
         "transformers.PretrainedConfig._attn_implementation_internal",
-        "decoding.packed",
+        "decoding.forward.packed",
         "selects the packed attention function for one forward and restores the previous one",
         _config_has_internal_attention,
     ),
     PrivateApi(
         "transformers.AttentionInterface.register",
-        "decoding.packed",
+        "decoding.forward.packed",
         "registers 'lookahead_packed', called as (module, query, key, value, attention_mask, scaling=, "
         "dropout=, **kwargs) (tests/decoding/test_packed.py)",
         has_members("transformers.AttentionInterface", ("register",)),
     ),
     PrivateApi(
         "transformers.models.llama.modeling_llama.LlamaAttention.forward(**kwargs)",
-        "decoding.packed",
+        "decoding.forward.packed",
         "the model's forward hands unknown keywords (packed=) down to the attention function",
         _accepts("transformers.models.llama.modeling_llama.LlamaAttention.forward", "**"),
     ),
     PrivateApi(
         "transformers.masking_utils",
-        "decoding.packed",
+        "decoding.forward.packed",
         "its mask builders pass a ready 4-D attention_mask through untouched (the public forward's path; "
         "tests/decoding/test_packed.py)",
         exists("transformers.masking_utils.create_causal_mask"),
     ),
     PrivateApi(
         "transformers.cache_utils.DynamicLayer",
-        "decoding.kv_cache",
+        "decoding.forward.kv_cache",
         "_SlotLayer subclasses it and overrides " + ", ".join(_SLOT_LAYER_HOOKS) + "; sets keys, values, "
         "is_initialized, dtype, device (tests/decoding/test_engine.py)",
         has_members("transformers.cache_utils.DynamicLayer", _SLOT_LAYER_HOOKS),
     ),
     PrivateApi(
         "transformers.cache_utils.Cache(layers=...)",
-        "decoding.kv_cache",
+        "decoding.forward.kv_cache",
         "SlotCache hands its own layer objects to the Cache constructor",
         _accepts("transformers.cache_utils.Cache.__init__", "layers"),
     ),
     PrivateApi(
         "LLaMA module layout (model.model.embed_tokens/rotary_emb/layers/norm, layer.self_attn.q_proj..., mlp.act_fn)",
-        "decoding.lean",
+        "decoding.forward.lean",
         "the lean step calls the model's own modules in its forward's order (tests/decoding/test_lean.py)",
         _llama_layout,
     ),

@@ -7,7 +7,7 @@ of first appearance, so a parent always comes before its children; ``parents[i]`
 child of ``last``), ``depths[i]`` its depth (1 = the token right after ``last``), ``owners[i]`` the first
 candidate through it, ``index`` maps each node's prefix (the tokens from ``last`` down to it) to the node, and
 ``paths[c][k]`` (``path(c)[k]``) is the node holding candidate c's token k. Verification reads candidate c's
-token k at that node's logit row (``decoding.verify.verify_tree`` walks the tree itself).
+token k at that node's logit row (``decoding.step.verify.verify_tree`` walks the tree itself).
 
 A step grows its tree as its drafts are gathered (``TreeBuilder``: the same trie, one candidate at a time, whose
 ``index`` also answers whether a draft is a prefix of one kept before) and joins the trees of its two gathers

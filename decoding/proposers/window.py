@@ -1,7 +1,7 @@
 """The 2-D Jacobi window and the layout of one lookahead step (token order, positions, attention mask).
 
 Contract: a step's input is ``last`` and the rest of window row 0, then rows 1..L-1 (the lookahead branch,
-``L·W`` tokens), then the nodes of a token tree of candidates (the verification branch, ``decoding.tree``;
+``L·W`` tokens), then the nodes of a token tree of candidates (the verification branch, ``decoding.step.tree``;
 candidates sharing a prefix share its nodes). ``step_layout``
 returns, for that shape, the position offsets from ``p`` (the position of ``last``), the ``[q, q]`` attention
 mask among the step's tokens, and the rows whose logits are read. Every step token also sees the whole KV
@@ -21,7 +21,7 @@ import torch
 @dataclass(frozen=True)
 class StepLayout:
     """One step's shape; built once per shape and reused. The Python ints are made up front; the tensors an eager
-    forward needs, when first read (a static step, ``decoding.static``, reads only the ints).
+    forward needs, when first read (a static step, ``decoding.forward.static``, reads only the ints).
 
     - ``offset_values`` / ``offsets`` ``[q]``: position of each input token minus ``p``.
     - ``parents`` (``q`` ints): each token's parent in the step (-1 for ``last``); ``visible[i]`` is exactly
@@ -73,7 +73,7 @@ class StepLayout:
 def step_layout(width: int, levels: int, parents: tuple[int, ...] = (), chains: bool = False) -> StepLayout:
     """Layout of a step with an ``levels`` x ``width`` window and a token tree of candidates (on the CPU).
 
-    ``parents`` is the tree's parent of each node (``decoding.tree.TokenTree.parents``: -1 for a child of
+    ``parents`` is the tree's parent of each node (``decoding.step.tree.TokenTree.parents``: -1 for a child of
     ``last``, parents before children). Window token (r, j) sits at offset r + j and sees row-0 tokens (0, j')
     for j' <= j and the tokens (r', j) of its column for 1 <= r' <= r. Tree node i at depth d sits at offset d
     and sees ``last``, its ancestors and itself. Example, W=2, L=2, one candidate of two tokens (parents

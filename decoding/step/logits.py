@@ -7,8 +7,8 @@ position: ``()`` for ``last``'s own row, a token-tree node's path for the node's
 tokens are taken once per call; each row only adds its few path tokens. In order: ``repetition_penalty`` over
 prompt + output, ``frequency_penalty`` / ``presence_penalty`` over the output's counts, ``logit_bias`` (ids
 outside the vocabulary ignored), then the stop tokens masked to ``-inf`` on rows with fewer than
-``stop.min_tokens`` generated tokens before them. ``needs_adjusting`` says whether any of that applies; the
-engine skips the call entirely when not. The autoregressive loop and lookahead call the same function, so greedy
+``stop.min_tokens`` generated tokens before them. ``needs_adjusting`` says whether any of that applies; a
+step skips the call entirely when not. The autoregressive loop and lookahead call the same function, so greedy
 lookahead stays equal to the greedy loop with the same settings, and sampling keeps its distribution.
 
 Example: tokens ``[5, 6]`` with prompt_length 1 and ``frequency_penalty=1``: row ``()`` subtracts 1 from token 6;

@@ -4,7 +4,7 @@ Contract: both verifiers take the step's candidates (lists of guessed tokens, of
 ``Verdict``: which candidate won, how many of its tokens were accepted (``m``), and the committed run (those
 ``m`` tokens plus the token chosen at the last accepted position: 1..K+1 tokens, K the longest candidate's
 length). The run equals what the plain loop would commit: each position's token is chosen by a rule that depends
-on that position only (the argmax, or the seeded sample of ``decoding.sampling``), so a guess is accepted
+on that position only (the argmax, or the seeded sample of ``decoding.step.sampling``), so a guess is accepted
 exactly when it is the token that would have been chosen there.
 
 - ``verify_greedy`` walks the candidates over the chosen token of each row (argmax ids, or ``SampledRows``).
@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from decoding.grammar import Constraint
-from decoding.tree import TokenTree
+from decoding.step.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Verdict:
 
 
 class ChosenRows(Protocol):
-    """The token chosen at each logits row (a list of argmax ids, or ``decoding.sampling.SampledRows``)."""
+    """The token chosen at each logits row (a list of argmax ids, or ``decoding.step.sampling.SampledRows``)."""
 
     def __getitem__(self, row: int) -> int: ...
 
@@ -95,7 +95,7 @@ def verify_constrained(
 ) -> Verdict:
     """``verify_greedy`` over ``scores`` ``[rows, vocab]`` with each row masked by ``constraint`` after the tokens
     accepted before it; ``choose(masked_row, depth)`` picks the token of the row ``depth`` tokens past the step's
-    first (``decoding.sampling.row_chooser``).
+    first (``decoding.step.sampling.row_chooser``).
 
     ``constraint`` is left where it was found. Each candidate must be allowed by it whole (the engine cuts
     guesses at the first forbidden token), so the walk only moves through allowed states. A guess of the

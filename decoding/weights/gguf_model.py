@@ -1,17 +1,17 @@
 """A LLaMA model built from a GGUF file with its quantized weights kept as they are: one copy of each, in panels.
 
-Contract: ``load_gguf_model(spec, gemm)`` loads a GGUF model (``decoding.loading.is_gguf_model``) this way, with
-its tokenizer and generation config (``decoding.loading.gguf_files``), as a ``LoadedModel`` on the CPU in float32.
-``build_gguf_model(path, config, gemm)`` returns a float32 CPU ``LlamaForCausalLM`` in eval mode whose
-weights come from the GGUF file ``path`` without any float32 copy of a quantized tensor: every linear layer of
-the decoder is a kernel module (``decoding.linears``) over the tensor's blocks packed once into the native
-kernel's panels (``decoding.quant_panels``; q/k/v and gate/up fused as ``decoding.linears`` fuses them), the
-norms are the file's float32 vectors, and a tied token embedding is read from the output projection's panels
-(``PanelEmbedding``): the embedding and the LM head share one copy. Tensors in another GGUF type (float16,
-k-quants) are de-quantized by gguf and run as ``PackedFloat32``. ``config`` is the model's transformers config
-(``model_type`` "llama"); ``ModelLoadError`` when the file lacks a tensor the config needs or holds another
-architecture. The query and key rows are un-permuted as transformers' GGUF loader does (llama.cpp stores them
-interleaved for its rotary embedding); rows move whole, so their blocks survive.
+Contract: ``load_gguf_model(spec, gemm)`` loads a GGUF model (``decoding.weights.loading.is_gguf_model``) this way, with
+its tokenizer and generation config (``decoding.weights.loading.gguf_files``), as a ``LoadedModel`` on the CPU in
+float32. ``build_gguf_model(path, config, gemm)`` returns a float32 CPU ``LlamaForCausalLM`` in eval mode whose weights
+come from the GGUF file ``path`` without any float32 copy of a quantized tensor: every linear layer of the decoder is a
+kernel module (``decoding.weights.linears``) over the tensor's blocks packed once into the native kernel's panels
+(``decoding.weights.quant_panels``; q/k/v and gate/up fused as ``decoding.weights.linears`` fuses them), the norms are
+the file's float32 vectors, and a tied token embedding is read from the output projection's panels (``PanelEmbedding``):
+the embedding and the LM head share one copy. Tensors in another GGUF type (float16, k-quants) are de-quantized by gguf
+and run as ``PackedFloat32``. ``config`` is the model's transformers config (``model_type`` "llama"); ``ModelLoadError``
+when the file lacks a tensor the config needs or holds another architecture. The query and key rows are un-permuted as
+transformers' GGUF loader does (llama.cpp stores them interleaved for its rotary embedding); rows move whole, so their
+blocks survive.
 
 The model runs the same forward as transformers' ``LlamaForCausalLM`` (its own modules: attention, rotary, norms,
 MLP activation), only the products change. It cannot be saved.
@@ -36,11 +36,11 @@ from transformers import (
 )
 
 from decoding.errors import ModelLoadError
-from decoding.linears import KernelLinear, PackedFloat32, install_fused
-from decoding.loading import LoadedModel, gguf_files
-from decoding.native import PanelGemm
 from decoding.params import DEFAULT_MODEL
-from decoding.quant_panels import FORMATS, PanelEmbedding, QuantizedWeight, QuantKernel
+from decoding.weights.linears import KernelLinear, PackedFloat32, install_fused
+from decoding.weights.loading import LoadedModel, gguf_files
+from decoding.weights.native import PanelGemm
+from decoding.weights.quant_panels import FORMATS, PanelEmbedding, QuantizedWeight, QuantKernel
 
 ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 MLP = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}

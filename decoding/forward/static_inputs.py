@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.slices import Slice
-from decoding.static_forward import SEQUENCE_FIELDS, TOKEN_FIELDS
+from decoding.forward.slices import Slice
+from decoding.forward.static_forward import SEQUENCE_FIELDS, TOKEN_FIELDS
 
 
 class StaticInputError(ValueError):
@@ -97,7 +97,7 @@ def check_inputs(values: torch.Tensor, bucket: Bucket, bounds: tuple[torch.Tenso
     >>> check_inputs(torch.tensor([5, 6, 0, 1, -1, 0, 0, 1, 63, 0]), bucket, bounds)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    decoding.static_inputs.StaticInputError: Bucket(sequences=1, tokens=2, attended=64): lengths[0] holds 63, ...
+    decoding.forward.static_inputs.StaticInputError: Bucket(sequences=1, tokens=2, attended=64): lengths[0] holds ...
     """
     low, high = bounds
     outside = torch.logical_or(values < low, values >= high)
@@ -156,7 +156,7 @@ def check_slices(values: list[int], bucket: Bucket, pool_rows: int, vocab: int) 
     >>> check_slices([5, 6, 0, 1, -1, 1, 0, 1, 62, 0], bucket, pool_rows=3, vocab=10)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    decoding.static_inputs.StaticInputError: Bucket(sequences=1, tokens=2, attended=64): parents[1] holds 1, ...
+    decoding.forward.static_inputs.StaticInputError: Bucket(sequences=1, tokens=2, attended=64): parents[1] holds 1, ...
     """
     count, sequences = bucket.sequences * bucket.tokens, bucket.sequences
     ranges = _ranges(bucket, pool_rows, vocab)

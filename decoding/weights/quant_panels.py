@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decoding.native import PanelGemm
+from decoding.weights.native import PanelGemm
 
 BLOCK = 32  # weights per GGUF block
 
@@ -128,7 +128,7 @@ def pack(weight: QuantizedWeight, lanes: int) -> torch.Tensor:
 
 
 class QuantKernel:
-    """``rows @ W^T + b`` for a GGUF-quantized ``W`` kept once, in panels (a ``decoding.linears`` kernel)."""
+    """``rows @ W^T + b`` for a GGUF-quantized ``W`` kept once, in panels (a ``decoding.weights.linears`` kernel)."""
 
     def __init__(self, weight: QuantizedWeight, gemm: PanelGemm, bias: torch.Tensor | None = None) -> None:
         self.format, self.gemm, self.bias = weight.format, gemm, bias

@@ -3,14 +3,14 @@
 Contract: ``LookaheadStep`` plans and finishes the steps of one lookahead decode after its prefill. It knows no
 candidate source: each step (``propose(cost)``, ``cost`` the batch policy's step-cost curve or None) it asks the
 standalone proposers (``decoding.proposers``: copies, the shared memory, the prediction), then, unless a lazy-window
-step verifies those alone, the others (the Jacobi window's pool, ...) for drafts, each proposer told the price of
-more tokens at that point of the step (``Context.price``: ``decoding.drafts.step_price`` of what the step holds so
-far, free without a curve), cuts every draft before the first token a grammar forbids, merges them into one token
-tree beside the Jacobi window's rows (``decoding.window.step_layout``), shrinks that to the batch's token budget
+step verifies those alone, the others (the Jacobi window's pool, ...) for drafts, each proposer told the price of more
+tokens at that point of the step (``Context.price``: ``decoding.step.drafts.step_price`` of what the step holds so far,
+free without a curve), cuts every draft before the first token a grammar forbids, merges them into one token tree beside
+the Jacobi window's rows (``decoding.proposers.window.step_layout``), shrinks that to the batch's token budget
 (candidates last first, then the window: a verification-only step, then a plain one), verifies the tree (and the
-window's own chains, with ``window_chains``) against the model's choices (``decoding.verify``), commits the accepted
-run (``SequenceState.accept``), keeps the KV of the committed path (``SlotCache.commit``), feeds the window its new
-row, and tells every proposer what happened (``Outcome``: how far its verified drafts reached). Greedy output equals
+window's own chains, with ``window_chains``) against the model's choices (``decoding.step.verify``), commits the
+accepted run (``SequenceState.accept``), keeps the KV of the committed path (``SlotCache.commit``), feeds the window its
+new row, and tells every proposer what happened (``Outcome``: how far its verified drafts reached). Greedy output equals
 the plain loop's whatever the drafts; a sampled step is the same walk over the sampled rows.
 """
 
@@ -22,15 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.choice import RowIds, greedy_ids, top_ids
-from decoding.drafts import Shape, gather
-from decoding.logits import adjust_logits, needs_adjusting
+from decoding.forward.choice import RowIds, greedy_ids, top_ids
+from decoding.forward.slices import Slice
 from decoding.params import LookaheadConfig, SamplingParams
 from decoding.proposers import COPY, MEMORY, POOL, PREDICTION, Context, Draft, JacobiProposer, Outcome, Proposer
 from decoding.proposers.base import common_prefix
-from decoding.sampling import SampledRows, row_chooser
-from decoding.slices import Slice
-from decoding.steps import (
+from decoding.proposers.window import step_layout, window_chains, window_logit_row
+from decoding.step.drafts import Shape, gather
+from decoding.step.logits import adjust_logits, needs_adjusting
+from decoding.step.sampling import SampledRows, row_chooser
+from decoding.step.steps import (
     Finisher,
     Proposal,
     SequenceState,
@@ -40,9 +41,8 @@ from decoding.steps import (
     one_token_slice,
     step_logprobs,
 )
-from decoding.tree import TokenTree
-from decoding.verify import ChosenRows, Verdict, verify_constrained, verify_greedy, verify_tree
-from decoding.window import step_layout, window_chains, window_logit_row
+from decoding.step.tree import TokenTree
+from decoding.step.verify import ChosenRows, Verdict, verify_constrained, verify_greedy, verify_tree
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class LookaheadStep:
 
     def _gather(self, standalone: bool, limit: int | None, cost: Callable[[int], float] | None, base: int,
                 gain: float) -> Shape:
-        """The drafts of the standalone proposers or of the others (``decoding.drafts.gather``)."""
+        """The drafts of the standalone proposers or of the others (``decoding.step.drafts.gather``)."""
         proposers = [proposer for proposer in self.proposers if proposer.standalone == standalone]
         return gather(proposers, self.context, self.sequence.constraint, self.config.copy_candidates, limit, cost,
                       base, gain)
@@ -216,7 +216,7 @@ def _top(logits: torch.Tensor, ids: Sequence[int] | None, k: int, row_tokens: Se
 
 def _chains(config: LookaheadConfig, sampling: SamplingParams, sequence: SequenceState, tokens: Sequence[int],
             width: int, levels: int) -> _Chains:
-    """The window's causal chains (``decoding.window.window_chains``) over this step's window ``tokens``, when
+    """The window's causal chains (``decoding.proposers.window.window_chains``) over this step's window ``tokens``, when
     ``window_chains`` is on and the step verifies greedily with unadjusted logits (no grammar, no logit
     processors: the chains' rows are read as they are, and sampling verification needs candidates that agree
     on a prefix to read the same rows)."""
@@ -263,7 +263,7 @@ def _verify(sampling: SamplingParams, sequence: SequenceState, logits: torch.Ten
 def _adjust(logits: torch.Tensor, sampling: SamplingParams, sequence: SequenceState, tree: TokenTree,
             width: int) -> torch.Tensor:
     """``logits`` with ``last``'s row (0) and every tree node's row (``1 + width + node``) adjusted after the
-    committed tokens plus the node's path (``decoding.logits``); the window's rows (guesses only) as they
+    committed tokens plus the node's path (``decoding.step.logits``); the window's rows (guesses only) as they
     are. The same tensor when nothing adjusts logits."""
     if not needs_adjusting(sampling, sequence.stop, sequence.generated):
         return logits

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.choice import greedy_id
+from decoding.forward.choice import greedy_id
+from decoding.forward.kv_cache import SlotCache
+from decoding.forward.slices import Slice
 from decoding.grammar import Constraint
-from decoding.kv_cache import SlotCache
-from decoding.logits import adjust_logits, needs_adjusting
-from decoding.logprobs import TokenLogprob, token_logprobs
 from decoding.params import SamplingParams, StopCriteria
-from decoding.sampling import sample_rows
-from decoding.slices import Slice
+from decoding.step.logits import adjust_logits, needs_adjusting
+from decoding.step.logprobs import TokenLogprob, token_logprobs
+from decoding.step.sampling import sample_rows
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class Step:
     logprobs of the prompt tokens its chunk's rows predicted, in order; prompt token 0 has none, so a whole
     prefill's steps together carry tokens 1..P-1.
     ``cached_tokens``: on a decode's first step, the prompt tokens whose KV came from the prefix cache
-    (``decoding.prefix_cache``) instead of a forward; 0 on every other step.
+    (``decoding.step.prefix_cache``) instead of a forward; 0 on every other step.
     """
 
     token_ids: list[int]
@@ -173,7 +173,7 @@ class SequenceState:
     """Committed tokens of one decode; ``tokens[-1]`` is ``last`` and the cache holds all tokens before it.
     ``constraint`` (with a grammar) has consumed every committed output token; its end (EOS) stops the decode
     even where EOS is not a stop token (``ignore_eos``): nothing can follow it. ``seed`` (a sampled decode's)
-    decides the token at each output index (``decoding.sampling``)."""
+    decides the token at each output index (``decoding.step.sampling``)."""
 
     tokens: list[int]
     prompt_length: int
@@ -233,7 +233,7 @@ class Proposal:
 
 
 def choose(logits: torch.Tensor, sampling: SamplingParams, sequence: SequenceState, argmax: int | None = None) -> int:
-    """Pick the token after ``sequence`` from ``[vocab]`` logits (adjusted, ``decoding.logits``): argmax when
+    """Pick the token after ``sequence`` from ``[vocab]`` logits (adjusted, ``decoding.step.logits``): argmax when
     greedy, else a sample. ``argmax``, when given, is the raw row's argmax: greedy with nothing to adjust takes
     it as it is (no read of the logits)."""
     plain = sampling.greedy and sequence.constraint is None

@@ -26,15 +26,11 @@ import torch
 from transformers import PreTrainedModel
 
 from decoding.errors import ContextLengthError, EmptyPromptError, InvalidParameterError
+from decoding.forward.kv_cache import KVPool, new_cache
+from decoding.forward.packed import forward_packed
+from decoding.forward.slices import Slice
 from decoding.grammar import Constraint
-from decoding.kv_cache import KVPool, new_cache
-from decoding.logprobs import TokenLogprob, token_logprobs
-from decoding.lookahead import LookaheadStep
-from decoding.memory import NGramMemory
-from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria, draw_seed
-from decoding.pool import ContextIndex
-from decoding.prefix_cache import PrefixHit
 from decoding.proposers import (
     PREDICTION_COPY_LENGTH,
     PROPOSERS,
@@ -45,8 +41,12 @@ from decoding.proposers import (
     extra_step_tokens,
     prediction_copy_length,
 )
-from decoding.slices import Slice
-from decoding.steps import (
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.proposers.pool import ContextIndex
+from decoding.step.logprobs import TokenLogprob, token_logprobs
+from decoding.step.lookahead import LookaheadStep
+from decoding.step.prefix_cache import PrefixHit
+from decoding.step.steps import (
     Finisher,
     PlainStep,
     Proposal,
@@ -57,18 +57,13 @@ from decoding.steps import (
     choose,
     step_logprobs,
 )
+from decoding.weights.loading import context_length
 
 __all__ = [
     "MEMORY_PROMPT_TAIL", "PREDICTION_COPY_LENGTH", "PROMPT_LOGPROBS_CHUNK", "UNBOUNDED", "DecodeStream", "Proposal",
-    "Step", "StepCounts", "StepStats", "context_length", "generate_autoregressive", "generate_lookahead",
+    "Step", "StepCounts", "StepStats", "generate_autoregressive", "generate_lookahead",
     "prediction_copy_length", "validate_request",
 ]
-
-
-def context_length(model: PreTrainedModel) -> int:
-    """The model's maximum number of positions (prompt + generated tokens)."""
-    config = model.config.get_text_config(decoder=True)
-    return int(getattr(config, "max_position_embeddings", 2048))
 
 
 def validate_request(
@@ -110,13 +105,13 @@ class DecodeStream:
     (``decoding.proposers.prediction``); a prediction changes how fast a decode runs, never its greedy output.
     Without lookahead it is ignored. A lookahead stream's candidate sources are built from ``proposers``
     (``decoding.proposers.PROPOSERS`` by default: a registry of source name -> factory) once its prefill ends, and
-    its steps are ``decoding.lookahead.LookaheadStep``'s. ``successors``: a recycled-logits table shared with the
+    its steps are ``decoding.step.lookahead.LookaheadStep``'s. ``successors``: a recycled-logits table shared with the
     engine's other decodes (``decoding.proposers.recycled``); like the memory, a decode opted out of the shared
     memory keeps its own.
     A stream whose ``sampling.grammar`` is set takes that grammar's ``constraint`` (``decoding.grammar``): every
     token it chooses or verifies is masked by it, and guesses it forbids are cut before they are offered, so
     constrained lookahead commits exactly what the constrained autoregressive loop does.
-    A stream given a ``prefix`` (a ``decoding.prefix_cache.PrefixHit`` of fewer tokens than its prompt) copies
+    A stream given a ``prefix`` (a ``decoding.step.prefix_cache.PrefixHit`` of fewer tokens than its prompt) copies
     those keys and values into its cache at once and prefills only the rest of its prompt; its first step reports
     them (``Step.cached_tokens``), and a lookahead stream starts from the hit's copy index when it has one (equal to
     the one it would build). Ignored when ``sampling.prompt_logprobs`` is set (every prompt row must be read).

@@ -30,12 +30,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 
-from decoding import fused, lean
-from decoding.kv_cache import SlotCache
-from decoding.slices import Slice
+from decoding.forward import fused, lean
+from decoding.forward.kv_cache import SlotCache
+from decoding.forward.slices import Slice
 
 PACKED_ATTENTION = "lookahead_packed"
-# A model attribute naming the function that steps it in place of ``lean.forward`` (``decoding.compiled``).
+# A model attribute naming the function that steps it in place of ``lean.forward`` (``decoding.forward.compiled``).
 LEAN_FORWARD = "_lookahead_lean_forward"
 # Attention kernels of a packed forward on CUDA (no cuDNN: see the module docstring).
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -112,7 +112,8 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over ``PackedBatch.attend``. Returns ``[1, T, heads, dim]``."""
     if packed is None:
-        raise RuntimeError(f"the {PACKED_ATTENTION!r} attention runs only inside decoding.packed.forward_packed")
+        raise RuntimeError(
+            f"the {PACKED_ATTENTION!r} attention runs only inside decoding.forward.packed.forward_packed")
     return packed.attend(module.layer_idx, query, key, value, scaling), None
 
 
@@ -187,9 +188,9 @@ def forward_packed(model: PreTrainedModel, slices: Sequence[Slice]) -> list[torc
     """Run one forward over every slice; return each slice's logits ``[len(logit_rows), vocab]`` in order.
 
     Each slice's cache grows by its token count. Raises ``CacheOverflowError`` if a cache would overflow. A
-    LLaMA-family model on native CPU kernels takes the fused step (``decoding.fused``: its small operations in
-    native calls) unless its ``LEAN_FORWARD`` attribute names a forward (``decoding.compiled``, for the A/B of
-    ``python -m bench compile``); another LLaMA-family model is stepped by ``decoding.lean`` (the same logits as
+    LLaMA-family model on native CPU kernels takes the fused step (``decoding.forward.fused``: its small operations in
+    native calls) unless its ``LEAN_FORWARD`` attribute names a forward (``decoding.forward.compiled``, for the A/B of
+    ``python -m bench compile``); another LLaMA-family model is stepped by ``decoding.forward.lean`` (the same logits as
     its public forward, less framework work per step); any other goes through its public forward with the packed
     attention function selected.
     """

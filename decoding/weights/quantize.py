@@ -18,7 +18,7 @@ activation precision, error dominated by the int8 weights). Values stay in [1, 1
 so AVX2's 16-bit pair sums cannot saturate. fbgemm's own dynamic quantization picks one scale per tensor,
 which would make a row depend on the other rows of the step.
 
-Projections that read the same input share one fused GEMM (``decoding.linears``): on this 2-core AVX2 CPU
+Projections that read the same input share one fused GEMM (``decoding.weights.linears``): on this 2-core AVX2 CPU
 that halves the number of small GEMM calls, whose fixed cost dominates a one-token step.
 """
 
@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from decoding.errors import InvalidParameterError
-from decoding.linears import replace_linears, require_float32_cpu
+from decoding.weights.linears import replace_linears, require_float32_cpu
 
 _COARSE = 63.0  # row scaled to [-63, 63]; + zero point 64 -> [1, 127]
 _FINE = 126.0  # remainder in [-0.5, 0.5] scaled to [-63, 63]
@@ -81,7 +81,7 @@ def _int8_matmul(rows: torch.Tensor, packed: torch.ScriptObject, bias: torch.Ten
 
 class Int8Kernel:
     """``rows @ W^T + b`` with ``W`` int8 per output channel and per-row int8 activations (a
-    ``decoding.linears`` kernel: rows [M, K] float32 -> [M, N])."""
+    ``decoding.weights.linears`` kernel: rows [M, K] float32 -> [M, N])."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed = _pack(weight)
