@@ -3,7 +3,7 @@
 Contract: ``PRIVATE_APIS`` names each API (dotted path), the ``decoding`` module that uses it, why, and a
 ``check`` that is true when the installed libraries still provide it (``applies`` is false where the using
 code has a fallback on this build, e.g. torch without oneDNN). ``missing()`` returns the entries that apply
-and fail their check; tests/decoding/test_private_api.py fails naming each. ``TESTED_VERSIONS`` are the
+and fail their check; tests/decoding/forward/test_private_api.py fails naming each. ``TESTED_VERSIONS`` are the
 library versions the registry was last verified against. A check proves presence (and, where cheap, the
 signature); what the API does is pinned by the using module's own tests (named in ``why``).
 
@@ -135,7 +135,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "torch._dynamo.maybe_mark_dynamic",
         "decoding.forward.compiled",
         "marks a graph input's token count dynamic so one graph serves every step size (python -m bench compile, "
-        "not the serving path; tests/decoding/test_compiled.py)",
+        "not the serving path; tests/decoding/forward/test_compiled.py)",
         exists("torch._dynamo.maybe_mark_dynamic"),
     ),
     PrivateApi(
@@ -155,42 +155,43 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "torch.ops.aten._fused_rms_norm",
         "decoding.forward.static_forward",
-        "the static step's RMSNorm in one op (F.rms_norm falls back to six; tests/decoding/test_static.py)",
+        "the static step's RMSNorm in one op (F.rms_norm falls back to six; tests/decoding/forward/test_static.py)",
         exists("torch.ops.aten._fused_rms_norm"),
     ),
     PrivateApi(
         "torch.ops.mkldnn._reorder_linear_weight",
         "decoding.weights.linears",
         "PackedFloat32 without the panel kernel reorders each weight once into oneDNN's blocked layout "
-        "(tests/decoding/test_native.py)",
+        "(tests/decoding/weights/test_native.py)",
         exists("torch.ops.mkldnn._reorder_linear_weight"),
         _mkldnn,
     ),
     PrivateApi(
         "torch.ops.mkldnn._linear_pointwise",
         "decoding.weights.linears",
-        "PackedFloat32's product on the blocked weight without the panel kernel (tests/decoding/test_native.py)",
+        "PackedFloat32's product on the blocked weight without the panel kernel "
+        "(tests/decoding/weights/test_native.py)",
         exists("torch.ops.mkldnn._linear_pointwise"),
         _mkldnn,
     ),
     PrivateApi(
         "torch._make_per_channel_quantized_tensor",
         "decoding.weights.quantize",
-        "builds the int8 per-output-channel weight that fbgemm packs (tests/decoding/test_quantize.py)",
+        "builds the int8 per-output-channel weight that fbgemm packs (tests/decoding/weights/test_quantize.py)",
         exists("torch._make_per_channel_quantized_tensor"),
         _fbgemm,
     ),
     PrivateApi(
         "torch.ops.quantized.linear_prepack",
         "decoding.weights.quantize",
-        "packs the int8 weight for fbgemm (tests/decoding/test_quantize.py)",
+        "packs the int8 weight for fbgemm (tests/decoding/weights/test_quantize.py)",
         exists("torch.ops.quantized.linear_prepack"),
         _fbgemm,
     ),
     PrivateApi(
         "torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32",
         "decoding.weights.quantize",
-        "the int8 x int8 product with float32 output (tests/decoding/test_quantize.py)",
+        "the int8 x int8 product with float32 output (tests/decoding/weights/test_quantize.py)",
         exists("torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32"),
         _fbgemm,
     ),
@@ -204,7 +205,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.AttentionInterface.register",
         "decoding.forward.packed",
         "registers 'lookahead_packed', called as (module, query, key, value, attention_mask, scaling=, "
-        "dropout=, **kwargs) (tests/decoding/test_packed.py)",
+        "dropout=, **kwargs) (tests/decoding/forward/test_packed.py)",
         has_members("transformers.AttentionInterface", ("register",)),
     ),
     PrivateApi(
@@ -217,14 +218,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.masking_utils",
         "decoding.forward.packed",
         "its mask builders pass a ready 4-D attention_mask through untouched (the public forward's path; "
-        "tests/decoding/test_packed.py)",
+        "tests/decoding/forward/test_packed.py)",
         exists("transformers.masking_utils.create_causal_mask"),
     ),
     PrivateApi(
         "transformers.cache_utils.DynamicLayer",
         "decoding.forward.kv_cache",
         "_SlotLayer subclasses it and overrides " + ", ".join(_SLOT_LAYER_HOOKS) + "; sets keys, values, "
-        "is_initialized, dtype, device (tests/decoding/test_engine.py)",
+        "is_initialized, dtype, device (tests/decoding/step/test_stream.py)",
         has_members("transformers.cache_utils.DynamicLayer", _SLOT_LAYER_HOOKS),
     ),
     PrivateApi(
@@ -236,7 +237,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "LLaMA module layout (model.model.embed_tokens/rotary_emb/layers/norm, layer.self_attn.q_proj..., mlp.act_fn)",
         "decoding.forward.lean",
-        "the lean step calls the model's own modules in its forward's order (tests/decoding/test_lean.py)",
+        "the lean step calls the model's own modules in its forward's order (tests/decoding/forward/test_lean.py)",
         _llama_layout,
     ),
 )

@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
+from decoding import calibration
 from decoding.batch import BatchPolicy
 from decoding.calibration import measure_step_cost, step_counts
-from decoding.forward import calibration
 from decoding.forward.kv_cache import KVPool
 from decoding.forward.static import TOKEN_BUCKETS, StaticStep
 from tests.conftest import tiny_llama

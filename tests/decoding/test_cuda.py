@@ -17,9 +17,9 @@ from decoding.params import LookaheadConfig, StopCriteria
 from decoding.step.stream import generate_autoregressive, generate_lookahead
 from server.config import decoder_lookahead, load_config
 from tests.conftest import tiny_llama, tiny_qwen2
+from tests.decoding.forward.test_lean import assert_lean_step_equals_the_public_forward
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, make_stream, run_batch, tokens_of
-from tests.decoding.test_lean import assert_lean_step_equals_the_public_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -132,7 +132,7 @@ def graphed(model, mode="graphs", sequences=4, capacity=1024):
 def static_decode(model, runner, prompts, configs, sampling=None, max_tokens=40):
     from decoding.batch import BatchEngine
     from decoding.params import SamplingParams
-    from tests.decoding.test_static import decode
+    from tests.decoding.forward.test_static import decode
 
     return decode(BatchEngine(model, static=runner), prompts, configs, max_tokens, sampling or SamplingParams())
 
@@ -173,7 +173,7 @@ def test_lookahead_equals_greedy_through_cuda_graphs(cuda_tiny, config, no_tf32)
 @pytest.mark.real_model
 def test_real_model_at_the_cuda_preset_through_cuda_graphs(cuda_real, no_tf32):
     from decoding.decoder import Decoder
-    from tests.decoding.test_static import drain
+    from tests.decoding.forward.test_static import drain
 
     decoder = Decoder(cuda_real)
     stop = StopCriteria(64, decoder.eos_token_ids())

@@ -19,7 +19,7 @@ from decoding.step.stream import DecodeStream, StepCounts, generate_autoregressi
 from decoding.step.verify import verify_constrained
 from decoding.weights.loading import ensure_default_model
 from tests.conftest import TINY_SIZES
-from tests.decoding.test_sampling import P_FLOOR, goodness_of_fit
+from tests.decoding.step.test_sampling import P_FLOOR, goodness_of_fit
 
 PERSON = Grammar.json_schema({
     "type": "object",

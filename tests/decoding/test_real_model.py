@@ -129,7 +129,7 @@ def test_the_static_step_on_the_real_model_equals_greedy(greedy_outputs):
     from decoding.forward.static import StaticStep
     from decoding.weights.loading import load_model
     from server.config import decoder_lookahead, load_config
-    from tests.decoding.test_static import drain
+    from tests.decoding.forward.test_static import drain
 
     loaded = load_model(device="cpu", dtype="float32")
     static = StaticStep(loaded.model, KVPool(loaded.model, 2, 1024, scratch_tokens=256))

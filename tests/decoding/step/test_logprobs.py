@@ -12,7 +12,7 @@ from decoding.errors import InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.step.logprobs import token_logprobs
 from decoding.step.stream import generate_autoregressive, generate_lookahead
-from tests.decoding.test_engine import PROMPTS
+from tests.decoding.step.test_stream import PROMPTS
 
 TOLERANCE = 1e-4
 TOP = 5
@@ -204,9 +204,9 @@ def test_max_tokens_zero_prefills_only(tiny_model):
 
 def test_long_prompts_read_their_logprobs_in_bounded_chunks(tiny_model, monkeypatch):
     """A lone stream asks for at most ``PROMPT_LOGPROBS_CHUNK`` prompt rows per forward."""
-    from decoding import engine as engine_module
+    from decoding.step import stream
 
-    monkeypatch.setattr(engine_module, "PROMPT_LOGPROBS_CHUNK", 4)
+    monkeypatch.setattr(stream, "PROMPT_LOGPROBS_CHUNK", 4)
     prompt = PROMPTS[0] * 3
     steps = list(generate_autoregressive(tiny_model, prompt, StopCriteria(2), SamplingParams(prompt_logprobs=0)))
     prefills = [step for step in steps if step.stats.prefill]

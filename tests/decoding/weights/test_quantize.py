@@ -15,7 +15,7 @@ from decoding.step.stream import generate_autoregressive, generate_lookahead
 from decoding.weights.linears import FusedLinear, KernelLinear, _replace_below, kernel_linear
 from decoding.weights.quantize import Int8Kernel, quantize_int8
 from tests.conftest import TINY_SIZES, tiny_llama, tiny_qwen2
-from tests.decoding.test_linears import PROMPTS, real_prompt_ids, tokens_of
+from tests.decoding.weights.test_linears import PROMPTS, real_prompt_ids, tokens_of
 
 CONFIGS = [LookaheadConfig(1, 5, 3), LookaheadConfig(2, 4, 4), LookaheadConfig(7, 5, 7), LookaheadConfig(3, 3, 0)]
 

@@ -14,8 +14,8 @@ from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.step.logits import adjust_logits
 from decoding.step.sampling import warp
 from decoding.step.stream import generate_autoregressive, generate_lookahead
-from tests.decoding.test_engine import PROMPTS, tokens_of
-from tests.decoding.test_sampling import P_FLOOR, goodness_of_fit, tiny_vocab_model
+from tests.decoding.step.test_sampling import P_FLOOR, goodness_of_fit, tiny_vocab_model
+from tests.decoding.step.test_stream import PROMPTS, tokens_of
 
 
 def test_frequency_and_presence_count_the_output_and_each_rows_path():

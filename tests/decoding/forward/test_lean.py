@@ -14,7 +14,7 @@ from decoding.forward.packed import forward_packed
 from decoding.forward.slices import Slice
 from decoding.weights.linears import pack_float32
 from tests.conftest import tiny_llama, tiny_qwen2
-from tests.decoding.test_linears import real_prompt_ids
+from tests.decoding.weights.test_linears import real_prompt_ids
 
 
 def test_supports_the_llama_family_and_nothing_else():

@@ -22,7 +22,7 @@ from decoding.weights import native
 from decoding.weights.gguf_model import build_gguf_model
 from decoding.weights.linears import pack_float32
 from tests.conftest import tiny_llama, tiny_qwen2
-from tests.decoding.test_gguf_model import LAYOUTS, write_tiny_gguf
+from tests.decoding.weights.test_gguf_model import LAYOUTS, write_tiny_gguf
 
 needs_kernel = pytest.mark.skipif(native.panel_gemm() is None, reason="needs the native kernel")
 
