@@ -2,7 +2,8 @@
 // embedding, attention over a sequence's KV cache (its new keys/values stored first), and SiLU(gate) * up.
 //
 // Why: on a 2-core CPU a one-token step of a 30-layer model is ~1,250 ATen ops, and their dispatch cost as much
-// as the quantized products themselves (decoding/fused.py). Here a layer is four calls besides its products.
+// as the quantized products themselves (decoding/forward/fused.py). Here a layer is four calls besides its
+// products.
 //
 // Exactness: every output row depends on that row's inputs alone, computed by the same instructions in the same
 // order whatever the other rows of the call. Attention visits a row's visible keys in position order, the cached
@@ -14,7 +15,7 @@
 // for the norm, rotary, activation and top tokens, (row, query head) pairs of each kv head for attention. A row (a
 // pair) is computed whole by one thread, so the bits do not depend on the thread count either.
 //
-// Built with the panel kernels into one library (decoding/native.py compiles every source twice: AVX2, and
+// Built with the panel kernels into one library (decoding/weights/native.py compiles every source twice: AVX2, and
 // AVX-512 with PANEL_WIDE); these use 256-bit instructions only and are compiled in the AVX2 pass alone.
 #ifndef PANEL_WIDE
 
@@ -30,7 +31,7 @@
 
 namespace {
 
-constexpr int64_t MAX_DIM = 256;  // the widest head the fused step takes (decoding/fused.py checks)
+constexpr int64_t MAX_DIM = 256;  // the widest head the fused step takes (decoding/forward/fused.py checks)
 
 // exp(x) for 8 floats: Cephes' range reduction x = n ln2 + r and degree-5 polynomial (about 1 ulp over the
 // range used here), the same instructions for every lane and every call.

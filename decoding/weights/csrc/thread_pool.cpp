@@ -23,7 +23,7 @@
 //
 // A forked child (the pool's workers do not exist there) starts over with a pool of one thread.
 //
-// Compiled in the AVX2 pass alone (decoding/native.py compiles every source twice).
+// Compiled in the AVX2 pass alone (decoding/weights/native.py compiles every source twice).
 #ifndef PANEL_WIDE
 
 #include "thread_pool.h"
