@@ -1,13 +1,14 @@
 """The forward room: how one step's forward runs on a device.
 
-Its modules import one another, the weights room (``decoding.weights``: the kernels) and ``decoding.params``; no room
-above (``tests/test_layering.py``). Nothing is imported here: name the module you need.
+Its modules import one another, the weights room (``decoding.weights``: the kernels) and the top-level ground
+(``decoding.params``, ``decoding.errors``, ``decoding.grammar``); no room above (``tests/test_layering.py``).
+Nothing is imported here: name the module you need.
 
 A decode hands a forward one ``Slice`` per sequence (``slices``: the step's tokens, their positions, which of them see
 which, the rows whose logits it reads, and the ``SlotCache`` its keys and values go to) and gets each slice's logits
-back; every forward below computes the same logits (bit for bit, or to float tolerance where its docstring says so),
-so which one runs changes how fast a step is, never what greedy decoding commits. Which forward runs a step, in this
-order (``decoding.batch.forward_batch`` chooses between 1 and 2, ``packed.forward_packed`` among 2a-2c):
+back. Every forward below computes the model's logits (bit for bit, or to float tolerance where its docstring says
+so), and on each of them a lookahead step commits what the one-token loop on that forward does. Which forward runs a
+step, in this order (``decoding.batch.forward_batch`` chooses between 1 and 2, ``packed.forward_packed`` among 2a-2c):
 
 1. the static step (``static``, over ``static_forward`` and ``static_inputs``), when the engine has one
    (``BatchPolicy.static_step`` is not ``"off"``) and the step's slices fit one of its buckets: fixed shapes over the

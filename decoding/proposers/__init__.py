@@ -11,8 +11,8 @@ Adding a source: one module with a class that meets ``Proposer`` (``decoding.pro
 and one ``LookaheadConfig`` field (on or off, and its size) when it needs one. The step never changes.
 
 The proposers room sits below the step room (``decoding.step``, which asks it for drafts) and above the forward and
-weights rooms; its modules import one another, ``decoding.params`` and ``decoding.grammar``
-(``tests/test_layering.py``).
+weights rooms; its modules import one another, the rooms below and the top-level ground (``decoding.params``,
+``decoding.errors``, ``decoding.grammar``), nothing above (``tests/test_layering.py``).
 
 Modules:
 

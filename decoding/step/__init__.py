@@ -1,7 +1,8 @@
 """The step room: one decode, and the steps it is made of.
 
 Its modules import one another, the rooms below (``decoding.proposers``, ``decoding.forward``, ``decoding.weights``)
-and ``decoding.params``, ``decoding.errors`` and ``decoding.grammar``; nothing above (``tests/test_layering.py``).
+and the top-level ground (``decoding.params``, ``decoding.errors``, ``decoding.grammar``); nothing above
+(``tests/test_layering.py``).
 Nothing is imported here: name the module you need.
 
 Modules, from a decode down to its parts:

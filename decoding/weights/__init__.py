@@ -1,7 +1,7 @@
 """The weights room: a model loaded, and the native kernels its products run on.
 
-The lowest room: its modules import one another, ``decoding.params`` and ``decoding.errors``, and no other room
-(``tests/test_layering.py``). Nothing is imported here: name the module you need.
+The lowest room: its modules import one another and the top-level ground (``decoding.params``, ``decoding.errors``,
+``decoding.grammar``), no other room (``tests/test_layering.py``). Nothing is imported here: name the module you need.
 
 Modules, in the order a model meets them:
 
