@@ -30,7 +30,7 @@ FIRST_REQUEST_TOKENS = 128
 
 def model_missing() -> str | None:
     """None when the default model is in the cache (converted, or its GGUF), else why not."""
-    from decoding.loading import cache_root
+    from decoding.weights.loading import cache_root
 
     root = cache_root()
     if any((root / "models").glob("*/config.json")) or any((root / "gguf").glob("*.gguf")):

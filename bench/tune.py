@@ -36,8 +36,8 @@ from transformers import PreTrainedModel
 from bench.datasets import PromptSpec, load_split
 from bench.measure import measure_step_cost
 from bench.records import StepCost
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.step.stream import generate_autoregressive, generate_lookahead
 
 CPU_GRID = ((1, 3, 2), (1, 4, 2), (1, 5, 3), (1, 6, 2), (2, 4, 2), (2, 5, 3), (3, 4, 3), (4, 5, 4))
 GPU_GRID = ((5, 4, 5), (7, 5, 7), (10, 5, 10), (15, 5, 15), (15, 6, 15), (20, 6, 20))

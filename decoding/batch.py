@@ -6,7 +6,7 @@ every running decode in one packed forward and returns ``(request_id, Step | exc
 took part, ``cancel(request_id)`` ends one early; a decode whose step carried a finish reason or raised leaves
 the batch by itself, and its cache is freed at once. ``add_documents(documents)`` adds token runs (a corpus) to
 the shared n-gram memory between steps and ``memory_usage()`` reports it (both None without a memory). With
-``BatchPolicy.prefix_cache_tokens`` > 0 the engine keeps a ``decoding.prefix_cache.PrefixCache``: ``add`` starts a
+``BatchPolicy.prefix_cache_tokens`` > 0 the engine keeps a ``decoding.step.prefix_cache.PrefixCache``: ``add`` starts a
 decode from the longest prefix of its prompt whose KV a finished decode left there or a running decode's prefilled
 prompt holds (unless ``cache_prompt`` is False, or the decode reads prompt logprobs), and a decode that completes
 leaves its KV there (unless it opted out); ``prefix_cache_stats()`` reports it (None when off). Only the
@@ -14,10 +14,11 @@ thread that owns the device calls ``add``, ``step``, ``cancel`` and those; ``val
 ``add`` runs) may be called from any thread.
 
 Underneath, ``step_batch(streams, policy)`` advances each ``DecodeStream`` by one step and returns, in order,
-its ``Step`` or the exception that ended it. All streams share one packed forward (``decoding.packed``):
-each keeps its own cache, window, pool, W/N/G and sampling state, and accepts its own number of tokens, so
-streams join and leave between calls and none waits for another. An exception raised by one stream's
-planning or verification ends that stream only; a failed forward ends the streams in it.
+its ``Step`` or the exception that ended it. All streams share one forward (``forward_batch``: the static step's
+bucket when one fits, else the packed eager forward; ``decoding.forward`` maps the order): each keeps its own cache,
+window, pool, W/N/G and sampling state, and accepts its own number of tokens, so streams join and leave between calls
+and none waits for another. An exception raised by one stream's planning or verification ends that stream only; a
+failed forward ends the streams in it.
 
 The step's token budget is shared (``allocate``): every decoding stream gets its one token, prompts are
 prefilled in chunks of at most ``prefill_chunk`` tokens per forward (so a long prompt cannot stall running
@@ -38,17 +39,17 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from decoding.engine import DecodeStream, Proposal, Step, validate_request
 from decoding.errors import InvalidParameterError
+from decoding.forward.packed import forward_packed
+from decoding.forward.slices import Slice
+from decoding.forward.static import TOKEN_BUCKETS, StaticStats, StaticStep, bucket_shape
 from decoding.grammar import GrammarCompiler
-from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.prefix_cache import PrefixCache, PrefixCacheStats, Running
-from decoding.slices import Slice
-from decoding.static import TOKEN_BUCKETS, StaticStats, StaticStep, bucket_shape
+from decoding.step.prefix_cache import PrefixCache, PrefixCacheStats, Running
+from decoding.step.stream import DecodeStream, Proposal, Step, validate_request
 
 if TYPE_CHECKING:
-    from decoding.memory import MemoryUsage, NGramMemory
+    from decoding.proposers.ngram_memory import MemoryUsage, NGramMemory
 
 # Relative cost of one engine forward by input tokens, over a 300-token cache: SmolLM2-135M, float32 with packed
 # linears and the panel kernel's AVX-512 entry, 1 thread (configs/cpu.yaml's curve, `python -m bench --step-cost`,
@@ -66,14 +67,14 @@ class BatchPolicy:
     - ``prefill_chunk``: prompt tokens per forward while other streams are running.
     - ``step_cost``: ``(tokens, relative cost)`` points of the step-cost curve, ascending; linear in between
       and beyond the last point.
-    - ``static_step``: ``"off"`` (every forward eager) or the ``decoding.static`` mode of the engine's static
+    - ``static_step``: ``"off"`` (every forward eager) or the ``decoding.forward.static`` mode of the engine's static
       step; with one, a forward is priced at the padded bucket it runs in (``padded_tokens``).
     - ``static_sequences``: rows of the static step's KV pool (decodes at once; more run eagerly).
     - ``measure_step_cost``: the engine's builder (``decoding.decoder.Decoder.batch_engine``) replaces
       ``step_cost`` with the curve it measures on the device (``decoding.calibration``); ``step_cost`` is then
       the fallback.
     - ``prefix_cache_tokens``: tokens of finished decodes' KV the engine keeps for later prompts that start the
-      same way (``decoding.prefix_cache``; 0: off).
+      same way (``decoding.step.prefix_cache``; 0: off).
     """
 
     max_step_tokens: int = 128
@@ -192,7 +193,7 @@ def step_batch(
     streams: Sequence[DecodeStream], policy: BatchPolicy, static: StaticStep | None = None
 ) -> list[Step | BaseException | None]:
     """Advance the (unfinished) streams by one step in one packed forward; see the module contract. With
-    ``static``, a step whose slices fit one of its buckets runs there (``decoding.static``), else eagerly.
+    ``static``, a step whose slices fit one of its buckets runs there (``decoding.forward.static``), else eagerly.
 
     Each result is the stream's ``Step``, the exception that ended it, or None when the stream sat this
     forward out (a prompt waiting for its prefill chunk).
@@ -380,7 +381,7 @@ class BatchEngine:
         return sources
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """The prefix cache's contents and counters (``decoding.prefix_cache.PrefixCacheStats``); None when off."""
+        """The prefix cache's contents and counters (``decoding.step.prefix_cache.PrefixCacheStats``); None when off."""
         return None if self.prefix_cache is None else self.prefix_cache.stats()
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]:
@@ -403,7 +404,7 @@ class BatchEngine:
         return reported
 
     def static_stats(self) -> StaticStats | None:
-        """The static step's buckets and captures so far (``decoding.static.StaticStats``); None without one."""
+        """The static step's buckets and captures so far (``decoding.forward.static.StaticStats``); None without one."""
         return None if self.static is None else self.static.stats()
 
     def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None:

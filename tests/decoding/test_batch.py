@@ -8,10 +8,17 @@ from dataclasses import replace
 import pytest
 
 from decoding.batch import BatchEngine, BatchPolicy, allocate, step_batch
-from decoding.engine import DecodeStream, Proposal, StepCounts, StepStats, generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.step.stream import (
+    DecodeStream,
+    Proposal,
+    StepCounts,
+    StepStats,
+    generate_autoregressive,
+    generate_lookahead,
+)
 from tests.decoding.stubs import StubLM, cycle_model
 
 PROMPTS = [
