@@ -186,7 +186,7 @@ def test_token_ids_are_bounded_by_the_vocabulary_once_known():
     app.openapi_schema = None
     from server.openapi import install_openapi
 
-    install_openapi(app, config, False, runtime.vocab_size)
+    install_openapi(app, config, runtime.vocab_size)
     ids = app.openapi()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]
     assert ids["items"] == {"type": "integer", "minimum": 0, "maximum": 99}
     assert app.openapi() is app.openapi()
