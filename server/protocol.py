@@ -86,7 +86,7 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # int64, as OpenAI (and
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 ParallelToolCalls = Annotated[bool, Field(description="false: at most one call per reply; true: 1 to 8.")]
 Choices = Annotated[int, configured(maximum="max_n")]  # n and best_of (``serving.check_choices``)
-Text = Annotated[str, described(minLength=1)]  # a prompt or a stop sequence: non-empty
+Text = Annotated[str, described(minLength=1)]  # non-empty: a prompt (completions.prompts), a stop (_non_empty_stops)
 StopSequences = Annotated[Text | Annotated[list[Text], configured(maxItems="max_stop_strings")],
                           AfterValidator(_non_empty_stops)]
 TokenId = Annotated[int, described(minimum=0), configured(maximum="max_token_id")]  # below the vocabulary size
