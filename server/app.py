@@ -17,8 +17,9 @@ n-gram memory while serving, and its usage), ``POST /tokenize``, ``POST /detoken
 the playground page: ``GET /`` and
 ``GET /static/*`` (``server/static``). With API keys configured (``api_key``, ``api_keys_file``), ``/v1/*``
 requires ``Authorization: Bearer <key>`` (``server.auth``), and so do ``/health`` and ``/metrics`` with
-``protect_health`` / ``protect_metrics``; the page itself is public and asks for the key. ``/openapi.json``
-describes the real bodies (``server.openapi``). With ``allowed_origins``, every answer carries CORS headers for
+``protect_health`` / ``protect_metrics``; the page itself is public and asks for the key. Each route declares its
+reply model and the error statuses it answers (``responses=``; 401 where the key is checked), from which
+``/openapi.json`` is built (``server.openapi``). With ``allowed_origins``, every answer carries CORS headers for
 those origins (``install_cors``); without, none.
 """
 
@@ -42,6 +43,7 @@ from server.body import json_body_route
 from server.config import ServerConfig
 from server.errors import (
     ModelNotFoundError,
+    error_responses,
     install_error_handlers,
 )
 from server.openapi import install_openapi
@@ -49,19 +51,23 @@ from server.plans import Renderer
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    CorpusAdded,
     CorpusRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    HealthStatus,
+    MemoryInfo,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
     protocol_field_names,
 )
-from server.replies import ModelCard, ModelList
-from server.responses_protocol import ResponseRequest
+from server.replies import ChatCompletion, Completion, ModelCard, ModelList
+from server.responses_protocol import ResponseObject, ResponseRequest
 from server.runtime import Runtime
 from server.scheduler import Handle
 from server.serving import Engine
+from server.sse import STREAMED
 
 logger = logging.getLogger("server.app")
 FIELD_NAMES = frozenset(protocol_field_names()) | responses.FIELD_NAMES  # what a 400 may name
@@ -69,6 +75,13 @@ SSE_PING_SECONDS = 15
 CORS_METHODS = ("GET", "POST", "OPTIONS")
 CORS_MAX_AGE_SECONDS = 600
 STATIC_DIR = Path(__file__).parent / "static"
+# What the routes answer besides their 200 (401 is added where the API key is checked: create_app).
+GENERATION = {**STREAMED, **error_responses(400, 404, 413, 429, 500, 503)}
+TOKENS = error_responses(400, 404, 413, 500, 503)  # /tokenize, /detokenize: no queue, so never 429
+NEEDS_MODEL = error_responses(500, 503)
+PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+HEALTH = {200: {"description": "Ready."}, 503: {"model": HealthStatus, "description": "Not ready, or draining."}}
+METRICS = {200: {"description": "Prometheus text exposition.", "content": PLAIN_TEXT}}
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -108,21 +121,21 @@ JSONBodyRoute = json_body_route(require_api_key, body_limit)
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", response_model=ChatCompletion, responses=GENERATION)
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     """A chat completion, whole or streamed (``server.chat``)."""
     handles, renderer = await chat.submit(runtime_of(request), body)
     return await respond(request, handles, renderer, bool(body.stream))
 
 
-@router.post("/completions")
+@router.post("/completions", response_model=Completion, responses=GENERATION)
 async def completions(request: Request, body: CompletionRequest) -> Response:
     """A text completion, whole or streamed (``server.completions``)."""
     handles, renderer = await completion.submit(runtime_of(request), body)
     return await respond(request, handles, renderer, bool(body.stream))
 
 
-@router.post("/responses")
+@router.post("/responses", response_model=ResponseObject, responses=GENERATION)
 async def create_response(request: Request, body: ResponseRequest) -> Response:
     """OpenAI's Responses API, decoded on the chat path (``server.responses``)."""
     handles, renderer = await responses.submit(runtime_of(request), body)
@@ -131,20 +144,20 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     return JSONResponse(await serving.complete(handles, renderer, disconnect_watcher(request)))
 
 
-@router.get("/responses/{response_id}")
+@router.get("/responses/{response_id}", response_model=ResponseObject, responses=error_responses(404))
 async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
     """A stored response (404 when not stored)."""
     return runtime_of(request).stored_responses.get(response_id)
 
 
-@router.get("/models")
+@router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> dict[str, Any]:
     runtime = runtime_of(request)
     card = ModelCard(id=runtime.config.model_name, created=runtime.created)
     return ModelList(data=[card]).model_dump(mode="json")
 
 
-@router.get("/models/{model_id:path}")
+@router.get("/models/{model_id:path}", response_model=ModelCard, responses=error_responses(404))
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     runtime = runtime_of(request)
     if model_id != runtime.config.model_name:
@@ -152,13 +165,13 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     return ModelCard(id=model_id, created=runtime.created).model_dump(mode="json")
 
 
-@router.post("/memory/corpus")
+@router.post("/memory/corpus", response_model=CorpusAdded, responses=error_responses(400, 413, 500, 503))
 async def add_corpus(request: Request, body: CorpusRequest) -> dict[str, Any]:
     """Text added to the server-wide n-gram memory while serving (``server.corpus``)."""
     return await corpus.add(runtime_of(request), body)
 
 
-@router.get("/memory")
+@router.get("/memory", response_model=MemoryInfo, responses=NEEDS_MODEL)
 async def memory_usage(request: Request) -> dict[str, Any]:
     """The server-wide n-gram memory's tokens, documents and capacity (``server.corpus``)."""
     return await corpus.usage(runtime_of(request))
@@ -167,7 +180,7 @@ async def memory_usage(request: Request) -> dict[str, Any]:
 tools = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute)
 
 
-@tools.post("/tokenize")
+@tools.post("/tokenize", response_model=TokenizeResponse, responses=TOKENS)
 async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
     """vLLM's ``/tokenize``: a prompt or messages to the ids a completion or chat would decode from."""
     engine = checked_engine(request, body.model)
@@ -175,14 +188,14 @@ async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.decoder.context_length).model_dump()
 
 
-@tools.get("/tokenizer_info")
+@tools.get("/tokenizer_info", response_model=TokenizerInfo, responses=NEEDS_MODEL)
 async def tokenizer_info(request: Request) -> dict[str, Any]:
     """vLLM's ``/tokenizer_info``: the tokenizer's class, special tokens, chat template and the context length."""
     engine = runtime_of(request).require_engine()
     return TokenizerInfo(**engine.codec.info(), model_max_length=engine.decoder.context_length).model_dump()
 
 
-@tools.post("/detokenize")
+@tools.post("/detokenize", response_model=DetokenizeResponse, responses=TOKENS)
 async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
     """vLLM's ``/detokenize``: token ids to text."""
     engine = checked_engine(request, body.model)
@@ -246,13 +259,17 @@ def create_app(
     app.state.runtime = runtime
     install_error_handlers(app, FIELD_NAMES, runtime.metrics.reject)
     install_cors(app, config.allowed_origins)
-    app.include_router(router)
-    app.include_router(tools)
+    unauthorized = error_responses(401) if runtime.keys.enabled else {}
+    app.include_router(router, responses=unauthorized)
+    app.include_router(tools, responses=unauthorized)
     guard = [Depends(require_api_key)]
-    app.add_api_route("/health", health, methods=["GET"], dependencies=guard if config.protect_health else None)
+    health_guard, metrics_guard = config.protect_health, config.protect_metrics
+    app.add_api_route("/health", health, methods=["GET"], dependencies=guard if health_guard else None,
+                      response_model=HealthStatus, responses={**HEALTH, **(unauthorized if health_guard else {})})
     app.add_api_route("/live", live, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=guard if config.protect_metrics else None)
-    install_openapi(app, config, runtime.keys.enabled, runtime.vocab_size)
+    app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=guard if metrics_guard else None,
+                      response_class=Response, responses={**METRICS, **(unauthorized if metrics_guard else {})})
+    install_openapi(app, config, runtime.vocab_size)
     app.add_api_route("/", playground, methods=["GET"], include_in_schema=False)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: a chat request turned into plans once, then admitted.
 
 Contract: ``check`` runs on the event loop and needs no model: the model name, the options that cannot work
-together without looking at the conversation (``top_logprobs`` without ``logprobs``) and ``n`` against the server's
+together without looking at the conversation (``top_logprobs`` without ``logprobs``; the rules across fields are
+stated in ``ChatCompletionRequest``'s schema, ``server.protocol``) and ``n`` against the server's
 capacity (``serving.check_choices``). ``prepare`` does everything that needs the tokenizer or the grammar compiler
 in one call off the event loop: the tool plan (``server.tools.resolve``, once: 400 for tool fields that cannot work
 together), the prompt (``chat_prompt``: the chat template as the request's template fields say, tools and tool

@@ -2,13 +2,13 @@
 
 Contract: ``check`` runs on the event loop and needs no model: the model name, the OpenAI options this server does
 not implement (``best_of`` other than null or ``n``: no server-side ranking; ``suffix``; ``max_tokens: 0`` without
-``echo``) and the request's sequences (prompts times ``n``) against the server's capacity
-(``serving.check_choices``). ``prepare`` does what needs the tokenizer in one call off the event
-loop: each prompt's ids (``prompts``), the prediction's ids, one ``GenerationPlan`` per choice
-(``serving.plan_choices``, validated there) and the ``CompletionRenderer`` (with ``echo``, each choice's text and
-logprobs start with its prompt's). Logprobs: ``logprobs`` is the decoder's ``top_logprobs``, and its
-``prompt_logprobs`` too when ``echo`` is on (prompt rows are never read otherwise). ``submit`` chains them
-and admits the choices.
+``echo``; each stated in ``CompletionRequest``'s schema, ``server.protocol``) and the request's sequences
+(prompts times ``n``) against the server's capacity (``serving.check_choices``). ``prepare`` does what needs the
+tokenizer in one call off the event loop: each prompt's ids (``prompts``), the prediction's ids, one
+``GenerationPlan`` per choice (``serving.plan_choices``, validated there) and the ``CompletionRenderer`` (with
+``echo``, each choice's text and logprobs start with its prompt's). Logprobs: ``logprobs`` is the decoder's
+``top_logprobs``, and its ``prompt_logprobs`` too when ``echo`` is on (prompt rows are never read otherwise).
+``submit`` chains them and admits the choices.
 
 Echo: each choice's text starts with its prompt's text (the string sent, or the decoded token ids); with
 ``logprobs`` the prompt's tokens come first in the legacy lists, computed by the decoder's prefill only then;

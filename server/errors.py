@@ -1,10 +1,12 @@
 """The one place that maps exceptions to HTTP statuses and OpenAI's error envelope.
 
-Contract: every error response the server sends has the body
+Contract: every error response the server sends has the body ``ErrorResponse``,
 ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``. ``APIError`` and its
 subclasses carry status, type, param and code; ``to_api_error`` turns anything else (decoding errors, pydantic
 and FastAPI validation errors, Starlette HTTP errors, unexpected exceptions) into one. FastAPI's 422 never
-leaves the server: a validation failure is a 400.
+leaves the server: a validation failure is a 400. A route declares the statuses it answers with
+``error_responses`` (its ``responses=``: the envelope, and ``Retry-After`` where the error sends it), from which
+the OpenAPI document takes them.
 """
 
 from __future__ import annotations
@@ -16,13 +18,26 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.errors import ContextLengthError, InvalidParameterError
 
 logger = logging.getLogger("server.errors")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope: every 4xx and 5xx body."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -42,8 +57,9 @@ class APIError(Exception):
             self.code = code
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI envelope."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The OpenAI envelope (``ErrorResponse``)."""
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=detail).model_dump()
 
 
 class BadRequestError(APIError):
@@ -109,6 +125,33 @@ class InternalError(APIError):
     status = 500
     type = "server_error"
     code = "internal_error"
+
+
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request: bad JSON, wrong types, out-of-range values, context length exceeded.",
+    401: "Missing or wrong API key (when the server has keys).",
+    404: "Unknown model, or (/v1/responses) an unknown stored response.",
+    413: "Request body over the configured limit.",
+    429: "Queue full; retry after Retry-After seconds.",
+    500: "The generation failed (this request only).",
+    503: "Loading, warming up or draining; retry after Retry-After seconds.",
+}
+RETRY_AFTER_STATUSES = (QueueFullError.status, ServiceUnavailableError.status)  # the errors that send Retry-After
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's ``responses=`` for the error statuses it answers: each the envelope, with ``Retry-After`` where
+    the server sends it.
+
+    >>> error_responses(429)[429]["headers"]["Retry-After"]["description"]
+    'seconds'
+    """
+    responses: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        responses[status] = {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]}
+        if status in RETRY_AFTER_STATUSES:
+            responses[status]["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+    return responses
 
 
 def validation_param(loc: Sequence[Any], field_names: Iterable[str] = ()) -> str | None:

@@ -1,9 +1,15 @@
 """Pydantic mirror of the OpenAI API requests the server supports, plus its extensions (their answers:
 ``server.replies``).
 
-Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields; their
-range checks are the config-independent ones (config-dependent limits such as the lookahead maxima are
-checked in ``server.serving``).
+Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields. Each rule of
+the API is written once, here, and is both checked and stated in the JSON schema the OpenAPI document takes from
+these models: the field types the models share (``FunctionName``, ``Temperature``, ``Seed``, ``StopSequences``,
+``TokenId``, ...) carry their bounds (``Field(ge=..., pattern=...)``, checked by pydantic); a rule the endpoint
+checks in code, in its place among the request's checks and with its own message (non-empty prompts, no
+``suffix``, a token id's range), states its schema with ``described``; a limit of the configuration (``max_n``,
+``max_stop_strings``, the lookahead maxima, the vocabulary size, the served names) with ``configured``, whose
+values ``server.openapi`` fills in (checked in ``server.serving``); a rule across fields with ``when`` in the
+model's ``json_schema_extra`` (``ZERO_MAX_TOKENS_NEEDS_ECHO``, ...).
 Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k``, ``stream_steps`` and vLLM's
 sampling fields ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``; with
 ``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step``
@@ -22,7 +28,7 @@ the first prompt token's logprob and top alternatives null (``CompletionLogprobs
 A chat message (``ChatMessage``) is a union by ``role``: ``SystemMessage``, ``DeveloperMessage`` (treated as
 system), ``UserMessage``, ``AssistantMessage`` (content may be null; ``tool_calls``) and ``ToolMessage``
 (``tool_call_id`` required); a message of another role is a 400 naming ``messages[i].role``; ``chat_message``
-builds one. The OpenAPI document takes their schema as pydantic derives it.
+builds one. ``HealthStatus`` is ``GET /health``'s answer.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -47,6 +54,72 @@ from server.config import REQUEST_LOOKAHEAD
 
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and json_schema) names
 MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "refusal")  # OpenAI's other content parts
+SETTINGS_KEY = "x-settings"  # schema keyword -> the server setting that gives its value (``configured``)
+
+
+def described(**keywords: Any) -> Any:
+    """The JSON schema keywords of a rule the endpoint checks in code, in its place among the request's checks and
+    with its own message (``suffix``: ``described(maxLength=0)``, refused by ``server.completions``)."""
+    return Field(json_schema_extra=keywords)
+
+
+def configured(**settings: str) -> Any:
+    """JSON schema keywords whose values are server settings (``n``: ``configured(maximum="max_n")``), filled in by
+    ``server.openapi``; the endpoint checks them in code."""
+    return Field(json_schema_extra={SETTINGS_KEY: settings})
+
+
+def _non_empty_stops(stop: str | list[str]) -> str | list[str]:
+    if any(not item for item in ([stop] if isinstance(stop, str) else stop)):
+        raise ValueError("stop sequences must be non-empty strings")
+    return stop
+
+
+# The field types the request models share, each rule written once: its check and its JSON schema.
+FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+ServedModel = Annotated[str, configured(enum="served_models")]  # another name: 404 (``serving.check_model``)
+MaxTokens = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]  # top_p, min_p
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence_penalty, frequency_penalty
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # int64, as OpenAI (and torch) take it
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+ParallelToolCalls = Annotated[bool, Field(description="false: at most one call per reply; true: 1 to 8.")]
+Choices = Annotated[int, configured(maximum="max_n")]  # n and best_of (``serving.check_choices``)
+Text = Annotated[str, described(minLength=1)]  # non-empty: a prompt (completions.prompts), a stop (_non_empty_stops)
+StopSequences = Annotated[Text | Annotated[list[Text], configured(maxItems="max_stop_strings")],
+                          AfterValidator(_non_empty_stops)]
+TokenId = Annotated[int, described(minimum=0), configured(maximum="max_token_id")]  # below the vocabulary size
+TokenIds = Annotated[list[TokenId], described(minItems=1)]  # one prompt's ids
+Prompt = (  # OpenAI's four forms, each prompt non-empty (``completions.prompts``)
+    Text | Annotated[list[Text], described(minItems=1)] | TokenIds | Annotated[list[TokenIds], described(minItems=1)]
+)
+LogitBias = Annotated[  # token id keys (``serving.resolve_logit_bias``), biases in the decoder's range
+    dict[str, Annotated[float, described(minimum=-100, maximum=100)]], described(propertyNames={"pattern": "^[0-9]+$"})
+]
+
+
+def when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of a cross-field rule: a body whose fields match ``condition`` (field -> schema, each sent)
+    has fields that match ``then`` (each sent).
+
+    >>> when({"max_tokens": {"const": 0}}, {"echo": {"const": True}})["then"]
+    {'properties': {'echo': {'const': True}}, 'required': ['echo']}
+    """
+    return {"if": {"properties": condition, "required": list(condition)},
+            "then": {"properties": then, "required": list(then)}}
+
+
+# The cross-field rules the request models state in their schema (``json_schema_extra``); each is checked where
+# the comment says, in its place among the request's checks.
+CONTINUE_EXCLUDES_GENERATION_PROMPT = when(  # chat.template_options
+    {"continue_final_message": {"const": True}}, {"add_generation_prompt": {"const": False}})
+TOOL_CHOICE_NEEDS_TOOLS = when(  # tools.resolve
+    {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+    {"tools": {"type": "array", "minItems": 1}},
+)
+TOP_LOGPROBS_NEED_LOGPROBS = when({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}})  # chat.check
+ZERO_MAX_TOKENS_NEEDS_ECHO = when({"max_tokens": {"const": 0}}, {"echo": {"const": True}})  # completions.check
 
 
 class StrictModel(BaseModel):
@@ -59,7 +132,7 @@ class TextContentPart(StrictModel):
     """A content part: only ``text`` parts are accepted; OpenAI's image, audio and file parts are refused by name
     (400 ``messages[i].content[j].type``), never dropped."""
 
-    type: str
+    type: Annotated[str, described(const="text")]
     text: str
 
     @field_validator("type", mode="before")
@@ -186,7 +259,7 @@ class Prediction(StrictModel):
     verifies it as a free draft: it changes how fast the completion comes, never what it is.
     """
 
-    type: str
+    type: Annotated[str, described(const="content")]
     content: str | list[TextContentPart]
 
     @field_validator("type", mode="before")
@@ -209,14 +282,17 @@ class JsonSchemaFormat(StrictModel):
     ``schema`` (a JSON schema object; absent: any JSON object) and ``strict`` (the output always matches here,
     strict or not: the schema is enforced by a grammar, see ``decoding.grammar``)."""
 
-    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    name: FunctionName
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON schema; absent: any JSON object.")
     strict: bool | None = None
 
 
 class ResponseFormat(StrictModel):
     """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = ConfigDict(json_schema_extra=when({"type": {"const": "json_schema"}},
+                                                     {"json_schema": {"type": "object"}}))
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -233,9 +309,11 @@ class FunctionDefinition(StrictModel):
     JSON schema of its arguments object; absent: any object) and ``strict`` (calls always match here, strict or
     not, when ``tool_choice`` forces a call: see ``server.tools``)."""
 
-    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object; absent: any "
+                                              "object. One the grammar cannot enforce is a 400 naming "
+                                              "tools[i].function.parameters.")
     strict: bool | None = None
 
 
@@ -271,7 +349,8 @@ LookaheadRequest = create_model(  # the knobs a request may set are the config's
     from it nor adds its completion to it.
     """,
     enabled=(bool | None, None),
-    **{name: (int | None, None) for name in REQUEST_LOOKAHEAD},
+    **{name: (Annotated[int, configured(minimum=f"min_{name}", maximum=f"max_{name}")] | None, None)
+       for name in REQUEST_LOOKAHEAD},
     shared_memory=(bool | None, None),
 )
 
@@ -279,20 +358,22 @@ LookaheadRequest = create_model(  # the knobs a request may set are the config's
 class GenerationFields(StrictModel):
     """Fields shared by chat and text completions."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    model: ServedModel | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
     top_k: int | None = Field(None, ge=0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI (and torch) take it
-    stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1)
+    seed: Seed | None = None
+    stop: StopSequences | None = None
+    n: Annotated[Choices, Field(ge=1)] | None = Field(
+        None, description="Choices per prompt, decoded side by side; choice j samples with seed + j.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = Field(None, description="token id (a string) -> bias added to its logit at every "
+                                         "position")
+    min_p: Probability | None = None
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
@@ -300,14 +381,6 @@ class GenerationFields(StrictModel):
     lookahead: LookaheadRequest | None = None
     stream_steps: bool | None = False
     cache_prompt: bool = True
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not item for item in stops):
-            raise ValueError("stop sequences must be non-empty strings")
-        return stop
 
     def stop_sequences(self) -> list[str]:
         """``stop`` as a list."""
@@ -336,20 +409,31 @@ class ChatTemplateFields(StrictModel):
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra chat template variables; a variable the server sets itself is a 400.")
 
 
 class ChatCompletionRequest(ChatTemplateFields, GenerationFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        CONTINUE_EXCLUDES_GENERATION_PROMPT, TOOL_CHOICE_NEEDS_TOOLS, TOP_LOGPROBS_NEED_LOGPROBS]})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = Field(None, description="Return each generated token's logprob (the raw model's, before "
                                   "temperature / top-k / top-p) in choices[].logprobs.")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
-                                     description="Most likely alternatives per token; needs logprobs: true.")
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = Field(True, description="false: at most one call per reply; true: 1 to 8.")
-    response_format: ResponseFormat | None = None
+    top_logprobs: TopLogprobs | None = Field(None, description="Most likely alternatives per token; needs logprobs: "
+                                             "true.")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call; see docs/api.md for how they "
+                                     "reach a template without tool support.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none (tools left out of the prompt), auto (default with tools: text, or a call enforced by "
+        "a grammar once the reply starts with '{'), required or a named function (a call is enforced). A named "
+        "function must be among the tools (else 400).")
+    parallel_tool_calls: ParallelToolCalls = True
+    response_format: ResponseFormat | None = Field(
+        None, description="Structured output: json_object (any JSON object) or json_schema (JSON matching the "
+        "schema), enforced by a grammar at every generated token (strict or not). A schema the grammar cannot enforce "
+        "is a 400 naming response_format.json_schema.schema.")
     prediction: Prediction | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -361,16 +445,19 @@ class CompletionRequest(GenerationFields):
     """``/v1/completions``: ``max_tokens`` may be 0 together with ``echo`` (the prompt and its logprobs only;
     checked in ``server.serving``); ``best_of`` is accepted when null or equal to ``n``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    model_config = ConfigDict(json_schema_extra={"allOf": [ZERO_MAX_TOKENS_NEEDS_ECHO]})
+
+    prompt: Prompt
     max_tokens: int | None = Field(None, ge=0, description="Tokens to generate; 0 only with echo (the prompt alone).")
     echo: bool | None = Field(None, description="Prepend each prompt to its choices' text.")
-    logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS,
-        description="Return each token's logprob and this many alternatives (legacy shape: tokens, token_logprobs, "
-        "top_logprobs, text_offset); with echo, the prompt's tokens first (the first one's logprob null).",
+    logprobs: TopLogprobs | None = Field(
+        None, description="Return each token's logprob and this many alternatives (legacy shape: tokens, "
+        "token_logprobs, top_logprobs, text_offset); with echo, the prompt's tokens first (the first one's logprob "
+        "null).",
     )
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Annotated[Choices, described(minimum=1)] | None = Field(
+        None, description="Only null or equal to n (choices are not ranked).")
+    suffix: Annotated[str, described(maxLength=0)] | None = None
     prediction: Prediction | None = None
 
     def prompt_list(self) -> list[str] | list[list[int]]:
@@ -391,11 +478,13 @@ class TokenizeRequest(ChatTemplateFields):
     """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``, exactly one. Unknown fields are refused
     (400 naming them), since a misspelt option here would silently change the count."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "allOf": [CONTINUE_EXCLUDES_GENERATION_PROMPT], "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+    })
 
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    model: ServedModel | None = None
+    prompt: str | SkipJsonSchema[None] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | SkipJsonSchema[None] = None
     add_special_tokens: bool = True
 
 
@@ -408,10 +497,10 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(StrictModel):
     """``POST /detokenize``: token ids (each below the vocabulary size) to text."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    tokens: list[int]
+    model: ServedModel | None = None
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):
@@ -435,7 +524,7 @@ class CorpusRequest(StrictModel):
     """``POST /v1/memory/corpus`` (extension): texts (a codebase's files, documents) added to the server-wide n-gram
     memory, each tokenized without special tokens. Unknown fields are refused (400 naming them)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid")
 
     documents: list[Annotated[str, Field(min_length=1)]] = Field(
         min_length=1, description="Texts to add, each non-empty; a long one enters as several memory documents."
@@ -460,6 +549,12 @@ class CorpusAdded(BaseModel):
     documents: int
     tokens: int
     memory: MemoryInfo
+
+
+class HealthStatus(BaseModel):
+    """``GET /health``: ``{"status": "ok"}`` when ready; otherwise the state: loading, warming, draining or failed."""
+
+    status: str
 
 
 def protocol_field_names() -> set[str]:

@@ -2,8 +2,8 @@
 
 Contract: ``ResponseRequest`` is strict like the chat request models (``server.protocol``) and ignores unknown
 fields (``reasoning``, ``include``, ``truncation``, ``user``, ``service_tier`` and whatever else a client sends).
-Its sampling fields are chat's own (``chat_field``: the same types and bounds, defined once there). Its
-``input`` is a string (one user message) or a list of items: messages (``role`` user, system, developer or
+Its sampling fields have chat's types (``server.protocol``'s ``Temperature``, ``Seed``, ...: each bound written
+once). Its ``input`` is a string (one user message) or a list of items: messages (``role`` user, system, developer or
 assistant; ``content`` a string or ``input_text`` / ``output_text`` parts), ``function_call`` and
 ``function_call_output`` items. Any other item type, content part or tool type is refused by name
 (``input[2].type``, ``input[0].content[1].type``, ``tools[0].type``), never dropped. ``tools`` are function tools
@@ -14,11 +14,11 @@ server's ``decoding`` extension (``server.replies.DecodingInfo``).
 
 from __future__ import annotations
 
-from copy import copy
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Discriminator,
     Field,
     SerializerFunctionWrapHandler,
@@ -27,28 +27,27 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from server.protocol import (
-    FUNCTION_NAME_PATTERN,
-    ChatCompletionRequest,
+    FunctionName,
     LookaheadRequest,
+    MaxTokens,
+    ParallelToolCalls,
+    Probability,
+    Seed,
+    ServedModel,
     StrictModel,
+    Temperature,
     protocol_field_names,
+    when,
 )
 from server.replies import DecodingInfo
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 TEXT_PART_TYPES = ("input_text", "output_text")
 MEDIA_PART_TYPES = ("input_image", "input_file", "input_audio", "refusal")  # OpenAI's other content parts
-
-
-def chat_field(name: str) -> FieldInfo:
-    """A copy of chat's definition of field ``name`` (its type's bounds and default), so each bound is written
-    once, in ``server.protocol``."""
-    return copy(ChatCompletionRequest.model_fields[name])
 
 
 class InputTextPart(StrictModel):
@@ -146,7 +145,7 @@ class FunctionTool(StrictModel):
     (web search, file search, ...) are refused by name."""
 
     type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -174,8 +173,10 @@ class TextFormat(StrictModel):
     """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name`` required; ``schema`` absent: any
     JSON object), enforced by a grammar as chat's ``response_format``."""
 
+    model_config = ConfigDict(json_schema_extra=when({"type": {"const": "json_schema"}}, {"name": {"type": "string"}}))
+
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = Field(None, pattern=FUNCTION_NAME_PATTERN)
+    name: FunctionName | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -201,23 +202,23 @@ class ResponseRequest(StrictModel):
     """``POST /v1/responses`` (module contract). ``store`` keeps the response for ``previous_response_id`` and
     ``GET /v1/responses/{id}``; ``seed`` and ``lookahead`` are this server's extensions, as in chat."""
 
-    model: str | None = None
+    model: ServedModel | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = chat_field("max_tokens")
-    temperature: float | None = chat_field("temperature")
-    top_p: float | None = chat_field("top_p")
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = chat_field("parallel_tool_calls")
+    parallel_tool_calls: ParallelToolCalls = True
     text: TextConfig | None = None
     stream: bool | None = False
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    seed: int | None = chat_field("seed")
+    seed: Seed | None = None
     lookahead: LookaheadRequest | None = None
-    cache_prompt: bool = chat_field("cache_prompt")
+    cache_prompt: bool = True
 
 
 def field_names() -> frozenset[str]:

@@ -3,12 +3,28 @@
 Contract: ``iter_data(lines)`` yields one payload per event from an iterable of lines (bytes or str, with or
 without line endings), joining multi-line ``data:`` fields with newlines and skipping comments (``: ping``) and
 other fields; ``data_events(text)`` does the same for a whole body. One optional space after ``data:`` is
-removed. Standard library only: the chat client, the scripts and the tests share it.
+removed. Standard library only: the chat client, the scripts and the tests share it. ``STREAMED`` is how a route
+that streams documents its 200's ``text/event-stream`` (its ``responses=``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
+
+# A stream's schema: the raw text, or one event as an SSE parser yields it (schemathesis validates each parsed
+# event against the stream's schema); each event's data is a JSON chunk, an error object or "[DONE]".
+EVENT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "object", "required": ["data"],
+         "properties": {"data": {"type": "string"}, "event": {"type": "string"}}},
+    ]
+}
+STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The reply object, or with stream: true its chunks as server-sent events.",
+          "content": {"text/event-stream": {"schema": EVENT_SCHEMA}}},
+}
 
 
 def iter_data(lines: Iterable[bytes | str]) -> Iterator[str]:

@@ -3,14 +3,17 @@ server refuses, the lookahead extension carries the configured maxima, every err
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 import jsonschema_rs
 import pytest
 
 from server.app import create_app
 from server.config import ServerConfig
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.errors import BadRequestError, ErrorResponse
+from server.protocol import SETTINGS_KEY, ChatCompletionRequest, CompletionRequest
 from server.responses import parse_request
 
 GENERATION_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest"}
@@ -107,6 +110,10 @@ BAD = [
     {"messages": [{"role": "user", "content": None}]},
     {"messages": [{"role": "system"}]},
     {**CHAT, "logprobs": True, "top_logprobs": 21},
+    {**CHAT, "top_logprobs": 2},
+    {**CHAT, "logprobs": False, "top_logprobs": 2},
+    {**CHAT, "response_format": {"type": "json_schema"}},
+    {**CHAT, "response_format": {"type": "json_schema", "json_schema": None}},
     {**CHAT, "tools": [{"type": "function", "function": {"name": "has space"}}]},
     {**CHAT, "tools": [{"type": "retrieval"}]},
     {**CHAT, "tool_choice": "required"},
@@ -186,7 +193,7 @@ def test_token_ids_are_bounded_by_the_vocabulary_once_known():
     app.openapi_schema = None
     from server.openapi import install_openapi
 
-    install_openapi(app, config, False, runtime.vocab_size)
+    install_openapi(app, config, runtime.vocab_size)
     ids = app.openapi()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]
     assert ids["items"] == {"type": "integer", "minimum": 0, "maximum": 99}
     assert app.openapi() is app.openapi()
@@ -252,6 +259,7 @@ def test_usage_describes_the_prediction_counts(doc):
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, False), ({"input": "Hi", "tool_choice": "sometimes"}, False),
     ({"input": "Hi", "model": "gpt-4o"}, False), ({"input": "Hi", "lookahead": {"window_size": 7}}, False),
     ({"input": "Hi", "text": {"format": {"type": "xml"}}}, False), ({"input": "Hi", "store": "yes"}, False),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, False),
 ])
 def test_responses_schema(doc, body, valid):
     assert validator(doc, "ResponseRequest").is_valid(body) is valid
@@ -275,3 +283,22 @@ def test_memory_corpus_schema(doc, body, valid):
     memory = doc["paths"]["/v1/memory"]["get"]["responses"]
     assert set(memory) == {"200", "500", "503"} and memory["200"]["content"]["application/json"]["schema"][
         "$ref"].endswith("MemoryInfo")
+
+
+def test_the_settings_are_filled_in_and_the_envelope_is_the_error_model(doc):
+    assert SETTINGS_KEY not in json.dumps(doc)  # every marker of protocol.configured became its value
+    envelope = doc["components"]["schemas"]["ErrorResponse"]
+    assert envelope["properties"]["error"] == {"$ref": "#/components/schemas/ErrorDetail"}
+    body = BadRequestError("m", param="p").body()
+    assert validator(doc, "ErrorResponse").is_valid(body) and ErrorResponse.model_validate(body).error.param == "p"
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+
+
+async def test_openapi_json_is_served_and_docs_pages_are_off():
+    app = create_app(ServerConfig(warmup=False), decoder=object())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        served = await client.get("/openapi.json")
+        assert served.status_code == 200 and served.json()["paths"]["/v1/chat/completions"]["post"]["responses"]
+        for page in ("/docs", "/redoc"):
+            missing = await client.get(page)
+            assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"

@@ -245,6 +245,20 @@ async def test_structured_output(client):
 
 
 @pytest.mark.real_model
+async def test_a_stored_response_is_retrieved_as_it_was_sent(client):
+    """``GET /v1/responses/{id}`` answers through its ``response_model`` and changes nothing: tools, ``text.format``
+    (its ``schema`` an alias), metadata, the ``decoding`` extension."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    body = {"model": MODEL, "input": "What is 2 + 2? Answer in JSON.", "temperature": 0, "max_output_tokens": 12,
+            "tools": [WEATHER], "tool_choice": "none", "metadata": {"k": "v"},
+            "text": {"format": {"type": "json_schema", "name": "sum", "schema": schema}}}
+    sent = await client.post("/v1/responses", json=body)
+    stored = await client.get(f"/v1/responses/{sent.json()['id']}")
+    assert sent.status_code == stored.status_code == 200, sent.text
+    assert stored.json() == sent.json() and stored.json()["text"]["format"]["schema"] == schema
+
+
+@pytest.mark.real_model
 async def test_max_output_tokens_makes_it_incomplete(client):
     api = sdk(client)
     fields = {"model": MODEL, "input": "Write a long story about a dragon.", "temperature": 0, "max_output_tokens": 16}
