@@ -217,11 +217,11 @@ async def submit(runtime: Runtime, request: ResponseRequest) -> tuple[list[Handl
     try:
         chat_body = chat_request(request, conversation)
         chat.check(runtime.config, chat_body)
-        engine = runtime.require_engine()
-        planned = await asyncio.to_thread(chat.plan, engine, chat_body, "input")
+        loaded = runtime.require_loaded()
+        planned = await asyncio.to_thread(chat.plan, loaded, chat_body, "input")
         renderer = ResponsesRenderer(shell(request, model), planned.tools, conversation,
                                      store if request.store else None)
-        return serving.start_many(engine, planned.generations), renderer
+        return serving.start_many(loaded, planned.generations), renderer
     except (BadRequestError, InvalidParameterError) as error:
         raise renamed(error) from error
 
