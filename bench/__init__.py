@@ -9,8 +9,11 @@ Contract: this package measures ``decoding`` and may import ``decoding``, ``serv
   tables and JSON.
 - ``bench.heldout`` (``python -m bench heldout``): lookahead against our greedy loop and transformers' prompt
   lookup, on the held-out split of a prompt set.
-- ``bench.tune``: choose W, N, G and the step policy for a model on a device, by measurement, on tune splits;
-  ``bench.tuning`` (``python -m bench tune``) runs it on the server's configuration and writes a config file.
+- ``bench.tune`` (``python -m bench tune``): choose W, N, G and the step policy for a model on a device, by
+  measurement, on tune splits, with the server's configuration, and write them as a config file.
+- ``bench.memory_file`` (``python -m bench memory``): a memory file of tune-split completions for ``heldout``;
+  ``bench.cpu_forwards`` (``python -m bench compile``): the CPU forwards (fused, lean, ``torch.compile``) side
+  by side; the other subcommands are ``bench.cli.SUBCOMMANDS``.
 - ``bench.datasets``: HumanEval and AlpacaEval (fetched through ``decoding.fetch``), chat questions, JSONL
   prompt files, and the tune / held-out split of each built-in set.
 """

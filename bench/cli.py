@@ -7,7 +7,7 @@ EOS). It prints the settings it runs and where each came from, then a per-prompt
 identical to greedy), and optionally writes JSON ``{"config": {...}, "runs": [RunRecord...], "summary":
 {...}}``. ``--step-cost`` instead times one forward pass of k new tokens over a KV cache of ``--context``
 tokens. ``python -m bench heldout`` (``bench.heldout``) compares lookahead with the greedy loop and prompt lookup
-on the held-out split of a prompt set; ``python -m bench tune`` (``bench.tuning``) measures this device and writes
+on the held-out split of a prompt set; ``python -m bench tune`` (``bench.tune``) measures this device and writes
 a config file the server runs with ``--config``.
 
 Defaults are the server's (``bench.settings``): every lookahead step setting (W, N, G, lazy window,
@@ -94,8 +94,8 @@ from server.config import LOOKAHEAD_STEP_FIELDS, config_flags
 SERVER_DEFAULT = "default: the server's"
 PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config.load_config(device_preset=...)``)
 # ``python -m bench NAME ...``: the module of ``bench`` that runs subcommand NAME with the rest of the arguments.
-SUBCOMMANDS = {"heldout": "heldout", "memory": "memory", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
-               "tune": "tuning", "weights": "weights", "compile": "compiled", "threads": "threads",
+SUBCOMMANDS = {"heldout": "heldout", "memory": "memory_file", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
+               "tune": "tune", "weights": "weights", "compile": "cpu_forwards", "threads": "threads",
                "conversation": "conversation"}
 
 def build_parser() -> argparse.ArgumentParser:
