@@ -1,7 +1,8 @@
 """Tooling around the decoder: the benchmark, the tuner and their prompt sets. Not imported by a running server.
 
-Contract: this package measures ``decoding`` and may import ``decoding``, ``server.config`` and ``server.flags``
-(the settings the server runs with, and their command-line flags); neither ``decoding`` nor ``server`` imports it.
+Contract: this package measures ``decoding`` and may import ``decoding``, ``server.config``, ``server.config_layers``
+and ``server.flags`` (the settings the server runs with, their layers, and their command-line flags) and
+``server.spawn``; neither ``decoding`` nor ``server`` imports it.
 
 - ``bench.cli`` (``python -m bench``): the benchmark's command line; its defaults are the server's
   (``bench.settings``).

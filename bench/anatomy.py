@@ -52,7 +52,7 @@ from decoding.kv_cache import KVPool
 from decoding.params import LookaheadConfig, StopCriteria
 from decoding.static import StaticStep
 from decoding.steps import Step
-from server.config import load_config
+from server.config_layers import load_config
 
 DEPTH = 30  # the default model's layers
 PROMPT_TOKENS = 96

@@ -12,7 +12,7 @@ a config file the server runs with ``--config``.
 
 Defaults are the server's (``bench.settings``): every lookahead step setting (W, N, G, lazy window,
 break-even, copy length), the batch policy and how the model is loaded (model, dtype, quantize, weight layout,
-threads) come from ``server.config.load_config`` with the preset of the resolved device; flags override them.
+threads) come from ``server.config_layers.load_config`` with the preset of the resolved device; flags override them.
 ``--preset cpu|cuda`` takes the lookahead settings and the batch policy from that preset instead (the model still
 loads as this device's preset says), so any prompt file can be counted at either preset's settings: on a CPU,
 ``--preset cuda --methods lookahead`` counts the GPU setting's tokens per step.
@@ -89,10 +89,11 @@ from decoding.errors import DecodingError
 from decoding.loading import LoadedModel, default_gguf, load_model
 from decoding.memory import NGramMemory
 from decoding.params import DEFAULT_MODEL, LookaheadConfig
-from server.config import LOOKAHEAD_STEP_FIELDS, config_flags
+from server.config import LOOKAHEAD_STEP_FIELDS
+from server.flags import config_flags
 
 SERVER_DEFAULT = "default: the server's"
-PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config.load_config(device_preset=...)``)
+PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config_layers.load_config(device_preset=...)``)
 # ``python -m bench NAME ...``: the module of ``bench`` that runs subcommand NAME with the rest of the arguments.
 SUBCOMMANDS = {"heldout": "heldout", "memory": "memory_file", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
                "tune": "tune", "weights": "weights", "compile": "cpu_forwards", "threads": "threads",

@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 from server import cli
-from server.config import DEVICE_PRESETS, ServerConfig, config_flags, load_config
+from server.config import ServerConfig
+from server.config_layers import DEVICE_PRESETS, load_config
+from server.flags import config_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

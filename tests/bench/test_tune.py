@@ -26,7 +26,7 @@ from bench.tune import (
 )
 from decoding.params import LookaheadConfig, StopCriteria
 from server import cli, flags
-from server.config import load_config
+from server.config_layers import load_config
 from tests.bench.helpers import fake_prompt_sets
 
 

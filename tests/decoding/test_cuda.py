@@ -15,7 +15,8 @@ from transformers import DynamicCache
 from decoding.batch import BatchPolicy
 from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
-from server.config import decoder_lookahead, load_config
+from server.config import decoder_lookahead
+from server.config_layers import load_config
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, make_stream, run_batch, tokens_of

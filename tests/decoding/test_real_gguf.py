@@ -12,7 +12,8 @@ from decoding.gguf_model import read_tensors, rope_order
 from decoding.loading import gguf_files
 from decoding.params import LookaheadConfig
 from decoding.quant_panels import dequantize
-from server.config import decoder_lookahead, load_config
+from server.config import decoder_lookahead
+from server.config_layers import load_config
 from tests.decoding.test_real_model import MESSAGES, decode, prompt_ids
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow,

@@ -18,7 +18,8 @@ from decoding.slices import Slice
 from decoding.static import Bucket, StaticStep, attended_lengths
 from decoding.static_forward import static_forward, supports
 from decoding.window import step_layout
-from server.config import decoder_lookahead, load_config
+from server.config import decoder_lookahead
+from server.config_layers import load_config
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, tokens_of
