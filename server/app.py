@@ -39,6 +39,7 @@ from sse_starlette import EventSourceResponse
 from server import chat, corpus, responses, serving, tokenization
 from server import completions as completion
 from server.body import json_body_route
+from server.completion_objects import ModelCard, ModelList
 from server.config import ServerConfig
 from server.errors import (
     ModelNotFoundError,
@@ -57,7 +58,6 @@ from server.protocol import (
     TokenizerInfo,
     protocol_field_names,
 )
-from server.replies import ModelCard, ModelList
 from server.responses_protocol import ResponseRequest
 from server.runtime import Runtime
 from server.scheduler import Handle

@@ -27,6 +27,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from server.completion_objects import ChatCompletion, Completion, ModelCard, ModelList
 from server.config import ServerConfig, lookahead_bounds
 from server.protocol import (
     ChatCompletionRequest,
@@ -40,7 +41,6 @@ from server.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from server.replies import ChatCompletion, Completion, ModelCard, ModelList
 from server.responses_protocol import ResponseObject, ResponseRequest
 
 REF = "#/components/schemas/{model}"

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from decoding import InvalidParameterError, TokenLogprob
 from server import chat, serving, tool_calls, tools
 from server.body import parse_body
+from server.completion_objects import DeltaToolCall, StepInfo
 from server.errors import APIError, BadRequestError, to_api_error
 from server.plans import Output, Summary
 from server.protocol import (
@@ -49,7 +50,6 @@ from server.protocol import (
     chat_message,
 )
 from server.rendering import decoding_of, usage_of
-from server.replies import DeltaToolCall, StepInfo
 from server.response_store import ResponseStore
 from server.responses_protocol import (
     FunctionCallItem,
