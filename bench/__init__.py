@@ -14,7 +14,8 @@ and ``server.flags`` (the settings the server runs with, their layers, and their
   measurement, on tune splits, with the server's configuration, and write them as a config file.
 - ``bench.memory_file`` (``python -m bench memory``): a memory file of tune-split completions for ``heldout``;
   ``bench.cpu_forwards`` (``python -m bench compile``): the CPU forwards (fused, lean, ``torch.compile``) side
-  by side; the other subcommands are ``bench.cli.SUBCOMMANDS``.
+  by side; ``bench.weight_formats`` (``python -m bench weights``): the GGUF weights against float32; the other
+  subcommands are ``bench.cli.SUBCOMMANDS``.
 - ``bench.datasets``: HumanEval and AlpacaEval (fetched through ``decoding.fetch``), chat questions, JSONL
   prompt files, and the tune / held-out split of each built-in set.
 """

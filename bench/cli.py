@@ -96,7 +96,7 @@ SERVER_DEFAULT = "default: the server's"
 PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config_layers.load_config(device_preset=...)``)
 # ``python -m bench NAME ...``: the module of ``bench`` that runs subcommand NAME with the rest of the arguments.
 SUBCOMMANDS = {"heldout": "heldout", "memory": "memory_file", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
-               "tune": "tune", "weights": "weights", "compile": "cpu_forwards", "threads": "threads",
+               "tune": "tune", "weights": "weight_formats", "compile": "cpu_forwards", "threads": "threads",
                "conversation": "conversation"}
 
 def build_parser() -> argparse.ArgumentParser:
