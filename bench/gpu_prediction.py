@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from bench.records import RunRecord
-from decoding.static import TOKEN_BUCKETS
+from decoding.forward.static import TOKEN_BUCKETS
 
 # (input tokens, ms) of one CUDA-graph step, batch 1, the default model in float32, H100 (gpu-notes.md).
 H100_GRAPH_MS = ((1, 3.52), (2, 4.37), (8, 4.40), (32, 4.52), (64, 4.90), (128, 5.23))

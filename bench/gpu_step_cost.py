@@ -42,7 +42,7 @@ def load_default(device: str, random_weights: bool) -> tuple[torch.nn.Module, st
     """The default model on ``device`` in float32 and where it came from ("default model" or "random weights")."""
     if not random_weights:
         try:
-            from decoding.loading import load_model
+            from decoding.weights.loading import load_model
 
             return load_model(device=device, dtype="float32").model, "default model"
         except Exception as error:  # no cached model and no way to fetch it here
@@ -68,10 +68,10 @@ def cuda_median_ms(run: Callable[[], object], repeats: int = REPEATS) -> float:
 def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
     """Time every (batch, k) row (module contract), handing each to ``emit`` as it is measured."""
     from decoding.batch import forward_batch
-    from decoding.kv_cache import KVPool, new_cache
-    from decoding.packed import forward_packed
-    from decoding.slices import Slice
-    from decoding.static import StaticStep
+    from decoding.forward.kv_cache import KVPool, new_cache
+    from decoding.forward.packed import forward_packed
+    from decoding.forward.slices import Slice
+    from decoding.forward.static import StaticStep
 
     runners = {mode: StaticStep(model, KVPool(model, max(STEP_BATCHES), 1024, scratch_tokens=256), mode)
                for mode in ("eager", "graphs")}

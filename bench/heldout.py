@@ -64,8 +64,8 @@ from bench.report import by_method, first_difference, format_table, summarize, w
 from bench.settings import SERVER_MEMORY_TOKENS, Resolved, resolve
 from decoding.decoder import Decoder, check_linear_options
 from decoding.errors import DecodingError
-from decoding.loading import LoadedModel
-from decoding.memory import MemoryFileError, NGramMemory, load_memory
+from decoding.proposers.ngram_memory import MemoryFileError, NGramMemory, load_memory
+from decoding.weights.loading import LoadedModel
 
 HELDOUT_METHODS = ("greedy", "lookahead", "prompt_lookup", "llama_cpp", *BASE_METHODS)
 DEFAULT_HELDOUT_METHODS = "greedy,lookahead,prompt_lookup"  # llama_cpp where asked: an optional extra

@@ -33,14 +33,15 @@ from transformers import PreTrainedModel
 from bench.llama_cpp import llama_cpp_runner
 from bench.records import Decoded, Runner, RunRecord, StepCost
 from decoding.batch import BatchPolicy, step_batch
-from decoding.engine import DecodeStream, Step, context_length, generate_autoregressive
 from decoding.errors import InvalidParameterError
-from decoding.kv_cache import SlotCache, new_cache
-from decoding.memory import NGramMemory
-from decoding.packed import forward_packed
+from decoding.forward.kv_cache import SlotCache, new_cache
+from decoding.forward.packed import forward_packed
+from decoding.forward.slices import Slice
+from decoding.forward.static import StaticStep, build_static_step
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.slices import Slice
-from decoding.static import StaticStep, build_static_step
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.step.stream import DecodeStream, Step, generate_autoregressive
+from decoding.weights.loading import context_length
 
 if TYPE_CHECKING:
     from bench.baseline import BaselineChild

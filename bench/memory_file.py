@@ -22,10 +22,10 @@ from bench.heldout import CHAT_MAX_TOKENS, CODE_MAX_TOKENS
 from bench.measure import decode_greedy
 from bench.settings import SERVER_MEMORY_TOKENS
 from decoding.decoder import Decoder, configure_threads
-from decoding.engine import MEMORY_PROMPT_TAIL
 from decoding.errors import DecodingError
-from decoding.memory import NGramMemory, save_memory
 from decoding.params import StopCriteria
+from decoding.proposers.ngram_memory import NGramMemory, save_memory
+from decoding.step.stream import MEMORY_PROMPT_TAIL
 
 TUNED_SETS = ("humaneval", "chat", "alpacaeval")  # the built-in sets with a tune split (MT-bench has none)
 

@@ -23,11 +23,11 @@ from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, l
 from bench.measure import decode_greedy
 from bench.report import format_table, write_json
 from decoding.decoder import Decoder, configure_threads
-from decoding.engine import MEMORY_PROMPT_TAIL
 from decoding.errors import DecodingError
-from decoding.memory import NGramMemory
 from decoding.params import StopCriteria
-from decoding.pool import ContextIndex
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.proposers.pool import ContextIndex
+from decoding.step.stream import MEMORY_PROMPT_TAIL
 
 EVERY = 1 << 20  # "every earlier occurrence": more copies than any text has
 

@@ -18,8 +18,8 @@ from bench.datasets import PromptSpec, encode_prompt, load_dataset
 from bench.settings import batch_policy
 from bench.workload import Served, load_preset, preset_parser, report_and_status, serve
 from decoding.batch import BatchEngine
-from decoding.engine import StepCounts
 from decoding.params import StopCriteria
+from decoding.step.stream import StepCounts
 
 INSTRUCTION = "Rewrite this function with the variable names in snake_case, keeping everything else:\n\n"
 HELD_OUT = (100, 108)

@@ -24,8 +24,8 @@ import torch
 import transformers
 
 from bench.records import RunRecord, StepCost
-from decoding.loading import LoadedModel
 from decoding.params import LookaheadConfig
+from decoding.weights.loading import LoadedModel
 
 
 @dataclass(frozen=True)

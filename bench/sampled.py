@@ -20,9 +20,9 @@ from bench.datasets import encode_prompt, load_split
 from bench.settings import SERVER_MEMORY_TOKENS, batch_policy
 from bench.workload import load_preset, preset_parser, serve
 from decoding.batch import BatchEngine
-from decoding.engine import StepCounts
-from decoding.memory import NGramMemory
 from decoding.params import SamplingParams, StopCriteria
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.step.stream import StepCounts
 
 SETS = {"humaneval": 256, "chat": 192}  # held-out split and max tokens of each
 

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 
 from decoding.batch import BatchPolicy
-from decoding.loading import resolve_device
+from decoding.weights.loading import resolve_device
 from server.config import LOOKAHEAD_STEP_FIELDS, ServerConfig, batch_policy
 from server.config_layers import load_config
 

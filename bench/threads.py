@@ -53,10 +53,10 @@ from bench.measure import (
 )
 from bench.report import environment, format_table, header, write_json
 from bench.settings import Resolved, resolve
-from decoding.cores import parse_threads, resolve_threads
 from decoding.decoder import Decoder, configure_threads
 from decoding.errors import DecodingError
 from decoding.params import StopCriteria
+from decoding.weights.cores import parse_threads, resolve_threads
 
 THREAD_METHODS = ("greedy", "lookahead", "llama_cpp")
 HEADERS = ["method", "tokens", "seconds", "tok/s", "tok/step", "vs greedy@1", "vs llama.cpp", "vs greedy",

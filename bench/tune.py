@@ -52,8 +52,8 @@ from bench.datasets import PromptSpec, encode_prompt, load_split
 from bench.measure import measure_step_cost
 from bench.records import StepCost
 from decoding import Decoder, InvalidParameterError, ModelLoadError, configure_threads
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.step.stream import generate_autoregressive, generate_lookahead
 from server.config import ConfigError
 from server.flags import add_config_flags, build_config
 

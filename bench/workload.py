@@ -27,9 +27,9 @@ from bench.datasets import PromptSpec, encode_prompt, load_dataset
 from bench.settings import SERVER_MEMORY_TOKENS, batch_policy
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.decoder import Decoder, configure_threads
-from decoding.engine import StepCounts
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.step.stream import StepCounts
 from server.config import ServerConfig, decoder_lookahead
 from server.config_layers import load_config
 

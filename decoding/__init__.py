@@ -2,6 +2,27 @@
 
 The engine knows nothing about tokenization: token ids in, token ids out.
 
+The package is four rooms, subpackages each mapped by its own docstring, tied together by a few top-level modules.
+Imports between rooms point one way, up this list (a room imports the rooms listed before it, never one after;
+``tests/test_layering.py`` holds it):
+
+- ``decoding.weights``: a model loaded (the default model fetched once, GGUF weights kept quantized, int8) and the
+  native kernels its products run on (``csrc/``).
+- ``decoding.forward``: how one step's forward runs on a device: the KV cache, the slices, and the static, fused,
+  compiled, lean and public forwards (its docstring gives which runs when); each row's greedy ids.
+- ``decoding.proposers``: where a lookahead step's guesses come from: the Jacobi window and its n-gram pool, the
+  context's copies, the shared n-gram memory, the prediction, recycled and runner-up tokens, a grammar's forced
+  tokens.
+- ``decoding.step``: one decode (``DecodeStream``, ``decoding.step.stream``) and what its steps are made of: drafts,
+  the token tree, verification, sampling, logits adjustments, logprobs; the prefix cache.
+
+Top-level modules below every room (any room may import them; they import no room): ``params`` (what a request asks,
+as plain data: ``SamplingParams``, ``StopCriteria``, ``LookaheadConfig``, ``Grammar``; no torch) and ``errors`` (the
+typed exceptions), which the server reads, and ``grammar`` (a request's grammar compiled into the ``Constraint`` that
+proposers and steps obey). Above every room: ``batch`` (``BatchEngine``, the engine: the continuous batch of decodes,
+and ``forward_batch``, where the static step or the eager forward is chosen), ``calibration`` (the step-cost curve
+measured through ``forward_batch``) and ``decoder`` (``Decoder``, the facade the server uses).
+
 The names below are imported lazily (PEP 562), so ``decoding.params`` and ``decoding.errors``, which the
 server's configuration reads, can be imported without importing torch.
 """
@@ -18,22 +39,22 @@ _EXPORTS = {
     "Decoder": "decoding.decoder",
     "configure_threads": "decoding.decoder",
     "release_free_memory": "decoding.decoder",
-    "DecodeStream": "decoding.engine",
-    "Step": "decoding.engine",
-    "StepCounts": "decoding.engine",
-    "StepStats": "decoding.engine",
-    "generate_autoregressive": "decoding.engine",
-    "generate_lookahead": "decoding.engine",
+    "DecodeStream": "decoding.step.stream",
+    "Step": "decoding.step.stream",
+    "StepCounts": "decoding.step.stream",
+    "StepStats": "decoding.step.stream",
+    "generate_autoregressive": "decoding.step.stream",
+    "generate_lookahead": "decoding.step.stream",
     "ContextLengthError": "decoding.errors",
     "GrammarError": "decoding.errors",
     "DecodingError": "decoding.errors",
     "EmptyPromptError": "decoding.errors",
     "InvalidParameterError": "decoding.errors",
     "ModelLoadError": "decoding.errors",
-    "TokenLogprob": "decoding.logprobs",
-    "MemoryUsage": "decoding.memory",
-    "NGramMemory": "decoding.memory",
-    "corpus_documents": "decoding.memory",
+    "TokenLogprob": "decoding.step.logprobs",
+    "MemoryUsage": "decoding.proposers.ngram_memory",
+    "NGramMemory": "decoding.proposers.ngram_memory",
+    "corpus_documents": "decoding.proposers.ngram_memory",
     "ANY_JSON_OBJECT": "decoding.params",
     "Grammar": "decoding.params",
     "LookaheadConfig": "decoding.params",

@@ -6,7 +6,7 @@ every running decode in one packed forward and returns ``(request_id, Step | exc
 took part, ``cancel(request_id)`` ends one early; a decode whose step carried a finish reason or raised leaves
 the batch by itself, and its cache is freed at once. ``add_documents(documents)`` adds token runs (a corpus) to
 the shared n-gram memory between steps and ``memory_usage()`` reports it (both None without a memory). With
-``BatchPolicy.prefix_cache_tokens`` > 0 the engine keeps a ``decoding.prefix_cache.PrefixCache``: ``add`` starts a
+``BatchPolicy.prefix_cache_tokens`` > 0 the engine keeps a ``decoding.step.prefix_cache.PrefixCache``: ``add`` starts a
 decode from the longest prefix of its prompt whose KV a finished decode left there or a running decode's prefilled
 prompt holds (unless ``cache_prompt`` is False, or the decode reads prompt logprobs), and a decode that completes
 leaves its KV there (unless it opted out); ``prefix_cache_stats()`` reports it (None when off). Only the
@@ -14,10 +14,11 @@ thread that owns the device calls ``add``, ``step``, ``cancel`` and those; ``val
 ``add`` runs) may be called from any thread.
 
 Underneath, ``step_batch(streams, policy)`` advances each ``DecodeStream`` by one step and returns, in order,
-its ``Step`` or the exception that ended it. All streams share one packed forward (``decoding.packed``):
-each keeps its own cache, window, pool, W/N/G and sampling state, and accepts its own number of tokens, so
-streams join and leave between calls and none waits for another. An exception raised by one stream's
-planning or verification ends that stream only; a failed forward ends the streams in it.
+its ``Step`` or the exception that ended it. All streams share one forward (``forward_batch``: the static step's
+bucket when one fits, else the packed eager forward; ``decoding.forward`` maps the order): each keeps its own cache,
+window, pool, W/N/G and sampling state, and accepts its own number of tokens, so streams join and leave between calls
+and none waits for another. An exception raised by one stream's planning or verification ends that stream only; a
+failed forward ends the streams in it.
 
 The step's token budget is shared (``allocate``): every decoding stream gets its one token, prompts are
 prefilled in chunks of at most ``prefill_chunk`` tokens per forward (so a long prompt cannot stall running
@@ -38,17 +39,17 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from decoding.engine import DecodeStream, Proposal, Step, validate_request
 from decoding.errors import InvalidParameterError
+from decoding.forward.packed import forward_packed
+from decoding.forward.slices import Slice
+from decoding.forward.static import TOKEN_BUCKETS, StaticStats, StaticStep, bucket_shape
 from decoding.grammar import GrammarCompiler
-from decoding.packed import forward_packed
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.prefix_cache import PrefixCache, PrefixCacheStats, Running
-from decoding.slices import Slice
-from decoding.static import StaticStats, StaticStep, bucket_shape
+from decoding.step.prefix_cache import PrefixCache, PrefixCacheStats, Running
+from decoding.step.stream import DecodeStream, Proposal, Step, validate_request
 
 if TYPE_CHECKING:
-    from decoding.memory import MemoryUsage, NGramMemory
+    from decoding.proposers.ngram_memory import MemoryUsage, NGramMemory
 
 # Relative cost of one engine forward by input tokens, over a 300-token cache: SmolLM2-135M, float32 with packed
 # linears and the panel kernel's AVX-512 entry, 1 thread (configs/cpu.yaml's curve, `python -m bench --step-cost`,
@@ -66,14 +67,14 @@ class BatchPolicy:
     - ``prefill_chunk``: prompt tokens per forward while other streams are running.
     - ``step_cost``: ``(tokens, relative cost)`` points of the step-cost curve, ascending; linear in between
       and beyond the last point.
-    - ``static_step``: ``"off"`` (every forward eager) or the ``decoding.static`` mode of the engine's static
+    - ``static_step``: ``"off"`` (every forward eager) or the ``decoding.forward.static`` mode of the engine's static
       step; with one, a forward is priced at the padded bucket it runs in (``padded_tokens``).
     - ``static_sequences``: rows of the static step's KV pool (decodes at once; more run eagerly).
     - ``measure_step_cost``: the engine's builder (``decoding.decoder.Decoder.batch_engine``) replaces
       ``step_cost`` with the curve it measures on the device (``decoding.calibration``); ``step_cost`` is then
       the fallback.
     - ``prefix_cache_tokens``: tokens of finished decodes' KV the engine keeps for later prompts that start the
-      same way (``decoding.prefix_cache``; 0: off).
+      same way (``decoding.step.prefix_cache``; 0: off).
     """
 
     max_step_tokens: int = 128
@@ -108,6 +109,30 @@ class BatchPolicy:
         shape = bucket_shape(len(running), max(running)) if self.static_step != "off" and running else None
         return sum(running) if shape is None else shape[0] * shape[1]
 
+    def fits(self, budgets: Sequence[int]) -> bool:
+        """Whether a forward over streams with these token ``budgets`` (0: sits out) runs in one of the static
+        step's buckets; always true without a static step (nothing is padded, nothing falls back). A forward
+        that fits none runs eagerly, at a cost the measured curve (graph replays) does not price: on an H200,
+        ~18 ms against ~4 ms.
+
+        >>> policy = BatchPolicy(static_step="graphs")
+        >>> policy.fits([1] * 7 + [128]), policy.fits([1] * 7 + [129]), BatchPolicy().fits([1] * 7 + [900])
+        (True, False, True)
+        """
+        running = [budget for budget in budgets if budget]
+        return self.static_step == "off" or not running or bucket_shape(len(running), max(running)) is not None
+
+    def widest_fitting(self, sequences: int) -> int | None:
+        """The most tokens one of ``sequences`` running streams may take with the forward still in a bucket
+        (the others at one token each); None without a static step (no bound), 0 when no bucket holds them.
+
+        >>> BatchPolicy(static_step="graphs").widest_fitting(8), BatchPolicy().widest_fitting(8)
+        (128, None)
+        """
+        if self.static_step == "off":
+            return None
+        return max((tokens for tokens in TOKEN_BUCKETS if bucket_shape(sequences, tokens) is not None), default=0)
+
 
 def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
     """Token budgets for one forward, one per proposal; 0 means the stream sits this forward out.
@@ -118,7 +143,9 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
     (one candidate, no window), when that fits in ``max_step_tokens`` and either it is a probe (acceptance
     must be re-measured) or its expected gain raises committed tokens per unit of step cost (of the padded
     bucket, with a static step: ``BatchPolicy.padded_tokens``). The gain of the smaller step is taken to be the
-    full step's: the stream's acceptance estimate then tracks what it gets.
+    full step's: the stream's acceptance estimate then tracks what it gets. With a static step, no step leaves
+    the buckets for an eager forward (``BatchPolicy.fits``): prefill chunks shrink to fit, and a draft that would
+    not fit is not taken.
     """
     if len(proposals) == 1:
         return [proposals[0].tokens]
@@ -128,6 +155,7 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
         if proposal.prefill:
             budgets[index] = min(proposal.tokens, prefill_left)
             prefill_left -= budgets[index]
+    _fit_prefill(proposals, budgets, policy)
     used = sum(budgets)
     expected = float(sum(1 for proposal in proposals if not proposal.prefill))
     wanting = [i for i, p in enumerate(proposals) if not p.prefill and p.tokens > 1]
@@ -138,6 +166,8 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
             if extra < 1 or used + extra > policy.max_step_tokens:
                 continue
             trial = [*budgets[:index], budgets[index] + extra, *budgets[index + 1 :]]
+            if not policy.fits(trial) and policy.fits(budgets):
+                continue  # it would leave the static step's buckets for an eager forward
             pays = (expected + proposal.gain) / policy.cost(policy.padded_tokens(trial)) > \
                 expected / policy.cost(policy.padded_tokens(budgets))
             if proposal.probe or pays:
@@ -148,11 +178,22 @@ def allocate(proposals: Sequence[Proposal], policy: BatchPolicy) -> list[int]:
     return budgets
 
 
+def _fit_prefill(proposals: Sequence[Proposal], budgets: list[int], policy: BatchPolicy) -> None:
+    """Shrink the prefill chunks of ``budgets`` (in place; each keeps at least one token) so that, with a static
+    step, a forward beside other streams stays in a bucket (``BatchPolicy.fits``)."""
+    if policy.fits(budgets):
+        return
+    widest = max(1, policy.widest_fitting(sum(1 for budget in budgets if budget)) or 1)
+    for index, proposal in enumerate(proposals):
+        if proposal.prefill and budgets[index] > widest:
+            budgets[index] = widest
+
+
 def step_batch(
     streams: Sequence[DecodeStream], policy: BatchPolicy, static: StaticStep | None = None
 ) -> list[Step | BaseException | None]:
     """Advance the (unfinished) streams by one step in one packed forward; see the module contract. With
-    ``static``, a step whose slices fit one of its buckets runs there (``decoding.static``), else eagerly.
+    ``static``, a step whose slices fit one of its buckets runs there (``decoding.forward.static``), else eagerly.
 
     Each result is the stream's ``Step``, the exception that ended it, or None when the stream sat this
     forward out (a prompt waiting for its prefill chunk).
@@ -340,7 +381,7 @@ class BatchEngine:
         return sources
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """The prefix cache's contents and counters (``decoding.prefix_cache.PrefixCacheStats``); None when off."""
+        """The prefix cache's contents and counters (``decoding.step.prefix_cache.PrefixCacheStats``); None when off."""
         return None if self.prefix_cache is None else self.prefix_cache.stats()
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]:
@@ -363,7 +404,7 @@ class BatchEngine:
         return reported
 
     def static_stats(self) -> StaticStats | None:
-        """The static step's buckets and captures so far (``decoding.static.StaticStats``); None without one."""
+        """The static step's buckets and captures so far (``decoding.forward.static.StaticStats``); None without one."""
         return None if self.static is None else self.static.stats()
 
     def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None:

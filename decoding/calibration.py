@@ -1,9 +1,9 @@
 """The step-cost curve measured where the server runs: what a forward of k input tokens costs against one token.
 
 Contract: ``measure_step_cost(model, static, max_tokens)`` times one stream's forward of k input tokens, causal
-over a cache already holding ``CONTEXT`` tokens, through ``decoding.batch.forward_batch``: the path the engine
-takes (the static step's bucket when one fits, replayed as a CUDA graph on CUDA; else the eager forward: the fused
-CPU step, the lean step or the public forward). The ks are the static step's token buckets up to ``max_tokens``
+over a cache already holding ``CONTEXT`` tokens, through ``decoding.batch.forward_batch``: the path the
+engine takes (the static step's bucket when one fits, replayed as a CUDA graph on CUDA; else the eager forward: the
+fused CPU step, the lean step or the public forward). The ks are the static step's token buckets up to ``max_tokens``
 with a static step, powers of two up to it without. Each time is wall clock around the whole call, its inputs'
 preparation and the read of its argmax ids to the host included (that read waits for the device), so it is what a
 step pays apart from drafting and verifying. The ks are run in rounds (every k once a round, so a burst of noise
@@ -23,9 +23,9 @@ import torch
 from transformers import PreTrainedModel
 
 from decoding.batch import forward_batch
-from decoding.kv_cache import SlotCache, new_cache
-from decoding.slices import Slice
-from decoding.static import TOKEN_BUCKETS, StaticStep
+from decoding.forward.kv_cache import SlotCache, new_cache
+from decoding.forward.slices import Slice
+from decoding.forward.static import TOKEN_BUCKETS, StaticStep
 
 CONTEXT = 256  # cached tokens under the timed steps: a conversation's first turn
 ROUNDS = 3

@@ -1,15 +1,14 @@
 """The facade the server uses: one loaded model, its continuous batch, and single decodes.
 
 Contract: ``Decoder.batch_engine(policy, memory_tokens, memory_file, memory_corpus)`` gives the server its
-``BatchEngine`` (``decoding.batch``): requests added by id, all of them stepped in one forward per ``step``,
-cancelled by id, sharing one n-gram memory of recent completions (``decoding.memory``) when ``memory_tokens`` > 0,
+``BatchEngine`` (``decoding.batch``): requests added by id, all of them stepped in one forward per ``step``, cancelled
+by id, sharing one n-gram memory of recent completions (``decoding.proposers.ngram_memory``) when ``memory_tokens`` > 0,
 started from ``memory_file`` when it holds one, then the text files of ``memory_corpus`` (``load_corpus``);
 ``Decoder.save_memory`` writes it back. ``Decoder.validate`` is the one check of a request's decoding parameters
-(``InvalidParameterError`` naming the parameter, no forward pass); the engine runs the same check.
-``Decoder.decode`` validates and returns one decode's generator of ``Step`` (see ``decoding.engine``), for callers
-that decode alone (benchmarks, tests); ``lookahead=None`` selects plain autoregressive decoding. Only the thread
-that owns the device may step the engine or iterate the generators. Everything crossing this boundary is plain
-Python data.
+(``InvalidParameterError`` naming the parameter, no forward pass); the engine runs the same check. ``Decoder.decode``
+validates and returns one decode's generator of ``Step`` (see ``decoding.step.stream``), for callers that decode alone
+(benchmarks, tests); ``lookahead=None`` selects plain autoregressive decoding. Only the thread that owns the device may
+step the engine or iterate the generators. Everything crossing this boundary is plain Python data.
 """
 
 from __future__ import annotations
@@ -25,17 +24,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from decoding import native
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.calibration import measure_step_cost
-from decoding.cores import resolve_threads
-from decoding.engine import Step, context_length, generate_autoregressive, generate_lookahead, validate_request
 from decoding.errors import InvalidParameterError
-from decoding.gguf_model import load_gguf_model
+from decoding.forward.static import StaticStep, build_static_step, warm_buckets
 from decoding.grammar import Constraint, Grammar, GrammarCompiler
-from decoding.linears import is_float32_cpu, pack_float32, packed_float32_available
-from decoding.loading import LoadedModel, is_gguf_model, load_model, resolve_device, resolve_dtype
-from decoding.memory import (
+from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.proposers.ngram_memory import (
     MemoryFileError,
     NGramMemory,
     corpus_documents,
@@ -43,9 +38,20 @@ from decoding.memory import (
     save_memory,
     vocabulary_id,
 )
-from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.quantize import quantize_int8
-from decoding.static import StaticStep, build_static_step, warm_buckets
+from decoding.step.stream import Step, generate_autoregressive, generate_lookahead, validate_request
+from decoding.weights import native
+from decoding.weights.cores import resolve_threads
+from decoding.weights.gguf_model import load_gguf_model
+from decoding.weights.linears import is_float32_cpu, pack_float32, packed_float32_available
+from decoding.weights.loading import (
+    LoadedModel,
+    context_length,
+    is_gguf_model,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from decoding.weights.quantize import quantize_int8
 
 QUANTIZE = ("none", "int8")
 log = logging.getLogger(__name__)
@@ -63,8 +69,8 @@ def release_free_memory() -> None:
 
 
 def configure_threads(num_threads: int | str) -> int:
-    """Set torch's intra-op threads and the native kernels' thread pool (``decoding.native.set_threads``) to
-    ``num_threads``: a count, ``"auto"`` (``decoding.cores.usable_cores``: the physical cores this process may
+    """Set torch's intra-op threads and the native kernels' thread pool (``decoding.weights.native.set_threads``) to
+    ``num_threads``: a count, ``"auto"`` (``decoding.weights.cores.usable_cores``: the physical cores this process may
     use), or ``0`` (torch's default kept, the pool as large). Returns the count both now use. Raises
     ``ValueError`` on any other value."""
     count = resolve_threads(num_threads)
@@ -96,8 +102,8 @@ def prepare_linears(model: PreTrainedModel, quantize: str = "none", weight_layou
     """Swap ``model``'s linear layers in place as asked; return what runs them: ``"int8"``, ``"packed"`` or
     ``"torch"`` (``nn.Linear`` as loaded).
 
-    ``quantize="int8"``: ``decoding.quantize.quantize_int8`` (greedy output is then exact with respect to the
-    quantized model). ``weight_layout="packed"``: ``decoding.linears.pack_float32``; ``"auto"`` packs a float32
+    ``quantize="int8"``: ``decoding.weights.quantize.quantize_int8`` (greedy output is then exact with respect to the
+    quantized model). ``weight_layout="packed"``: ``decoding.weights.linears.pack_float32``; ``"auto"`` packs a float32
     CPU model when this torch build has oneDNN and no quantization is asked, and leaves any other model alone.
     Raises ``InvalidParameterError`` on unknown values, on int8 with ``"packed"``, and where the model is not
     float32 on the CPU for either.
@@ -116,8 +122,8 @@ def prepare_linears(model: PreTrainedModel, quantize: str = "none", weight_layou
 def gguf_refusal(
     model: str, device: str, dtype: str, quantize: str = "none", weight_layout: str = "auto"
 ) -> str | None:
-    """Why ``model`` cannot run from its GGUF weights as they are here (``decoding.gguf_model``); None when it can:
-    a GGUF model on the CPU in float32, no int8, not the ``"torch"`` layout, and the native kernel built."""
+    """Why ``model`` cannot run from its GGUF weights as they are here (``decoding.weights.gguf_model``); None when it
+    can: a GGUF model on the CPU in float32, no int8, not the ``"torch"`` layout, and the native kernel built."""
     if not is_gguf_model(model):
         return f"{model!r} is not a GGUF file"
     torch_device = resolve_device(device)
@@ -242,7 +248,8 @@ class Decoder:
 
     @functools.cached_property
     def vocabulary_id(self) -> str:
-        """The id of this tokenizer's vocabulary that memory files are saved under (``decoding.memory``)."""
+        """The id of this tokenizer's vocabulary that memory files are saved under
+        (``decoding.proposers.ngram_memory``)."""
         return vocabulary_id(self.loaded.tokenizer.get_vocab())
 
     def batch_engine(

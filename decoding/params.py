@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from decoding.errors import InvalidParameterError
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the embedded default model (decoding.loading fetches it)
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the embedded default model (decoding.weights.loading fetches it)
 
 # The one definition of every lookahead integer's range, [low, high]: ``LookaheadConfig.validate`` checks it,
 # and the server's config schema, CLI flags, OpenAPI document and request validation derive theirs from it.
@@ -84,7 +84,7 @@ class SamplingParams:
     """Token choice. ``temperature == 0`` means greedy (argmax); ``top_k == 0``, ``top_p == 1`` and ``min_p == 0``
     disable them; ``top_p == 0`` keeps only the most likely token.
 
-    Logit adjustments (``decoding.logits``), applied at every chosen or verified position before the argmax or
+    Logit adjustments (``decoding.step.logits``), applied at every chosen or verified position before the argmax or
     the warp, each neutral by default: ``repetition_penalty`` (> 0; HF/vLLM: logits of tokens in the prompt or
     the output so far are divided by it when positive, multiplied when negative), ``frequency_penalty`` and
     ``presence_penalty`` (OpenAI's, in [-2, 2]: minus ``frequency * count + presence * (count > 0)`` over the
@@ -92,7 +92,7 @@ class SamplingParams:
     ``min_p`` (in [0, 1]) drops tokens whose probability after temperature is below ``min_p`` times the best's.
 
     ``top_logprobs`` (None: no logprobs; 0..``MAX_TOP_LOGPROBS``) asks every ``Step`` for the committed tokens'
-    logprobs under the raw model logits plus that many alternatives each (``decoding.logprobs``); it never
+    logprobs under the raw model logits plus that many alternatives each (``decoding.step.logprobs``); it never
     changes which tokens are chosen.
 
     ``grammar`` (None: unconstrained) restricts every chosen or verified token to what the grammar allows next
@@ -217,7 +217,8 @@ class LookaheadConfig:
       input token, at the cost of ``(N-2)·W`` more logit rows (the LM head's share of a step, which a GPU does
       not notice and a CPU does). Greedy steps with unadjusted logits only.
     - ``shared_memory``: draw candidates from, and add this decode's output to, the engine's server-wide n-gram
-      memory (``decoding.memory.NGramMemory``) when the engine has one; False opts this decode out of both.
+      memory (``decoding.proposers.ngram_memory.NGramMemory``) when the engine has one; False opts this decode out of
+      both.
     - ``runner_up`` (0..``MAX_TOP_TOKENS``, 0 = off): the ``decoding.proposers.runner_up`` source: the tokens the
       model ranked best at the row that chose ``last`` are guessed as the token after it (LogitSpec), each
       continued from the context; this many of them.

@@ -108,6 +108,7 @@ class Row:
     itl_p50: float | None
     itl_p95: float | None
     tokens_per_step: float | None
+    eager_forwards: int | None = None  # the server's forwards that ran eagerly during the level (None: unread)
 
 
 # --- arithmetic -------------------------------------------------------------------------------------------
@@ -265,16 +266,47 @@ async def client_loop(client: AsyncOpenAI, prompts: Sequence[PromptSpec], index:
     return results
 
 
+def eager_forward_count(metrics: str) -> int | None:
+    """``lookahead_forwards_total{path="eager"}`` in a Prometheus exposition (0 when the server exports the
+    counter without that path yet; None when it exports no forward counter at all).
+
+    >>> eager_forward_count('lookahead_forwards_total{path="graph"} 7.0\\nlookahead_forwards_total{path="eager"} 2.0')
+    2
+    >>> eager_forward_count('lookahead_forwards_total{path="graph"} 7.0'), eager_forward_count("up 1")
+    (0, None)
+    """
+    values = {line.split("}")[0].split('path="')[-1].rstrip('"'): float(line.split()[-1])
+              for line in metrics.splitlines() if line.startswith("lookahead_forwards_total{")}
+    return int(values.get("eager", 0)) if values else None
+
+
+async def read_eager_forwards(client: AsyncOpenAI) -> int | None:
+    """The server's eager forwards so far (``eager_forward_count`` of its ``/metrics``); None when unreadable."""
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            response = await http.get(f"{root}/metrics", headers={"Authorization": f"Bearer {client.api_key}"})
+        return eager_forward_count(response.text) if response.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
 async def run_level(client: AsyncOpenAI, prompt_set: str, prompts: Sequence[PromptSpec], mode: str, level: int,
                     model: str, args: argparse.Namespace) -> tuple[Row, list[RequestResult]]:
-    """All clients of one concurrency level at once; the row and every request's result."""
+    """All clients of one concurrency level at once; the row (with the eager forwards the server ran meanwhile:
+    at the CUDA preset a step that fits no CUDA graph) and every request's result."""
+    eager_before = await read_eager_forwards(client)
     started = time.monotonic()
     deadline = started + args.max_seconds
     per_client = await asyncio.gather(*(client_loop(client, prompts, index, level, mode, model, args, deadline)
                                         for index in range(level)))
     wall = time.monotonic() - started
     results = [result for results in per_client for result in results]
-    return summarize_level(prompt_set, mode, level, results, wall), results
+    eager_after = await read_eager_forwards(client)
+    row = summarize_level(prompt_set, mode, level, results, wall)
+    if eager_before is not None and eager_after is not None:
+        row = replace(row, eager_forwards=eager_after - eager_before)
+    return row, results
 
 
 def lookahead_settings(results: Sequence[RequestResult]) -> str:

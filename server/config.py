@@ -31,8 +31,8 @@ from annotated_types import Ge
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
-from decoding.cores import AUTO
 from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, MAX_TOP_TOKENS, LookaheadConfig, NumberBounds
+from decoding.weights.cores import AUTO
 
 if TYPE_CHECKING:  # decoding.batch loads torch: imported where it is used
     from decoding.batch import BatchPolicy

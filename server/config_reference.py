@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic.fields import FieldInfo
 
-from decoding.cores import AUTO, usable_cores
+from decoding.weights.cores import AUTO, usable_cores
 from server.config import ServerConfig, field_extra, fields, scalar_type
 from server.config_layers import DEFAULT_LAYER, DEVICE_PRESETS, Resolved, resolve
 from server.flags import config_flags

@@ -116,7 +116,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 def device_preset(device: str) -> str:
     """``cpu`` or ``cuda``: the preset for a configured device (``auto`` asks torch, through decoding)."""
     if device == "auto":
-        from decoding.loading import resolve_device
+        from decoding.weights.loading import resolve_device
 
         device = str(resolve_device("auto"))
     return "cuda" if device.startswith("cuda") else "cpu"

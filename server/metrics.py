@@ -53,8 +53,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:  # only read here; importing decoding would load torch for the deployment tests
     from decoding import StepCounts
-    from decoding.prefix_cache import PrefixCacheStats
-    from decoding.static import StaticStats
+    from decoding.forward.static import StaticStats
+    from decoding.step.prefix_cache import PrefixCacheStats
 
 PREFIX = "lookahead"
 FINISH_REASONS = ("stop", "length", "abort", "error")

@@ -35,7 +35,7 @@ from ray import serve
 from ray.serve import metrics as serve_metrics
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from decoding.cores import resolve_threads
+from decoding.weights.cores import resolve_threads
 from server.config import ServerConfig
 from server.config_layers import requested_device, resolve
 from server.ray_metrics import RayMirror, samples

@@ -49,7 +49,7 @@ from decoding import (
     TokenLogprob,
     release_free_memory,
 )
-from decoding.static import StaticStats
+from decoding.forward.static import StaticStats
 from server.metrics import Metrics
 from server.plans import GenerationPlan, Output, Summary
 from server.text import TextStream

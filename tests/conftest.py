@@ -43,6 +43,6 @@ def tiny_model(request):
 @pytest.fixture(scope="session")
 def real_model():
     """The embedded default model (SmolLM2-135M-Instruct), loaded once per session on the CPU in float32."""
-    from decoding.loading import load_model
+    from decoding.weights.loading import load_model
 
     return load_model(device="cpu", dtype="float32")

@@ -3,7 +3,13 @@
 The tooling package ``bench`` sits beside them: it measures ``decoding`` and reads the server's settings
 (``server.config``, the layers that resolve them, ``server.config_layers``, and their command-line flags,
 ``server.flags``) but nothing else of the server; neither ``decoding`` nor ``server`` imports it. Within each of
-the three packages no import circle closes, annotations included."""
+the three packages no import circle closes, annotations included.
+
+Inside ``decoding``, imports point one way through its rooms (``decoding/__init__.py`` maps them): the top-level
+ground (``params``, ``errors``, ``grammar``) imports no room, each room (``ROOMS``, lowest first) imports only itself,
+the rooms before it and the ground, and the top-level modules above the rooms (``batch``, ``calibration``,
+``decoder``, and the package's own lazy face ``decoding``) import anything below them; a module outside that map
+fails."""
 
 from __future__ import annotations
 
@@ -119,3 +125,62 @@ def test_the_walk_sees_function_level_and_annotation_imports():
 @pytest.mark.parametrize("package", ["decoding", "server", "bench"])
 def test_modules_import_each_other_without_circles(package):
     assert cycles_of(import_graph(package)) == []
+
+
+# ``decoding``'s rooms, lowest first; the top-level modules below them (GROUND) and above them (ABOVE_ROOMS).
+ROOMS = ["weights", "forward", "proposers", "step"]
+GROUND = {"decoding.params", "decoding.errors", "decoding.grammar"}
+ABOVE_ROOMS = {"decoding", "decoding.batch", "decoding.calibration", "decoding.decoder"}
+PLACES = ["ground", *ROOMS, "above the rooms"]
+
+
+def place(module: str) -> int:
+    """``module``'s index in ``PLACES``: 0 the ground, then each room in order, last the modules above the rooms.
+    Raises ``ValueError`` for a module the map does not place (a new top-level module or subpackage).
+
+    >>> place("decoding.params"), place("decoding.forward.static"), place("decoding.step"), place("decoding.batch")
+    (0, 2, 4, 5)
+    """
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in ROOMS:
+        return 1 + ROOMS.index(parts[1])
+    if module in GROUND:
+        return 0
+    if module in ABOVE_ROOMS:
+        return len(PLACES) - 1
+    raise ValueError(f"{module} is in no room of decoding: add it to ROOMS, GROUND or ABOVE_ROOMS")
+
+
+def upward_imports(graph: dict[str, set[str]], index: int) -> dict[str, list[str]]:
+    """The modules at ``PLACES[index]`` that import a module placed above them, with those imports.
+
+    >>> upward_imports({"decoding.forward.static": {"decoding.step.stream", "decoding.forward.slices"}}, 2)
+    {'decoding.forward.static': ['decoding.step.stream']}
+    """
+    found = {}
+    for module, imported in graph.items():
+        if place(module) == index:
+            upward = sorted(name for name in imported if place(name) > index)
+            if upward:
+                found[module] = upward
+    return found
+
+
+def test_every_decoding_module_has_a_place():
+    graph = import_graph("decoding")
+    assert {module.split(".")[1] for module in graph if module.count(".") >= 2} == set(ROOMS)
+    for module in graph:
+        place(module)
+
+
+def test_the_room_check_sees_an_upward_import():
+    """``decoding.forward.static`` once read ``context_length`` off the stream module of the room above."""
+    graph = import_graph("decoding")
+    graph["decoding.forward.static"] = graph["decoding.forward.static"] | {"decoding.step.stream"}
+    found = upward_imports(graph, place("decoding.forward.static"))
+    assert found == {"decoding.forward.static": ["decoding.step.stream"]}
+
+
+@pytest.mark.parametrize("index", range(len(PLACES) - 1), ids=PLACES[:-1])
+def test_decoding_imports_point_down_the_rooms(index):
+    assert upward_imports(import_graph("decoding"), index) == {}

@@ -9,6 +9,22 @@ tokens a step may need beyond ``LookaheadConfig.step_tokens`` (a prediction's co
 
 Adding a source: one module with a class that meets ``Proposer`` (``decoding.proposers.base``), one entry here,
 and one ``LookaheadConfig`` field (on or off, and its size) when it needs one. The step never changes.
+
+The proposers room sits below the step room (``decoding.step``, which asks it for drafts) and above the forward and
+weights rooms; its modules import one another, the rooms below and the top-level ground (``decoding.params``,
+``decoding.errors``, ``decoding.grammar``), nothing above (``tests/test_layering.py``).
+
+Modules:
+
+- the seam, ``base``: ``Proposer``, ``Context``, ``Draft``, ``Outcome`` and the gate that decides when a source pays;
+- the sources, one module each, in the registry's order: ``jump`` (the tokens a grammar forces), ``copies`` (the
+  context's own continuations), ``memory`` (the shared n-gram memory's), ``prediction`` (the request's predicted
+  output's), ``recycled`` (the top next tokens of the rows steps read, recycled), ``jacobi`` (``pool``: the Jacobi
+  window and its n-gram pool), ``runner_up`` (the next-best tokens of the row that chose ``last``);
+- what the sources read: ``window`` (the 2-D Jacobi window, and the layout of a lookahead step around it), ``pool``
+  (``NGramPool``, the window's n-grams keyed by the token before them; ``ContextIndex``, where each token occurs in
+  the text so far), ``ngram_memory`` (``NGramMemory``: the server-wide memory of recent completions and corpora, its
+  usage, and its file).
 """
 
 from __future__ import annotations
@@ -17,13 +33,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from decoding.grammar import Constraint
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig
 from decoding.proposers.base import Context, Draft, Gate, Outcome, Proposer, Span
 from decoding.proposers.copies import COPY, CopyProposer
 from decoding.proposers.jacobi import POOL, JacobiProposer
 from decoding.proposers.jump import JUMP, JumpProposer
 from decoding.proposers.memory import MEMORY, MemoryProposer
+from decoding.proposers.ngram_memory import NGramMemory
 from decoding.proposers.prediction import (
     PREDICTION,
     PREDICTION_COPY_LENGTH,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from decoding.params import LookaheadConfig
-from decoding.pool import ContextIndex, covered
+from decoding.proposers.pool import ContextIndex, covered
 
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 64

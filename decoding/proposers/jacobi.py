@@ -1,15 +1,14 @@
 """The Jacobi window and its n-gram pool: lookahead decoding's own candidate source (``pool``).
 
-Contract: ``JacobiProposer`` owns the 2-D Jacobi window (``decoding.window.Window``), the n-gram pool it fills
-(``decoding.pool.NGramPool``) and the gate of verifying steps. ``propose`` returns up to ``budget`` n-grams (N-1
-tokens) after ``last``: with ``rank_by_context``, the prompt's and output's continuations best matching the
-preceding context first (``Context.index``), then the pool's, most recent first; none while its gate says verifying
-does not pay at their price, the window's tokens included where the window is lazy (it then runs for them alone;
+Contract: ``JacobiProposer`` owns the 2-D Jacobi window (``decoding.proposers.window.Window``), the n-gram pool it fills
+(``decoding.proposers.pool.NGramPool``) and the gate of verifying steps. ``propose`` returns up to ``budget`` n-grams
+(N-1 tokens) after ``last``: with ``rank_by_context``, the prompt's and output's continuations best matching the
+preceding context first (``Context.index``), then the pool's, most recent first; none while its gate says verifying does
+not pay at their price, the window's tokens included where the window is lazy (it then runs for them alone;
 ``decoding.proposers.base.break_even``). ``wants_window`` says whether the step should run the window even without a
 candidate (it pays and the window is not lazy). The step reads ``window`` for its lookahead branch and reports back
-through ``advance`` (the window ran: its new bottom row) or ``skip`` (it did not), then ``feedback``, which folds
-the step's accepted guesses into the gate and, without ``rank_by_context``, adds the new output's n-grams to the
-pool.
+through ``advance`` (the window ran: its new bottom row) or ``skip`` (it did not), then ``feedback``, which folds the
+step's accepted guesses into the gate and, without ``rank_by_context``, adds the new output's n-grams to the pool.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from decoding.params import LookaheadConfig
-from decoding.pool import NGramPool
 from decoding.proposers.base import Context, Draft, Gate, Outcome, break_even, tree_size
-from decoding.window import Window, context_filler
+from decoding.proposers.pool import NGramPool
+from decoding.proposers.window import Window, context_filler
 
 POOL = "pool"
 

@@ -1,21 +1,21 @@
 """The server-wide n-gram memory as a candidate source (``memory``).
 
-Contract: ``MemoryProposer`` proposes continuations of ``last`` from the shared ``decoding.memory.NGramMemory``
-(recent completions of every request), matched on at least ``copy_min_match`` preceding tokens. With copy steps
-on (``copy_length`` > 0) it is standalone and proposes like the context's copies: up to ``copy_candidates``, its
-best one stretched (``Span``), the others ``copy_length`` tokens; without, it proposes (N-1)-token n-grams that
-join the window's step. Gated by its own running mean of accepted tokens. Built only when the decode has a
-memory (``DecodeStream``'s ``memory``, not opted out by ``LookaheadConfig.shared_memory``). It only reads the
-memory: the stream adds its output when it finishes.
+Contract: ``MemoryProposer`` proposes continuations of ``last`` from the shared
+``decoding.proposers.ngram_memory.NGramMemory`` (recent completions of every request), matched on at least
+``copy_min_match`` preceding tokens. With copy steps on (``copy_length`` > 0) it is standalone and proposes like the
+context's copies: up to ``copy_candidates``, its best one stretched (``Span``), the others ``copy_length`` tokens;
+without, it proposes (N-1)-token n-grams that join the window's step. Gated by its own running mean of accepted tokens.
+Built only when the decode has a memory (``DecodeStream``'s ``memory``, not opted out by
+``LookaheadConfig.shared_memory``). It only reads the memory: the stream adds its output when it finishes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig
 from decoding.proposers.base import Context, Draft, GatedCopies, Span, stretched
+from decoding.proposers.ngram_memory import NGramMemory
 
 MEMORY = "memory"
 

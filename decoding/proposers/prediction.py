@@ -1,10 +1,10 @@
 """The request's prediction as a candidate source (``prediction``): OpenAI's predicted outputs.
 
 Contract: ``PredictionProposer`` keeps the token ids the client expects the output to resemble as a private
-``decoding.memory.NGramMemory`` document and proposes up to ``copy_candidates`` of its continuations of ``last``,
-each ``prediction_copy_length`` tokens (at least ``PREDICTION_COPY_LENGTH``, even with copy steps off), matched on
-at least ``max(1, copy_min_match)`` tokens; where that length's extra tokens over ``copy_length`` cost a whole
-accepted token or more on the step's price (``Context.price``: a CPU), the copies start at ``copy_length`` and
+``decoding.proposers.ngram_memory.NGramMemory`` document and proposes up to ``copy_candidates`` of its continuations of
+``last``, each ``prediction_copy_length`` tokens (at least ``PREDICTION_COPY_LENGTH``, even with copy steps off),
+matched on at least ``max(1, copy_min_match)`` tokens; where that length's extra tokens over ``copy_length`` cost a
+whole accepted token or more on the step's price (``Context.price``: a CPU), the copies start at ``copy_length`` and
 double after each copy accepted whole, up to that length (``Span``). Standalone, gated by its own running mean, so a
 wrong prediction stops being verified without turning the request's other sources off. Built only for a non-empty
 prediction.
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig
 from decoding.proposers.base import Context, Draft, GatedCopies, Span
+from decoding.proposers.ngram_memory import NGramMemory
 
 PREDICTION = "prediction"
 PREDICTION_COPY_LENGTH = 32  # the fewest tokens a prediction's copy proposes (see prediction_copy_length)

@@ -4,9 +4,11 @@ at most 8 files; the report reads as tables; the wrapper and the docstring descr
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -246,6 +248,37 @@ def test_the_random_stand_in_has_the_default_models_shape():
     config = gpu_step_cost.default_model_shape().config
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.vocab_size) == (30, 576, 9, 3, 49152)
+
+
+@pytest.mark.parametrize(("events", "message"), [
+    (['{"choices": [{"delta": {"content": "x"}}]}', '{"error": {"message": "boom"}}'], "an error: boom"),
+    (['{"choices": [{"delta": {"content": "x"}}]}', "[DONE]"], "without its usage"),
+])
+def test_a_streamed_request_that_ends_in_an_error_fails(events, message):
+    """On the first H200 run every stream after the first ended in an error event, and the part read them as
+    served: a stream with an error, or without its usage, is a failure."""
+    body = "".join(f"data: {event}\n\n" for event in events).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the standard library's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(gpu_parts.RequestFailed, match=message):
+            gpu_parts.streamed_request(f"http://127.0.0.1:{server.server_port}", "m", 10)
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.real_model

@@ -10,7 +10,7 @@ import pytest
 from bench import cli, heldout
 from bench.records import RunRecord
 from decoding.decoder import Decoder
-from decoding.memory import NGramMemory, load_memory
+from decoding.proposers.ngram_memory import NGramMemory, load_memory
 from server.config_layers import load_config
 from tests.bench.helpers import fake_prompt_sets, save_tiny_model
 

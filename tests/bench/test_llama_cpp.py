@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bench import llama_cpp, measure
-from decoding.loading import default_gguf
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.weights.loading import default_gguf
 
 
 def test_asking_for_llama_cpp_without_a_gguf_file_is_an_error() -> None:

@@ -7,9 +7,9 @@ import pytest
 from bench import measure, records, report
 from decoding.batch import BatchPolicy
 from decoding.errors import InvalidParameterError
-from decoding.linears import pack_float32
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.weights.linears import pack_float32
 from tests.conftest import tiny_llama
 
 EOS = 2
@@ -86,7 +86,7 @@ def test_transformers_methods_run_on_their_own_model_when_given_one(model) -> No
     methods = ["greedy", "generate", "prompt_lookup"]
     runners = measure.make_runners(methods, LookaheadConfig(), 3, transformers_model=model)
     calls = {"ours": 0, "transformers": 0}
-    hooks = [  # one output projection per forward, whichever way the forward runs (decoding.lean or not)
+    hooks = [  # one output projection per forward, whichever way the forward runs (decoding.forward.lean or not)
         packed.lm_head.register_forward_pre_hook(lambda *_: calls.__setitem__("ours", calls["ours"] + 1)),
         model.lm_head.register_forward_pre_hook(
             lambda *_: calls.__setitem__("transformers", calls["transformers"] + 1)

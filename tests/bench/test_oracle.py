@@ -9,7 +9,7 @@ import pytest
 
 from bench import oracle
 from bench.oracle import Source, replay, replay_all
-from decoding.memory import NGramMemory
+from decoding.proposers.ngram_memory import NGramMemory
 from tests.bench.helpers import fake_prompt_sets, save_tiny_model
 
 NONE = Source("none", 0, 0)

@@ -17,8 +17,8 @@ from bench.structured import (
     time_llguidance,
 )
 from decoding.grammar import GrammarCompiler
-from decoding.loading import ensure_default_model
 from decoding.params import Grammar
+from decoding.weights.loading import ensure_default_model
 
 
 @pytest.fixture(scope="module")

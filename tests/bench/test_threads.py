@@ -10,8 +10,8 @@ import torch
 
 from bench import cli, threads
 from bench.measure import RunRecord
-from decoding import native
-from decoding.cores import usable_cores
+from decoding.weights import native
+from decoding.weights.cores import usable_cores
 from tests.bench.helpers import save_tiny_model
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoding import native
+from decoding.weights import native
 
 
 @pytest.fixture(params=["avx2", "avx512"])

@@ -8,10 +8,17 @@ from dataclasses import replace
 import pytest
 
 from decoding.batch import BatchEngine, BatchPolicy, allocate, step_batch
-from decoding.engine import DecodeStream, Proposal, StepCounts, StepStats, generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
-from decoding.memory import NGramMemory
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.proposers.ngram_memory import NGramMemory
+from decoding.step.stream import (
+    DecodeStream,
+    Proposal,
+    StepCounts,
+    StepStats,
+    generate_autoregressive,
+    generate_lookahead,
+)
 from tests.decoding.stubs import StubLM, cycle_model
 
 PROMPTS = [
@@ -163,6 +170,22 @@ def test_allocation_chunks_prefill_and_keeps_decoders_running():
     assert allocate([Proposal(10, prefill=True), Proposal(30, prefill=True)], policy) == [10, 6]
     assert allocate([Proposal(20, prefill=True), Proposal(30, prefill=True), Proposal(1)], policy) == [16, 0, 1]
     assert allocate([Proposal(500, prefill=True)], policy) == [500]  # alone: no one to stall
+
+
+def test_with_a_static_step_no_step_leaves_the_buckets():
+    """The CUDA preset's graphs price steps on the curve of their replays: a step fitting no bucket would run
+    eagerly (4-5x a replay on an H200). At 8 streams a lookahead step of ~340 tokens did (HumanEval at 8
+    concurrent streams ran at 0.18x one stream's throughput, 2026-11-28): no more."""
+    graphs = BatchPolicy(max_step_tokens=1024, prefill_chunk=512, static_step="graphs",
+                         step_cost=((1, 1.0), (1024, 1.0)))
+    wide = [Proposal(340, gain=5.0, smallest=20)] + [Proposal(1)] * 7
+    assert allocate(wide, graphs) == [20] + [1] * 7  # 8 x 384 fits no bucket; 8 x 32 does
+    assert allocate(wide, BatchPolicy(max_step_tokens=1024, step_cost=((1, 1.0), (1024, 1.0)))) == [340] + [1] * 7
+    assert allocate([Proposal(340, gain=5.0, smallest=200)] + [Proposal(1)] * 7, graphs) == [1] * 8
+    assert allocate([Proposal(340, gain=5.0), Proposal(1)], graphs) == [340, 1]  # 2 x 384 does fit
+    prefill = allocate([Proposal(2000, prefill=True)] + [Proposal(1)] * 7, graphs)
+    assert prefill == [128] + [1] * 7 and graphs.fits(prefill)
+    assert allocate([Proposal(2000, prefill=True)], graphs) == [2000]  # alone: the whole prompt, eagerly
 
 
 def test_step_cost_curve_interpolates_and_extrapolates():

@@ -11,8 +11,8 @@ import torch
 from decoding import calibration
 from decoding.batch import BatchPolicy
 from decoding.calibration import measure_step_cost, step_counts
-from decoding.kv_cache import KVPool
-from decoding.static import TOKEN_BUCKETS, StaticStep
+from decoding.forward.kv_cache import KVPool
+from decoding.forward.static import TOKEN_BUCKETS, StaticStep
 from tests.conftest import tiny_llama
 
 
@@ -65,7 +65,7 @@ def test_step_counts(max_tokens, static, expected):
 
 def test_an_engine_built_to_measure_prices_on_the_measured_curve():
     from decoding.decoder import Decoder
-    from decoding.loading import LoadedModel
+    from decoding.weights.loading import LoadedModel
 
     model = tiny_llama()
     decoder = Decoder(LoadedModel(model, None, "tiny", "", model.device, model.dtype), "torch")

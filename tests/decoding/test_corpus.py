@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from decoding.decoder import Decoder
-from decoding.loading import load_model
-from decoding.memory import CORPUS_DOCUMENT_TOKENS, MemoryUsage, NGramMemory, load_memory
+from decoding.proposers.ngram_memory import CORPUS_DOCUMENT_TOKENS, MemoryUsage, NGramMemory, load_memory
+from decoding.weights.loading import load_model
 from tests.bench.helpers import save_tiny_model
 
 

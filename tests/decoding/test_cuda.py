@@ -13,14 +13,14 @@ import torch
 from transformers import DynamicCache
 
 from decoding.batch import BatchPolicy
-from decoding.engine import generate_autoregressive, generate_lookahead
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.step.stream import generate_autoregressive, generate_lookahead
 from server.config import decoder_lookahead
 from server.config_layers import load_config
 from tests.conftest import tiny_llama, tiny_qwen2
+from tests.decoding.forward.test_lean import assert_lean_step_equals_the_public_forward
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, make_stream, run_batch, tokens_of
-from tests.decoding.test_lean import assert_lean_step_equals_the_public_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -50,7 +50,7 @@ def cuda_tiny(request):
 @pytest.fixture(scope="module")
 def cuda_real():
     """The default model on the GPU in float32 (converted into the cache on first use)."""
-    from decoding.loading import load_model
+    from decoding.weights.loading import load_model
 
     return load_model(device="cuda", dtype="float32")
 
@@ -124,8 +124,8 @@ def no_tf32():
 
 
 def graphed(model, mode="graphs", sequences=4, capacity=1024):
-    from decoding.kv_cache import KVPool
-    from decoding.static import StaticStep
+    from decoding.forward.kv_cache import KVPool
+    from decoding.forward.static import StaticStep
 
     return StaticStep(model, KVPool(model, sequences, capacity, scratch_tokens=256), mode)
 
@@ -133,14 +133,14 @@ def graphed(model, mode="graphs", sequences=4, capacity=1024):
 def static_decode(model, runner, prompts, configs, sampling=None, max_tokens=40):
     from decoding.batch import BatchEngine
     from decoding.params import SamplingParams
-    from tests.decoding.test_static import decode
+    from tests.decoding.forward.test_static import decode
 
     return decode(BatchEngine(model, static=runner), prompts, configs, max_tokens, sampling or SamplingParams())
 
 
 def test_a_graph_replay_equals_the_eager_static_step_bit_for_bit(cuda_tiny, no_tf32):
-    from decoding.slices import Slice
-    from decoding.window import step_layout
+    from decoding.forward.slices import Slice
+    from decoding.proposers.window import step_layout
 
     layout = step_layout(4, 3, (-1, 0, 1, -1))
     results = []
@@ -174,7 +174,7 @@ def test_lookahead_equals_greedy_through_cuda_graphs(cuda_tiny, config, no_tf32)
 @pytest.mark.real_model
 def test_real_model_at_the_cuda_preset_through_cuda_graphs(cuda_real, no_tf32):
     from decoding.decoder import Decoder
-    from tests.decoding.test_static import drain
+    from tests.decoding.forward.test_static import drain
 
     decoder = Decoder(cuda_real)
     stop = StopCriteria(64, decoder.eos_token_ids())

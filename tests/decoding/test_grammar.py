@@ -11,15 +11,15 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from decoding.batch import BatchEngine
-from decoding.engine import DecodeStream, StepCounts, generate_autoregressive, generate_lookahead
 from decoding.errors import InvalidParameterError
 from decoding.grammar import ANY_JSON_OBJECT, ConstraintViolation, Grammar, GrammarCompiler, GrammarError
-from decoding.loading import ensure_default_model
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
-from decoding.sampling import row_chooser
-from decoding.verify import verify_constrained
+from decoding.step.sampling import row_chooser
+from decoding.step.stream import DecodeStream, StepCounts, generate_autoregressive, generate_lookahead
+from decoding.step.verify import verify_constrained
+from decoding.weights.loading import ensure_default_model
 from tests.conftest import TINY_SIZES
-from tests.decoding.test_sampling import P_FLOOR, goodness_of_fit
+from tests.decoding.step.test_sampling import P_FLOOR, goodness_of_fit
 
 PERSON = Grammar.json_schema({
     "type": "object",

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding import native
 from decoding.decoder import Decoder
-from decoding.gguf_model import read_tensors, rope_order
-from decoding.loading import gguf_files
 from decoding.params import LookaheadConfig
-from decoding.quant_panels import dequantize
+from decoding.weights import native
+from decoding.weights.gguf_model import read_tensors, rope_order
+from decoding.weights.loading import gguf_files
+from decoding.weights.quant_panels import dequantize
 from server.config import decoder_lookahead
 from server.config_layers import load_config
 from tests.decoding.test_real_model import MESSAGES, decode, prompt_ids

@@ -125,12 +125,12 @@ def test_the_static_step_on_the_real_model_equals_greedy(greedy_outputs):
     """The default model (9:3 heads, tied embeddings, its rotary base) through the static step: greedy and the
     CUDA preset's lookahead both give the eager greedy tokens. A fresh copy: the static step re-points its weights."""
     from decoding.batch import BatchEngine
-    from decoding.kv_cache import KVPool
-    from decoding.loading import load_model
-    from decoding.static import StaticStep
+    from decoding.forward.kv_cache import KVPool
+    from decoding.forward.static import StaticStep
+    from decoding.weights.loading import load_model
     from server.config import decoder_lookahead
     from server.config_layers import load_config
-    from tests.decoding.test_static import drain
+    from tests.decoding.forward.test_static import drain
 
     loaded = load_model(device="cpu", dtype="float32")
     static = StaticStep(loaded.model, KVPool(loaded.model, 2, 1024, scratch_tokens=256))

@@ -2,7 +2,7 @@
 
 Read, not built (Docker cannot run here): stages and the VARIANT argument, the entrypoint against
 pyproject's console scripts, the default command against the CLI's own parser and config, the healthcheck
-(run for real against a stub /health), the cache volume against decoding.loading, and the build context.
+(run for real against a stub /health), the cache volume against decoding.weights.loading, and the build context.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def test_a_misspelt_flag_would_be_rejected() -> None:
 
 
 def test_model_cache_is_a_volume_read_by_the_loader(instructions: list[Instruction], monkeypatch) -> None:
-    """LOOKAHEAD_CACHE points into a VOLUME, and it is the variable decoding.loading reads."""
-    from decoding.loading import cache_root
+    """LOOKAHEAD_CACHE points into a VOLUME, and it is the variable decoding.weights.loading reads."""
+    from decoding.weights.loading import cache_root
 
     cache = dockerfile.runtime_env(instructions)["LOOKAHEAD_CACHE"]
     volumes = dockerfile.exec_form(dockerfile.only(instructions, "VOLUME", dockerfile.final_stage(instructions)).args)
@@ -168,7 +168,7 @@ def test_dockerignore_keeps_local_state_out(instructions: list[Instruction]) -> 
     patterns = dockerfile.read_dockerignore((ROOT / ".dockerignore").read_text())
     for path in (".venv", ".git", "server/__pycache__", ".pytest_cache", ".ruff_cache", "lookahead_server.egg-info"):
         assert dockerfile.ignored(path, patterns), path
-    for path in ("server/cli.py", "decoding/engine.py", "configs/cpu.yaml", "pyproject.toml"):
+    for path in ("server/cli.py", "decoding/step/stream.py", "configs/cpu.yaml", "pyproject.toml"):
         assert not dockerfile.ignored(path, patterns), path
 
 

@@ -20,7 +20,7 @@ from tests.hardening.live import scrape
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 MAX_TOKENS = 16  # a CUDA-preset step verifies ~100-400 tokens: slow on a CPU, so answers stay short
-WARM_BUCKETS = 53  # decoding.static.warm_buckets for the default model's 8192-token context
+WARM_BUCKETS = 53  # decoding.forward.static.warm_buckets for the default model's 8192-token context
 
 
 @pytest.fixture(scope="module")

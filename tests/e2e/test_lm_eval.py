@@ -51,7 +51,7 @@ def loglikelihoods(results: dict) -> list[float]:
 
 
 def test_local_completions_loglikelihoods_equal_the_hf_models(server, tmp_path, monkeypatch):
-    from decoding.loading import load_model
+    from decoding.weights.loading import load_model
 
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)  # how lm-eval's API models take a key
     data = tmp_path / "items.jsonl"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decoding.params import SamplingParams
-from decoding.sampling import warp
+from decoding.step.sampling import warp
 
 EDGES = [(5e-324, 1.0), (1e-45, 0.9), (1.0, 5e-324), (2.0, 1e-45), (5e-324, 5e-324), (1e-30, 1e-30), (2.0, 1.0)]
 

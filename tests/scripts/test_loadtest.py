@@ -238,6 +238,7 @@ def test_tiny_spawned_run_reports_consistent_rows(tmp_path, humaneval_available)
         assert 0 < row["completion_tokens"] <= TINY_MAX_TOKENS * row["requests"]
         assert row["throughput"] > 0 and row["wall_seconds"] > 0
         assert row["throughput"] == pytest.approx(row["completion_tokens"] / row["wall_seconds"])
+        assert row["eager_forwards"] is not None and row["eager_forwards"] >= 0  # read off the server's /metrics
         assert 0 < row["ttft_p50"] <= row["ttft_p95"] and 0 < row["itl_p50"] <= row["itl_p95"]
         assert row["tokens_per_step"] >= 1.0
         assert row["methods"] == (["lookahead"] if row["mode"] == "on" else ["autoregressive"])

@@ -6,8 +6,8 @@ import pytest
 
 import server.runtime
 from decoding import ModelLoadError
-from decoding.cores import usable_cores
 from decoding.params import LOOKAHEAD_BOUNDS, LookaheadConfig
+from decoding.weights.cores import usable_cores
 from server import cli, flags
 from server.config import ConfigError, LookaheadSettings, ServerConfig, fields, lookahead_bounds
 from server.config_layers import CONFIG_DIR, load_config, merge, read_yaml, resolve

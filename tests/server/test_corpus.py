@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.memory import CORPUS_DOCUMENT_TOKENS, NGramMemory, load_memory
+from decoding.proposers.ngram_memory import CORPUS_DOCUMENT_TOKENS, NGramMemory, load_memory
 from tests.server.conftest import make_config
 from tests.server.helpers import Script, ScriptedDecoder, running_app, scrape, token_steps
 

@@ -1,0 +1,115 @@
+"""A lookahead step's drafts: asked of the proposers at their price, cut by the grammar, merged in order.
+
+Contract: ``gather(proposers, context, ...)`` asks each proposer in order for drafts, telling it first, through
+``Context.price``, what more input tokens cost at that point of the step (``step_price`` on the step-cost curve
+``cost``; free without one), cuts every draft before the first token the request's grammar forbids, and merges them
+into a ``Shape``: the drafts a step verifies, best first, each with its source, every proposer's drafts as offered
+(to credit those merged into another's) and the best running mean among the proposers whose drafts it holds.
+Standalone sources (``limit`` None, each at most ``copy_candidates``) skip a draft covered by one kept before; the
+others keep at most ``limit`` drafts in all (among those that count toward G) and skip exact repeats (and, under a
+grammar, covered ones). Every proposer is asked, even with no room left: a gate counts its calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from decoding.grammar import Constraint
+from decoding.params import MAX_STEP_TOKENS
+from decoding.proposers import Context, Draft, Proposer
+from decoding.proposers.base import Price, free
+from decoding.step.tree import TokenTree, TreeBuilder
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A step's shape: the window (or not), the drafts it verifies, best first, with each one's source; ``offered``
+    every proposer's drafts as proposed (grammar-cut), to credit those merged into another's; ``gain`` the best
+    running mean of the proposers whose drafts it holds; ``built``: their token tree when it was grown with them
+    (else ``tree`` builds it)."""
+
+    window: bool
+    candidates: tuple[Draft, ...] = ()
+    sources: tuple[str, ...] = ()
+    offered: tuple[tuple[str, tuple[Draft, ...]], ...] = ()
+    gain: float = 0.0
+    built: TokenTree | None = field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def tree(self) -> TokenTree:
+        """The candidates merged into one token tree (built once per shape)."""
+        return self.built if self.built is not None else TokenTree.build(self.candidates)
+
+    def keep(self, count: int, window: bool | None = None) -> Shape:
+        """The same step with only its first ``count`` candidates (and the window when ``window`` says so)."""
+        window = self.window if window is None else window
+        return Shape(window, self.candidates[:count], self.sources[:count], self.offered, self.gain,
+                     self.tree.first(count))
+
+    def joined(self, other: Shape, window: bool) -> Shape:
+        """This shape's drafts, then ``other``'s, in one step (with the window when ``window`` says so)."""
+        return Shape(window, self.candidates + other.candidates, self.sources + other.sources,
+                     self.offered + other.offered, max(self.gain, other.gain), self.tree.merged(other.tree))
+
+
+def gather(proposers: Sequence[Proposer], context: Context, constraint: Constraint | None, copy_candidates: int,
+           limit: int | None, cost: Callable[[int], float] | None, base: int, gain: float) -> Shape:
+    """The ``proposers``' drafts, merged (module contract), each proposer told the price of more tokens on a step
+    that already holds ``base`` tokens plus the drafts kept before it and expects the best gain among ``gain`` and
+    their proposers'. The shape's ``window`` is False: the step decides it; its tree is grown as drafts are kept."""
+    kept = TreeBuilder()  # the drafts kept, and every prefix of them
+    sources: list[str] = []
+    offered: list[tuple[str, tuple[Draft, ...]]] = []
+    exact: set[Draft] = set()
+    counted = 0  # kept drafts that count toward ``limit``
+    strict = limit is None or constraint is not None
+    for proposer in proposers:
+        within = limit is not None and proposer.in_guess_set
+        room = copy_candidates if limit is None else limit - counted if within else MAX_STEP_TOKENS
+        context.price = free if cost is None else step_price(cost, base + len(kept), gain)
+        drafts = tuple(cut(proposer.propose(context, room), constraint))
+        if not drafts:
+            continue
+        offered.append((proposer.name, drafts))
+        taken = False
+        for draft in drafts:
+            if within and counted == limit:
+                break
+            if draft in kept if strict else draft in exact:
+                continue
+            counted += within
+            kept.add(draft)
+            exact.add(draft)
+            sources.append(proposer.name)
+            taken = True
+        if taken:
+            gain = max(gain, proposer.expected)
+    context.price = free
+    return Shape(False, tuple(kept.candidates), tuple(sources), tuple(offered), gain, kept.tree())
+
+
+def step_price(cost: Callable[[int], float], base: int, gain: float) -> Price:
+    """The price of draft tokens on a step of ``base`` input tokens that expects to commit ``1 + gain``: the
+    accepted guesses ``t`` more tokens must bring for the step to commit as many tokens per unit of ``cost``,
+    ``(1 + gain) * (cost(base + t) / cost(base) - 1)``.
+
+    >>> cost = lambda tokens: 1.0 + 0.25 * (tokens - 1)
+    >>> step_price(cost, base=1, gain=0.0)(4), step_price(cost, base=5, gain=0.5)(4)
+    (1.0, 0.75)
+    """
+    start = cost(base)
+    return lambda tokens: (1.0 + gain) * (cost(base + tokens) / start - 1.0)
+
+
+def cut(drafts: Sequence[Draft], constraint: Constraint | None) -> list[Draft]:
+    """``drafts`` as tuples, each cut before the first token ``constraint`` forbids (emptied ones dropped).
+
+    >>> cut([[1, 2], (3,)], None)
+    [(1, 2), (3,)]
+    """
+    if constraint is None:
+        return [tuple(draft) for draft in drafts]
+    kept = [tuple(draft[: constraint.valid_prefix(draft)]) for draft in drafts]
+    return [draft for draft in kept if draft]
