@@ -52,7 +52,7 @@ from decoding.forward.kv_cache import KVPool
 from decoding.forward.static import StaticStep
 from decoding.params import LookaheadConfig, StopCriteria
 from decoding.step.steps import Step
-from server.config import load_config
+from server.config_layers import load_config
 
 DEPTH = 30  # the default model's layers
 PROMPT_TOKENS = 96

@@ -7,12 +7,12 @@ EOS). It prints the settings it runs and where each came from, then a per-prompt
 identical to greedy), and optionally writes JSON ``{"config": {...}, "runs": [RunRecord...], "summary":
 {...}}``. ``--step-cost`` instead times one forward pass of k new tokens over a KV cache of ``--context``
 tokens. ``python -m bench heldout`` (``bench.heldout``) compares lookahead with the greedy loop and prompt lookup
-on the held-out split of a prompt set; ``python -m bench tune`` (``bench.tuning``) measures this device and writes
+on the held-out split of a prompt set; ``python -m bench tune`` (``bench.tune``) measures this device and writes
 a config file the server runs with ``--config``.
 
 Defaults are the server's (``bench.settings``): every lookahead step setting (W, N, G, lazy window,
 break-even, copy length), the batch policy and how the model is loaded (model, dtype, quantize, weight layout,
-threads) come from ``server.config.load_config`` with the preset of the resolved device; flags override them.
+threads) come from ``server.config_layers.load_config`` with the preset of the resolved device; flags override them.
 ``--preset cpu|cuda`` takes the lookahead settings and the batch policy from that preset instead (the model still
 loads as this device's preset says), so any prompt file can be counted at either preset's settings: on a CPU,
 ``--preset cuda --methods lookahead`` counts the GPU setting's tokens per step.
@@ -89,13 +89,14 @@ from decoding.params import DEFAULT_MODEL, LookaheadConfig
 from decoding.proposers.ngram_memory import NGramMemory
 from decoding.weights.cores import parse_threads
 from decoding.weights.loading import LoadedModel, default_gguf, load_model
-from server.config import LOOKAHEAD_STEP_FIELDS, config_flags
+from server.config import LOOKAHEAD_STEP_FIELDS
+from server.flags import config_flags
 
 SERVER_DEFAULT = "default: the server's"
-PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config.load_config(device_preset=...)``)
+PRESETS = ("cpu", "cuda")  # the server's device presets (``server.config_layers.load_config(device_preset=...)``)
 # ``python -m bench NAME ...``: the module of ``bench`` that runs subcommand NAME with the rest of the arguments.
-SUBCOMMANDS = {"heldout": "heldout", "memory": "memory", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
-               "tune": "tuning", "weights": "weights", "compile": "compiled", "threads": "threads",
+SUBCOMMANDS = {"heldout": "heldout", "memory": "memory_file", "anatomy": "anatomy", "agent": "agent", "gpu": "gpu",
+               "tune": "tune", "weights": "weight_formats", "compile": "cpu_forwards", "threads": "threads",
                "conversation": "conversation"}
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ from bench.settings import resolve
 from decoding.batch import BatchEngine
 from decoding.decoder import Decoder
 from decoding.params import LookaheadConfig, StopCriteria
-from server.config import load_config
+from server.config_layers import load_config
 
 TURNS = 8
 MAX_TOKENS = 200

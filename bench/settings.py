@@ -1,9 +1,9 @@
 """The benchmark's defaults are the server's: the settings ``lookahead-server`` runs with on this device.
 
 Contract: ``resolve(args)`` takes the parsed flags, where every server-configurable flag left out is ``None``,
-and returns ``Resolved``: the flags with each ``None`` filled from ``server.config.load_config(device_preset=
-"cpu" or "cuda")`` (the preset of the device ``--device`` resolves to: the same layers the server stacks,
-``configs/default.yaml`` < ``<device>.yaml`` < ``tuned-<device>.yaml``), where each value came from
+and returns ``Resolved``: the flags with each ``None`` filled from ``server.config_layers.load_config(
+device_preset="cpu" or "cuda")`` (the preset of the device ``--device`` resolves to: the same layers the server
+stacks without a ``--config`` file, field defaults < ``configs/<device>.yaml``), where each value came from
 (``"flag"`` or ``"server preset <device>"``), and the server's ``BatchPolicy``. ``resolve(args, preset="cuda")``
 takes the lookahead step settings and the batch policy from the named preset instead, and still loads the model
 as this device's preset does (``python -m bench heldout --preset cuda`` on a CPU: the GPU's settings, counted in
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from decoding.batch import BatchPolicy
 from decoding.weights.loading import resolve_device
-from server.config import LOOKAHEAD_STEP_FIELDS, ServerConfig, batch_policy, load_config
+from server.config import LOOKAHEAD_STEP_FIELDS, ServerConfig, batch_policy
+from server.config_layers import load_config
 
 LOOKAHEAD_FIELDS = LOOKAHEAD_STEP_FIELDS  # the server's lookahead step settings, each a benchmark flag
 MODEL_FIELDS = ("model", "dtype", "quantize", "weight_layout", "weights", "threads")

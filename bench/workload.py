@@ -30,7 +30,8 @@ from decoding.decoder import Decoder, configure_threads
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.proposers.ngram_memory import NGramMemory
 from decoding.step.stream import StepCounts
-from server.config import ServerConfig, decoder_lookahead, load_config
+from server.config import ServerConfig, decoder_lookahead
+from server.config_layers import load_config
 
 SYSTEM_PROMPT = "You are a concise assistant. Follow the answer format exactly."
 TEMPLATE = (

@@ -40,6 +40,7 @@ from sse_starlette import EventSourceResponse
 from server import chat, corpus, responses, serving, tokenization
 from server import completions as completion
 from server.body import json_body_route
+from server.completion_objects import ChatCompletion, Completion, ModelCard, ModelList
 from server.config import ServerConfig
 from server.errors import (
     ModelNotFoundError,
@@ -62,11 +63,10 @@ from server.protocol import (
     TokenizerInfo,
     protocol_field_names,
 )
-from server.replies import ChatCompletion, Completion, ModelCard, ModelList
 from server.responses_protocol import ResponseObject, ResponseRequest
 from server.runtime import Runtime
 from server.scheduler import Handle
-from server.serving import Engine
+from server.serving import Loaded
 from server.sse import STREAMED
 
 logger = logging.getLogger("server.app")
@@ -183,30 +183,31 @@ tools = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONBodyR
 @tools.post("/tokenize", response_model=TokenizeResponse, responses=TOKENS)
 async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
     """vLLM's ``/tokenize``: a prompt or messages to the ids a completion or chat would decode from."""
-    engine = checked_engine(request, body.model)
-    ids = await asyncio.to_thread(tokenization.tokenize, engine.codec, body)
-    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.decoder.context_length).model_dump()
+    loaded = checked_loaded(request, body.model)
+    ids = await asyncio.to_thread(tokenization.tokenize, loaded.codec, body)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=loaded.decoder.context_length).model_dump()
 
 
 @tools.get("/tokenizer_info", response_model=TokenizerInfo, responses=NEEDS_MODEL)
 async def tokenizer_info(request: Request) -> dict[str, Any]:
     """vLLM's ``/tokenizer_info``: the tokenizer's class, special tokens, chat template and the context length."""
-    engine = runtime_of(request).require_engine()
-    return TokenizerInfo(**engine.codec.info(), model_max_length=engine.decoder.context_length).model_dump()
+    loaded = runtime_of(request).require_loaded()
+    return TokenizerInfo(**loaded.codec.info(), model_max_length=loaded.decoder.context_length).model_dump()
 
 
 @tools.post("/detokenize", response_model=DetokenizeResponse, responses=TOKENS)
 async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
     """vLLM's ``/detokenize``: token ids to text."""
-    engine = checked_engine(request, body.model)
-    return DetokenizeResponse(prompt=await asyncio.to_thread(tokenization.detokenize, engine.codec, body)).model_dump()
+    loaded = checked_loaded(request, body.model)
+    return DetokenizeResponse(prompt=await asyncio.to_thread(tokenization.detokenize, loaded.codec, body)).model_dump()
 
 
-def checked_engine(request: Request, model: str | None) -> Engine:
-    """The engine for a ``/tokenize`` or ``/detokenize`` request whose ``model`` is checked (404 for another)."""
+def checked_loaded(request: Request, model: str | None) -> Loaded:
+    """``require_loaded`` for a ``/tokenize`` or ``/detokenize`` request whose ``model`` is checked (404 for
+    another)."""
     runtime = runtime_of(request)
     serving.check_model(runtime.config, model)
-    return runtime.require_engine()
+    return runtime.require_loaded()
 
 
 async def health(request: Request) -> JSONResponse:

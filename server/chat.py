@@ -50,28 +50,28 @@ class ChatPlan:
     tools: tools.ToolPlan | None
 
 
-def plan(engine: serving.Engine, request: ChatCompletionRequest, prompt_param: str = PROMPT_PARAM) -> ChatPlan:
+def plan(loaded: serving.Loaded, request: ChatCompletionRequest, prompt_param: str = PROMPT_PARAM) -> ChatPlan:
     """The tool plan, prompt, prediction, grammar and choices' plans of a chat request, each decided once; 400s
     name the field (a prompt's, ``prompt_param``). Blocking: call it off the event loop."""
     tool_plan = tools.resolve(request)
-    prompt = chat_prompt(engine.codec, request, tool_plan)
+    prompt = chat_prompt(loaded.codec, request, tool_plan)
     asked = Asked(
         prompts=[prompt], prompt_param=prompt_param, max_tokens=request.requested_max_tokens(),
         top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-        grammar=serving.output_grammar(engine, request.response_format, tool_plan),
-        prediction=serving.prediction_ids(engine.codec, request.prediction),
+        grammar=serving.output_grammar(loaded, request.response_format, tool_plan),
+        prediction=serving.prediction_ids(loaded.codec, request.prediction),
     )
-    return ChatPlan(serving.plan_choices(engine, request, asked), tool_plan)
+    return ChatPlan(serving.plan_choices(loaded, request, asked), tool_plan)
 
 
 def prepare(
-    engine: serving.Engine, request: ChatCompletionRequest, model: str, fingerprint: str | None = None
+    loaded: serving.Loaded, request: ChatCompletionRequest, model: str, fingerprint: str | None = None
 ) -> Prepared:
     """``plan`` and the request's ``ChatRenderer`` (reading replies for calls under its tool plan): one call off
     the event loop."""
-    planned = plan(engine, request)
+    planned = plan(loaded, request)
     renderer = ChatRenderer(model, include_usage=request.include_usage, include_steps=request.include_steps,
-                            token_text=engine.codec.token_text, fingerprint=fingerprint, n=request.n or 1)
+                            token_text=loaded.codec.token_text, fingerprint=fingerprint, n=request.n or 1)
     renderer.use_tools(planned.tools)
     return Prepared(planned.generations, renderer)
 
@@ -79,9 +79,9 @@ def prepare(
 async def submit(runtime: Runtime, request: ChatCompletionRequest) -> tuple[list[Handle], ChatRenderer]:
     """Check, prepare (off the event loop) and admit one chat request: a handle per choice and its renderer."""
     model = check(runtime.config, request)
-    engine = runtime.require_engine()
-    prepared = await asyncio.to_thread(prepare, engine, request, model, runtime.fingerprint)
-    return serving.start_many(engine, prepared.generations), prepared.renderer
+    loaded = runtime.require_loaded()
+    prepared = await asyncio.to_thread(prepare, loaded, request, model, runtime.fingerprint)
+    return serving.start_many(loaded, prepared.generations), prepared.renderer
 
 
 def template_options(codec: TextCodec, request: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:

@@ -22,7 +22,8 @@ from types import FrameType
 import uvicorn
 
 from server.chat_client import add_chat_flags, chat
-from server.config import ConfigError, describe, reference_markdown
+from server.config import ConfigError
+from server.config_reference import describe, reference_markdown
 from server.flags import add_config_flags, build_config, resolve_args
 
 logger = logging.getLogger("server.cli")

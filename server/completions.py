@@ -76,11 +76,11 @@ def prompts(codec: TextCodec, request: CompletionRequest) -> list[list[int]]:
 
 
 def prepare(
-    engine: serving.Engine, request: CompletionRequest, model: str, fingerprint: str | None = None
+    loaded: serving.Loaded, request: CompletionRequest, model: str, fingerprint: str | None = None
 ) -> Prepared:
     """The prompts, prediction, choices' plans and renderer of a completion request, each decided once;
     400s name the field. Blocking: call it off the event loop."""
-    codec = engine.codec
+    codec = loaded.codec
     encoded = prompts(codec, request)
     asked = Asked(
         prompts=encoded, prompt_param=PROMPT_PARAM, max_tokens=request.requested_max_tokens(),
@@ -92,13 +92,13 @@ def prepare(
         token_text=codec.token_text, fingerprint=fingerprint, n=request.n or 1,
         echo=echo_prompts(codec, request, encoded) if request.echo else None,
     )
-    return Prepared(serving.plan_choices(engine, request, asked), renderer)
+    return Prepared(serving.plan_choices(loaded, request, asked), renderer)
 
 
 async def submit(runtime: Runtime, request: CompletionRequest) -> tuple[list[Handle], CompletionRenderer]:
     """Check, prepare (off the event loop) and admit one completion request: a handle per choice and its
     renderer."""
     model = check(runtime.config, request)
-    engine = runtime.require_engine()
-    prepared = await asyncio.to_thread(prepare, engine, request, model, runtime.fingerprint)
-    return serving.start_many(engine, prepared.generations), prepared.renderer
+    loaded = runtime.require_loaded()
+    prepared = await asyncio.to_thread(prepare, loaded, request, model, runtime.fingerprint)
+    return serving.start_many(loaded, prepared.generations), prepared.renderer

@@ -2,20 +2,20 @@
 
 Contract:
 - ``ServerConfig`` is the one definition of each value: its default, its bounds and what it means. The CLI
-  flags (``config_flags``), the reference page ``docs/configuration.md`` (``reference_markdown``), the OpenAPI
-  limits and the per-request validation (``lookahead_bounds``) derive from it. The lookahead defaults and
-  bounds come from ``decoding.params`` (``LookaheadConfig``, ``LOOKAHEAD_BOUNDS``), where the decoder checks them.
+  flags (``server.flags.config_flags``), the reference page ``docs/configuration.md``
+  (``server.config_reference``), the OpenAPI limits and the per-request validation (``lookahead_bounds``) derive
+  from it, walking it with ``fields``. The lookahead defaults and bounds come from ``decoding.params``
+  (``LookaheadConfig``, ``LOOKAHEAD_BOUNDS``), where the decoder checks them.
 - A lookahead knob is declared twice and exposed everywhere from there: a field of ``LookaheadConfig`` (with its
   bounds) and of ``LookaheadSettings`` (with its meaning) is a step setting (``LOOKAHEAD_STEP_FIELDS``): the server
   runs it (``decoder_lookahead``), the benchmark and the tuner take it as a flag (``bench.cli``, from
   ``config_flags``) and the config reference lists it. Named in ``REQUEST_LOOKAHEAD`` with a ``max_<name>``
   setting, a request may set it too (``server.protocol.LookaheadRequest``, the OpenAPI document, within
   ``lookahead_bounds``).
-- Layers, later wins: field defaults < the device preset ``configs/<cpu|cuda>.yaml`` (always, for the resolved
-  device) < the ``--config`` file < flags. Nothing else is read: what a device runs is its preset file.
-  ``resolve`` returns the validated, immutable config and, for every value, the layer it came from.
-- Unknown keys in a YAML file are an error (a typo must not be silently ignored). Nothing here imports torch:
-  the caller resolves ``device: auto`` and passes the preset name in.
+- ``decoder_lookahead`` and ``batch_policy`` are the one conversion of the settings into the decoder's types.
+- Where the values come from is ``server.config_layers``: field defaults < the device preset
+  ``configs/<cpu|cuda>.yaml`` < the ``--config`` file < flags (``load_config``, ``resolve``); unknown keys are an
+  error there. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -24,25 +24,19 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import yaml
 from annotated_types import Ge
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 from decoding.params import DEFAULT_MODEL, LOOKAHEAD_BOUNDS, MAX_TOP_TOKENS, LookaheadConfig, NumberBounds
-from decoding.weights.cores import AUTO, usable_cores
+from decoding.weights.cores import AUTO
 
 if TYPE_CHECKING:  # decoding.batch loads torch: imported where it is used
     from decoding.batch import BatchPolicy
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEVICE_PRESETS = ("cpu", "cuda")
-DEFAULT_LAYER = "default"
-FLAG_LAYER = "flag"
 _LIBRARY = LookaheadConfig()  # the decoder's own defaults: the server's unless a preset says otherwise
 
 
@@ -333,169 +327,7 @@ def batch_policy(config: ServerConfig) -> BatchPolicy:
                        config.max_running, settings.measure_step_cost, settings.prefix_cache_tokens)
 
 
-# ---- Layers -------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A validated config, its layers in order, and per dotted key (``lookahead.window_size``) the layer its
-    value came from."""
-
-    config: ServerConfig
-    sources: dict[str, str]
-    layers: tuple[str, ...] = ()
-
-    def source(self, key: str) -> str:
-        """The layer of ``key``: a file's name, ``flag``, or ``default``."""
-        return self.sources.get(key, DEFAULT_LAYER)
-
-
-def resolve_config_path(name: str) -> Path:
-    """Map ``cpu`` or ``cpu.yaml`` to ``configs/cpu.yaml``; pass any existing path through."""
-    path = Path(name)
-    if path.exists():
-        return path
-    candidate = CONFIG_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
-    if candidate.exists():
-        return candidate
-    raise ConfigError(f"config file not found: {name}")
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """Read one YAML mapping (an empty file is an empty mapping)."""
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    return data
-
-
-def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge two mappings; ``override`` wins, nested mappings merge key by key.
-
-    >>> merge({"lookahead": {"window_size": 2, "ngram_size": 4}}, {"lookahead": {"window_size": 7}})
-    {'lookahead': {'window_size': 7, 'ngram_size': 4}}
-    """
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def leaves(mapping: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(dotted key, value)`` of every non-mapping value.
-
-    >>> list(leaves({"port": 1, "lookahead": {"window_size": 2}}))
-    [('port', 1), ('lookahead.window_size', 2)]
-    """
-    for key, value in mapping.items():
-        if isinstance(value, dict):
-            yield from leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
-def layers(path: str | None, overrides: dict[str, Any], device_preset: str | None) -> list[tuple[str, dict]]:
-    """The ``(name, mapping)`` layers in order, later wins (see the module docstring)."""
-    found: list[tuple[str, dict[str, Any]]] = []
-    if device_preset is not None:
-        preset = CONFIG_DIR / f"{device_preset}.yaml"
-        found.append((f"configs/{preset.name}", read_yaml(preset)))
-    if path is not None:
-        resolved = resolve_config_path(path)
-        found.append((str(resolved), read_yaml(resolved)))
-    found.append((FLAG_LAYER, drop_none(overrides)))
-    return found
-
-
-def resolve(
-    path: str | None = None, overrides: dict[str, Any] | None = None, device_preset: str | None = None
-) -> Resolved:
-    """Build and validate the config from its layers; raise ``ConfigError`` naming the bad field.
-
-    ``overrides`` uses the config's own shape (``{"lookahead": {"window_size": 7}}``); ``None`` values in it
-    are dropped so unset flags never override a file. ``device_preset`` is ``"cpu"``, ``"cuda"`` or None (no
-    preset: field defaults, then the file and the flags).
-    """
-    if device_preset is not None and device_preset not in DEVICE_PRESETS:
-        raise ConfigError(f"unknown device preset {device_preset!r}: expected one of {', '.join(DEVICE_PRESETS)}")
-    settings: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    found = layers(path, overrides or {}, device_preset)
-    for name, mapping in found:
-        settings = merge(settings, mapping)
-        sources.update((key, name) for key, _ in leaves(mapping))
-    try:
-        return Resolved(ServerConfig.model_validate(settings), sources, (DEFAULT_LAYER, *(name for name, _ in found)))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "config"
-        raise ConfigError(f"invalid configuration: {where}: {first['msg']}") from exc
-
-
-def load_config(
-    path: str | None = None, overrides: dict[str, Any] | None = None, device_preset: str | None = None
-) -> ServerConfig:
-    """``resolve(...).config``: the validated config alone."""
-    return resolve(path, overrides, device_preset).config
-
-
-def requested_device(path: str | None, overrides: dict[str, Any]) -> str:
-    """The ``device`` the file and flags ask for (``auto`` when neither does), before any preset."""
-    settings = read_yaml(resolve_config_path(path)) if path is not None else {}
-    return str(drop_none(overrides).get("device", settings.get("device", ServerConfig.model_fields["device"].default)))
-
-
-def drop_none(mapping: dict[str, Any]) -> dict[str, Any]:
-    """Remove ``None`` values recursively, and nested mappings left empty."""
-    cleaned: dict[str, Any] = {}
-    for key, value in mapping.items():
-        if isinstance(value, dict):
-            value = drop_none(value)
-            if value:
-                cleaned[key] = value
-        elif value is not None:
-            cleaned[key] = value
-    return cleaned
-
-
-# ---- What derives from the definition: flags, the resolved listing, the reference page ---------------------
-
-
-@dataclass(frozen=True)
-class ConfigFlag:
-    """One command-line flag derived from a config field."""
-
-    key: str  # dotted config key, e.g. "lookahead.window_size"
-    name: str  # e.g. "--window-size"
-    kind: type  # bool, int, float or str
-    choices: tuple[str, ...] | None
-    help: str
-    multiple: bool = False  # a list of strings: the flag takes one or more values
-
-    @property
-    def dest(self) -> str:
-        """The argparse attribute: the key with dots and dashes made underscores."""
-        return self.key.replace(".", "_")
-
-
-def _scalar(annotation: Any) -> tuple[type | None, tuple[str, ...] | None]:
-    """``(python type, choices)`` of a flag-able annotation; ``(None, None)`` for lists, mappings and models."""
-    if typing.get_origin(annotation) is Literal:
-        return str, tuple(typing.get_args(annotation))
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        if len(members) == 2 and {_scalar(member)[0] for member in members} == {int, str}:
-            return str, None  # a count or a word (threads: 2 or auto): the flag passes the text, the model parses it
-        return _scalar(members[0]) if len(members) == 1 else (None, None)
-    if typing.get_origin(annotation) is Annotated:
-        return _scalar(typing.get_args(annotation)[0])
-    return (annotation, None) if annotation in (bool, int, float, str) else (None, None)
+# ---- Walking the definition: its leaves, a field's extras, a flag-able annotation ------------------------------
 
 
 def fields(model: type[BaseModel] = ServerConfig, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
@@ -508,121 +340,21 @@ def fields(model: type[BaseModel] = ServerConfig, prefix: str = "") -> Iterator[
             yield f"{prefix}{name}", info
 
 
-def _extra(info: FieldInfo) -> dict[str, Any]:
+def field_extra(info: FieldInfo) -> dict[str, Any]:
+    """A field's ``json_schema_extra`` mapping (``flag``: its flag's name, ``secret``: never printed); ``{}`` when
+    it has none."""
     return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
 
 
-def config_flags() -> list[ConfigFlag]:
-    """Every scalar config value as a flag named after its key's last part (``--window-size``), in order.
-
-    A field may rename its flag (``json_schema_extra={"flag": ...}``); a list of strings (``allowed_origins``) is
-    a flag taking one or more values; other lists (``batch.step_cost``) are file-only.
-    """
-    flags = []
-    for key, info in fields():
-        multiple = info.annotation == list[str]
-        kind, choices = (str, None) if multiple else _scalar(info.annotation)
-        if kind is None:
-            continue
-        name = _extra(info).get("flag", "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
-        flags.append(ConfigFlag(key, name, kind, choices, info.description or "", multiple))
-    return flags
-
-
-def flag_overrides(values: dict[str, Any]) -> dict[str, Any]:
-    """Config-shaped overrides from ``{dotted key: value}`` (``None`` = not given, kept for ``drop_none``).
-
-    >>> flag_overrides({"port": 1, "lookahead.window_size": None})
-    {'port': 1, 'lookahead': {'window_size': None}}
-    """
-    nested: dict[str, Any] = {}
-    for key, value in values.items():
-        *sections, leaf = key.split(".")
-        target = nested
-        for section in sections:
-            target = target.setdefault(section, {})
-        target[leaf] = value
-    return nested
-
-
-def value_text(value: Any) -> str:
-    """A value as one line of YAML (``null``, ``true``, ``[[1, 1.0], [2, 1.4]]``)."""
-    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
-
-
-def describe(resolved: Resolved, header: str = "") -> str:
-    """The resolved config as YAML that ``--config`` accepts, each value commented with the layer it came from.
-
-    Secrets (``api_key``) are not printed: their line is commented out and says where they were set; ``threads:
-    auto`` says how many threads it gives here (``decoding.cores.usable_cores``).
-    """
-    lines = [header] if header else []
-    section = ""
-    dumped = resolved.config.model_dump(mode="json")
-    for key, info in fields():
-        *parents, leaf = key.split(".")
-        if parents and parents[0] != section:
-            section = parents[0]
-            lines.append(f"{section}:")
-        indent = "  " * len(parents)
-        value = dumped
-        for part in key.split("."):
-            value = value[part]
-        source = resolved.source(key)
-        if key == "threads" and value == AUTO:
-            source += f" (auto: {usable_cores()} here)"
-        if _extra(info).get("secret") and value is not None:
-            lines.append(f"{indent}# {leaf}: <hidden>".ljust(48) + f"  # {source}")
-        else:
-            lines.append(f"{indent}{leaf}: {value_text(value)}".ljust(48) + f"  # {source}")
-    return "\n".join(lines) + "\n"
-
-
-def reference_markdown() -> str:
-    """The table of every config key for ``docs/configuration.md``: flag, default, what each device preset sets,
-    range, meaning."""
-    presets = {name: resolve(device_preset=name) for name in DEVICE_PRESETS}
-    dumped = {name: resolved.config.model_dump(mode="json") for name, resolved in presets.items()}
-    defaults = ServerConfig().model_dump(mode="json")
-    flags = {flag.key: flag.name for flag in config_flags()}
-    rows = ["| key | flag | default | cpu preset | cuda preset | range | meaning |",
-            "|---|---|---|---|---|---|---|"]
-    for key, info in fields():
-        parts = key.split(".")
-        cells = [f"`{key}`", f"`{flags[key]}`" if key in flags else "(file only)",
-                 f"`{value_text(_lookup(defaults, parts))}`"]
-        for name, resolved in presets.items():
-            preset_sets = resolved.source(key) != DEFAULT_LAYER
-            cells.append(f"`{value_text(_lookup(dumped[name], parts))}`" if preset_sets else "")
-        cells += [_range(info), (info.description or "").replace("|", "\\|")]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
-
-
-def _lookup(mapping: dict[str, Any], parts: list[str]) -> Any:
-    for part in parts:
-        mapping = mapping[part]
-    return mapping
-
-
-def _member_range(annotation: Any) -> str:
-    """One member of a union as ``_range`` writes it: an Annotated int's bound, a Literal's choices."""
+def scalar_type(annotation: Any) -> tuple[type | None, tuple[str, ...] | None]:
+    """``(python type, choices)`` of a flag-able annotation; ``(None, None)`` for lists, mappings and models."""
     if typing.get_origin(annotation) is Literal:
-        return ", ".join(typing.get_args(annotation))
-    low = next((m.ge for m in typing.get_args(annotation)[1:] if hasattr(m, "ge")), None)
-    return f">= {low}" if low is not None else "any"
-
-
-def _range(info: FieldInfo) -> str:
-    """``[low, high]``, ``>= low`` or a Literal's choices, from the field's own constraints."""
-    low = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)
-    high = next((m.le for m in info.metadata if hasattr(m, "le")), None)
-    _, choices = _scalar(info.annotation)
-    if choices:
-        return ", ".join(choices)
-    members = typing.get_args(info.annotation)
-    if any(typing.get_origin(member) is Literal for member in members):  # a count or a word (threads)
-        return ", or ".join(_member_range(member) for member in members)
-    if low is not None and high is not None:
-        return f"[{low}, {high}]"
-    return f">= {low}" if low is not None else ""
+        return str, tuple(typing.get_args(annotation))
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(members) == 2 and {scalar_type(member)[0] for member in members} == {int, str}:
+            return str, None  # a count or a word (threads: 2 or auto): the flag passes the text, the model parses it
+        return scalar_type(members[0]) if len(members) == 1 else (None, None)
+    if typing.get_origin(annotation) is Annotated:
+        return scalar_type(typing.get_args(annotation)[0])
+    return (annotation, None) if annotation in (bool, int, float, str) else (None, None)

@@ -74,14 +74,14 @@ async def on_worker(runtime: Runtime, function: Callable[[EngineLike], Result]) 
 
 async def add(runtime: Runtime, request: CorpusRequest) -> dict[str, Any]:
     """``POST /v1/memory/corpus`` (module contract)."""
-    engine = runtime.require_engine()
+    loaded = runtime.require_loaded()
     limit = runtime.config.lookahead.max_corpus_tokens
     if runtime.config.lookahead.memory_tokens == 0:
         raise disabled_error()
-    documents = await asyncio.to_thread(tokenize, engine.codec, request, limit)  # never empty: each text has tokens
+    documents = await asyncio.to_thread(tokenize, loaded.codec, request, limit)  # never empty: each text has tokens
     usage: MemoryUsage | None = None
     for document in documents:
-        usage = await on_worker(runtime, lambda batch, document=document: batch.add_documents([document]))
+        usage = await on_worker(runtime, lambda engine, document=document: engine.add_documents([document]))
         if usage is None:
             raise disabled_error()
         runtime.metrics.corpus_added(1, len(document))
@@ -91,5 +91,5 @@ async def add(runtime: Runtime, request: CorpusRequest) -> dict[str, Any]:
 
 async def usage(runtime: Runtime) -> dict[str, Any]:
     """``GET /v1/memory`` (module contract)."""
-    runtime.require_engine()
-    return memory_info(await on_worker(runtime, lambda batch: batch.memory_usage())).model_dump()
+    runtime.require_loaded()
+    return memory_info(await on_worker(runtime, lambda engine: engine.memory_usage())).model_dump()

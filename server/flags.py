@@ -1,10 +1,12 @@
 """The server's configuration as command-line flags, shared by ``lookahead-server`` and ``python -m bench tune``.
 
-Contract: ``add_config_flags(parser, keys)`` adds ``--config`` and one flag per config value
-(``server.config.config_flags``), or only those in ``keys``, every default None so that only flags given on the
-command line override the layers below them; ``build_config(args)`` (``resolve_args(args).config``) resolves the
-configuration exactly as ``serve`` does: the preset of the device the file and flags ask for, then the file, then
-the flags (the API key may come from ``$LOOKAHEAD_API_KEY``).
+Contract: ``config_flags()`` derives one ``ConfigFlag`` per scalar config value from the definition
+(``server.config``): named after its key's last part, typed, with the field's choices and meaning;
+``flag_overrides`` turns the flags' values back into the config's shape. ``add_config_flags(parser, keys)`` adds
+``--config`` and one flag per config value, or only those in ``keys``, every default None so that only flags given
+on the command line override the layers below them; ``build_config(args)`` (``resolve_args(args).config``)
+resolves the configuration exactly as ``serve`` does (``server.config_layers``): the preset of the device the file
+and flags ask for, then the file, then the flags (the API key may come from ``$LOOKAHEAD_API_KEY``).
 """
 
 from __future__ import annotations
@@ -12,15 +14,68 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from server.config import Resolved, ServerConfig, config_flags, flag_overrides, requested_device, resolve
+from server.config import ServerConfig, field_extra, fields, scalar_type
+from server.config_layers import Resolved, requested_device, resolve
 
 API_KEY_ENV = "LOOKAHEAD_API_KEY"
 
 
+@dataclass(frozen=True)
+class ConfigFlag:
+    """One command-line flag derived from a config field."""
+
+    key: str  # dotted config key, e.g. "lookahead.window_size"
+    name: str  # e.g. "--window-size"
+    kind: type  # bool, int, float or str
+    choices: tuple[str, ...] | None
+    help: str
+    multiple: bool = False  # a list of strings: the flag takes one or more values
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute: the key with dots and dashes made underscores."""
+        return self.key.replace(".", "_")
+
+
+def config_flags() -> list[ConfigFlag]:
+    """Every scalar config value as a flag named after its key's last part (``--window-size``), in order.
+
+    A field may rename its flag (``json_schema_extra={"flag": ...}``); a list of strings (``allowed_origins``) is
+    a flag taking one or more values; other lists (``batch.step_cost``) are file-only.
+    """
+    flags = []
+    for key, info in fields():
+        multiple = info.annotation == list[str]
+        kind, choices = (str, None) if multiple else scalar_type(info.annotation)
+        if kind is None:
+            continue
+        name = field_extra(info).get("flag", "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
+        flags.append(ConfigFlag(key, name, kind, choices, info.description or "", multiple))
+    return flags
+
+
+def flag_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """Config-shaped overrides from ``{dotted key: value}`` (``None`` = not given, kept for ``drop_none``).
+
+    >>> flag_overrides({"port": 1, "lookahead.window_size": None})
+    {'port': 1, 'lookahead': {'window_size': None}}
+    """
+    nested: dict[str, Any] = {}
+    for key, value in values.items():
+        *sections, leaf = key.split(".")
+        target = nested
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[leaf] = value
+    return nested
+
+
+
 def add_config_flags(parser: argparse.ArgumentParser, keys: Iterable[str] | None = None) -> None:
-    """``--config`` and one flag per config value (``server.config.config_flags``), or only those in ``keys``.
+    """``--config`` and one flag per config value (``config_flags``), or only those in ``keys``.
 
     Every default is None, so that only flags given on the command line override the layers below them.
     """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from decoding import Grammar, LookaheadConfig, SamplingParams, StepCounts, StopCriteria, TokenLogprob
-from server.replies import StepInfo
+from server.completion_objects import StepInfo
 
 
 @dataclass(frozen=True)

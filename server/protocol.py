@@ -1,5 +1,5 @@
 """Pydantic mirror of the OpenAI API requests the server supports, plus its extensions (their answers:
-``server.replies``).
+``server.completion_objects``).
 
 Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields. Each rule of
 the API is written once, here, and is both checked and stated in the JSON schema the OpenAPI document takes from
@@ -13,7 +13,7 @@ model's ``json_schema_extra`` (``ZERO_MAX_TOKENS_NEEDS_ECHO``, ...).
 Extensions: request fields ``lookahead`` (``LookaheadRequest``), ``top_k``, ``stream_steps`` and vLLM's
 sampling fields ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``; with
 ``stream_steps`` a stream's content and finish chunks carry one more top-level object, ``step``
-(``server.replies.StepInfo``);
+(``server.completion_objects.StepInfo``);
 vLLM's chat template fields (``ChatTemplateFields``) and its ``/tokenize`` and ``/detokenize`` bodies, which
 refuse unknown fields, as ``/v1/memory/corpus``'s body does (``CorpusRequest``, answered by ``CorpusAdded``;
 ``GET /v1/memory`` by ``MemoryInfo``). Logprobs: chat's ``logprobs`` + ``top_logprobs`` give

@@ -36,7 +36,8 @@ from ray.serve import metrics as serve_metrics
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.weights.cores import resolve_threads
-from server.config import ServerConfig, requested_device, resolve
+from server.config import ServerConfig
+from server.config_layers import requested_device, resolve
 from server.ray_metrics import RayMirror, samples
 
 logger = logging.getLogger("server.ray_app")

@@ -20,9 +20,7 @@ from decoding import (
     TokenLogprob,
 )
 from server import tool_calls, tools
-from server.plans import Output, Summary
-from server.protocol import CompletionRequest
-from server.replies import (
+from server.completion_objects import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -45,6 +43,8 @@ from server.replies import (
     Usage,
     chunk_json,
 )
+from server.plans import Output, Summary
+from server.protocol import CompletionRequest
 from server.text import TextCodec
 
 LOWEST_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no infinity; OpenAI's floor)

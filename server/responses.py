@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from decoding import InvalidParameterError, TokenLogprob
 from server import chat, serving, tool_calls, tools
 from server.body import parse_body
+from server.completion_objects import DeltaToolCall, StepInfo
 from server.errors import APIError, BadRequestError, to_api_error
 from server.plans import Output, Summary
 from server.protocol import (
@@ -49,7 +50,6 @@ from server.protocol import (
     chat_message,
 )
 from server.rendering import decoding_of, usage_of
-from server.replies import DeltaToolCall, StepInfo
 from server.response_store import ResponseStore
 from server.responses_protocol import (
     FunctionCallItem,
@@ -217,11 +217,11 @@ async def submit(runtime: Runtime, request: ResponseRequest) -> tuple[list[Handl
     try:
         chat_body = chat_request(request, conversation)
         chat.check(runtime.config, chat_body)
-        engine = runtime.require_engine()
-        planned = await asyncio.to_thread(chat.plan, engine, chat_body, "input")
+        loaded = runtime.require_loaded()
+        planned = await asyncio.to_thread(chat.plan, loaded, chat_body, "input")
         renderer = ResponsesRenderer(shell(request, model), planned.tools, conversation,
                                      store if request.store else None)
-        return serving.start_many(engine, planned.generations), renderer
+        return serving.start_many(loaded, planned.generations), renderer
     except (BadRequestError, InvalidParameterError) as error:
         raise renamed(error) from error
 

@@ -9,7 +9,7 @@ assistant; ``content`` a string or ``input_text`` / ``output_text`` parts), ``fu
 (``input[2].type``, ``input[0].content[1].type``, ``tools[0].type``), never dropped. ``tools`` are function tools
 (``strict`` unset means true, as in OpenAI's Responses API); ``text.format`` is ``text``, ``json_object`` or
 ``json_schema`` (with a ``name``). ``ResponseObject`` serializes to OpenAI's ``response`` object plus this
-server's ``decoding`` extension (``server.replies.DecodingInfo``).
+server's ``decoding`` extension (``server.completion_objects.DecodingInfo``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
+from server.completion_objects import DecodingInfo
 from server.protocol import (
     FunctionName,
     LookaheadRequest,
@@ -43,7 +44,6 @@ from server.protocol import (
     protocol_field_names,
     when,
 )
-from server.replies import DecodingInfo
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 TEXT_PART_TYPES = ("input_text", "output_text")

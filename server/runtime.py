@@ -3,12 +3,13 @@ readiness.
 
 Contract: ``Runtime(config, decoder=None, load_decoder=None)`` owns the ``Metrics``, the ``Worker`` thread and the
 ``Scheduler`` in front of it. ``lifespan`` (the app's) starts the worker and boots in the background: loads the
-decoder (``load_decoder``, default ``load_default_decoder``, unless one is injected), builds its batch engine from
-``batch_policy(config)``, publishes the configuration metrics and runs one tiny warm-up decode; ``state`` moves
-loading -> warming -> ready -> draining (or -> failed, with ``boot_error`` set and ``on_boot_failure`` called).
-``require_engine`` is what every route asks for: the engine, or 503 naming the state. The endpoint modules
-(``server.chat``, ``server.completions``, ``server.responses``, ``server.corpus``, ``server.tokenization``) and
-the app (``server.app``) import it; it imports none of them.
+decoder (``load_decoder``, default ``load_default_decoder``, unless one is injected), builds the engine (its
+``decoding.BatchEngine``, ``engine``) from ``batch_policy(config)`` and attaches it to the worker, publishes the
+configuration metrics and runs one tiny warm-up decode; ``state`` moves loading -> warming -> ready -> draining (or
+-> failed, with ``boot_error`` set and ``on_boot_failure`` called). ``require_loaded`` is what every route asks
+for: what a request needs (``serving.Loaded``: config, decoder, codec, scheduler), or 503 naming the state. The
+endpoint modules (``server.chat``, ``server.completions``, ``server.responses``, ``server.corpus``,
+``server.tokenization``) and the app (``server.app``) import it; it imports none of them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from server.errors import ServiceUnavailableError
 from server.metrics import Metrics
 from server.response_store import ResponseStore
 from server.scheduler import Scheduler
-from server.serving import Engine
+from server.serving import Loaded
 from server.text import TextCodec, read_chat_template
 from server.worker import Worker
 
@@ -77,8 +78,8 @@ class Runtime:
         self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
         self.decoder = decoder
         self.load_decoder = load_decoder or load_default_decoder
-        self.engine: Engine | None = None
-        self.batch: serving.EngineLike | None = None  # the worker's continuous batch, once attached
+        self.loaded: Loaded | None = None  # what requests need, once loaded and warmed up
+        self.engine: serving.EngineLike | None = None  # the decoder's batch engine, the worker's once attached
         self.state = "loading"
         self.created = int(time.time())
         self.fingerprint = serving.system_fingerprint(config)
@@ -107,18 +108,18 @@ class Runtime:
             if self.decoder is None:
                 self.decoder = await asyncio.to_thread(self.load_decoder, self.config)
             settings = self.config.lookahead
-            self.batch = await asyncio.to_thread(
+            self.engine = await asyncio.to_thread(
                 self.decoder.batch_engine, batch_policy(self.config), settings.memory_tokens, settings.memory_file,
                 settings.memory_corpus,
             )
-            self.worker.attach(self.batch)
+            self.worker.attach(self.engine)
             codec = TextCodec(self.decoder.tokenizer, self.chat_template)
-            engine = Engine(self.config, self.decoder, codec, self.scheduler)
-            self._publish_config(engine)
+            loaded = Loaded(self.config, self.decoder, codec, self.scheduler)
+            self._publish_config(loaded)
             self.state = "warming"
             if self.config.warmup:
-                await self._warm_up(engine)
-            self.engine = engine
+                await self._warm_up(loaded)
+            self.loaded = loaded
             if self.state == "warming":
                 self.state = "ready"
                 logger.info("ready: serving %s", self.config.model_name)
@@ -133,28 +134,28 @@ class Runtime:
         """At shutdown, once the worker has stopped: write the n-gram memory to ``lookahead.memory_file`` (when
         one is configured); a failure is logged, never raised."""
         path = self.config.lookahead.memory_file
-        if path is None or self.batch is None or self.decoder is None:
+        if path is None or self.engine is None or self.decoder is None:
             return
         try:
-            documents = self.decoder.save_memory(self.batch, path)
+            documents = self.decoder.save_memory(self.engine, path)
         except OSError as error:
             logger.warning("could not save the n-gram memory to %s: %s", path, error)
             return
         if documents is not None:
             logger.info("n-gram memory: %d documents saved to %s", documents, path)
 
-    def _publish_config(self, engine: Engine) -> None:
+    def _publish_config(self, loaded: Loaded) -> None:
         lookahead = self.config.lookahead
         self.metrics.set_config(
             model=self.config.model_name,
-            device=str(engine.decoder.device),
-            dtype=str(engine.decoder.dtype),
+            device=str(loaded.decoder.device),
+            dtype=str(loaded.decoder.dtype),
             window_size=lookahead.window_size,
             ngram_size=lookahead.ngram_size,
             guess_set_size=lookahead.guess_set_size,
         )
-        self.metrics.set_kv_capacity(self.config.max_running * engine.decoder.context_length)
-        policy = getattr(self.batch, "policy", None)
+        self.metrics.set_kv_capacity(self.config.max_running * loaded.decoder.context_length)
+        policy = getattr(self.engine, "policy", None)
         if policy is not None:
             self.metrics.set_step_cost(policy.step_cost)
         stats = self.worker.publish_static()
@@ -162,18 +163,18 @@ class Runtime:
             logger.info("static step: %s, %d shapes built in %.1f s", stats.mode, stats.buckets,
                         stats.capture_seconds)
 
-    async def _warm_up(self, engine: Engine) -> None:
+    async def _warm_up(self, loaded: Loaded) -> None:
         """One tiny decode with the default settings (untracked), so the first request pays no warm-up cost."""
-        prompt = engine.codec.encode_text("Hello")
+        prompt = loaded.codec.encode_text("Hello")
         settings = self.config.lookahead
         generation = serving.GenerationPlan(
             prompt_ids=prompt or [0],
-            stop=StopCriteria(2, frozenset(engine.decoder.eos_token_ids())),
+            stop=StopCriteria(2, frozenset(loaded.decoder.eos_token_ids())),
             sampling=SamplingParams(),
             lookahead=serving.resolve_lookahead(None, settings),
             stop_strings=(),
         )
-        handle = serving.start(engine, generation, tracked=False, force=True)
+        handle = serving.start(loaded, generation, tracked=False, force=True)
         await handle.collect()
 
     async def drain(self, grace_seconds: float) -> None:
@@ -189,12 +190,13 @@ class Runtime:
 
     def vocab_size(self) -> int | None:
         """The loaded model's vocabulary size; ``None`` until the model is loaded."""
-        return self.engine.codec.vocab_size if self.engine is not None else None
+        return self.loaded.codec.vocab_size if self.loaded is not None else None
 
-    def require_engine(self) -> Engine:
-        """The engine, or 503 while loading, warming up, draining or after a failed start."""
+    def require_loaded(self) -> Loaded:
+        """The ``Loaded`` pieces a request needs, or 503 while loading, warming up, draining or after a failed
+        start."""
         if self.state == "draining":
             raise ServiceUnavailableError("The server is shutting down; retry on another instance.", reason="draining")
-        if self.state != "ready" or self.engine is None:
+        if self.state != "ready" or self.loaded is None:
             raise ServiceUnavailableError(f"The server is not ready yet ({self.state}).", reason="not_ready")
-        return self.engine
+        return self.loaded

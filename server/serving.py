@@ -122,8 +122,9 @@ class DecoderLike(Protocol):
 
 
 @dataclass(frozen=True)
-class Engine:
-    """The loaded pieces a request needs: config, decoder, codec, scheduler."""
+class Loaded:
+    """What a request needs once the model is loaded: config, decoder, codec, scheduler. (The engine, the decoder's
+    ``decoding.BatchEngine``, is the worker's: requests reach it through the scheduler.)"""
 
     config: ServerConfig
     decoder: DecoderLike
@@ -165,33 +166,33 @@ def response_grammar(
 
 
 def output_grammar(
-    engine: Engine, response_format: ResponseFormat | None, plan: tools.ToolPlan | None = None
+    loaded: Loaded, response_format: ResponseFormat | None, plan: tools.ToolPlan | None = None
 ) -> Grammar | None:
     """The grammar the output must match, checked (compiled once: the decode's constraint reuses it):
     ``response_format``'s, or the tool call grammar when ``plan`` (a chat request's tool plan) lets calls come
     (``server.tools.grammar``; when it does not compile, each tool's ``parameters`` is checked to give a 400 naming
     the bad one). Call it off the event loop."""
     if plan is None:
-        grammar = response_grammar(response_format, engine.config.number_bounds)
-        check_grammar(engine, grammar, "response_format.json_schema.schema")
+        grammar = response_grammar(response_format, loaded.config.number_bounds)
+        check_grammar(loaded, grammar, "response_format.json_schema.schema")
         return grammar
-    grammar = tools.grammar(plan, engine.config.number_bounds)
+    grammar = tools.grammar(plan, loaded.config.number_bounds)
     try:
-        check_grammar(engine, grammar, "tools")
+        check_grammar(loaded, grammar, "tools")
     except BadRequestError:
         for param, parameters in tools.parameter_grammars(plan):
-            check_grammar(engine, parameters, param)
+            check_grammar(loaded, parameters, param)
         raise
     return grammar
 
 
-def check_grammar(engine: Engine, grammar: Grammar | None, param: str) -> None:
+def check_grammar(loaded: Loaded, grammar: Grammar | None, param: str) -> None:
     """400 naming ``param`` when the decoder cannot compile ``grammar`` (a schema it cannot enforce); may take
     a while for a large schema: call it off the event loop."""
     if grammar is None:
         return
     try:
-        engine.decoder.check_grammar(grammar)
+        loaded.decoder.check_grammar(grammar)
     except GrammarError as error:
         raise BadRequestError(f"{param} cannot be enforced: {error}", param=param) from error
 
@@ -256,15 +257,15 @@ def prediction_ids(codec: TextCodec, prediction: Prediction | None) -> list[int]
     return codec.encode_text(prediction.text(), add_special_tokens=False)
 
 
-def plan(engine: Engine, request: GenerationFields, asked: Asked, prompt_ids: list[int]) -> GenerationPlan:
+def plan(loaded: Loaded, request: GenerationFields, asked: Asked, prompt_ids: list[int]) -> GenerationPlan:
     """The decoder's parameters for one prompt of a request: the fields every generation endpoint shares
     (``GenerationFields``) over the config, with what its endpoint decided (``asked``: length, logprobs, grammar,
     prediction)."""
     if not prompt_ids:
         raise BadRequestError("the prompt is empty: at least one token is required", param=asked.prompt_param)
-    config = engine.config
+    config = loaded.config
     max_tokens = resolve_max_tokens(
-        asked.max_tokens, len(prompt_ids), engine.decoder.context_length, config.default_max_tokens,
+        asked.max_tokens, len(prompt_ids), loaded.decoder.context_length, config.default_max_tokens,
         asked.prompt_param,
     )
     stop_strings = request.stop_sequences()
@@ -280,11 +281,11 @@ def plan(engine: Engine, request: GenerationFields, asked: Asked, prompt_ids: li
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-        logit_bias=resolve_logit_bias(request.logit_bias, engine.codec.vocab_size),
+        logit_bias=resolve_logit_bias(request.logit_bias, loaded.codec.vocab_size),
         grammar=asked.grammar,
         prompt_logprobs=asked.prompt_logprobs,
     )
-    eos = frozenset() if request.ignore_eos else frozenset(engine.decoder.eos_token_ids())
+    eos = frozenset() if request.ignore_eos else frozenset(loaded.decoder.eos_token_ids())
     return GenerationPlan(
         prompt_ids=prompt_ids,
         stop=StopCriteria(max_tokens, eos, request.min_tokens or 0),
@@ -296,7 +297,7 @@ def plan(engine: Engine, request: GenerationFields, asked: Asked, prompt_ids: li
     )
 
 
-def plan_choices(engine: Engine, request: GenerationFields, asked: Asked) -> list[GenerationPlan]:
+def plan_choices(loaded: Loaded, request: GenerationFields, asked: Asked) -> list[GenerationPlan]:
     """One plan per choice (``plan``, checked by the decoder: ``validate``), in choice order (prompt by prompt,
     ``n`` each); choice j of a prompt decodes with ``derived_seed(seed, j)``. A sampled request without a seed
     gets one drawn here, before admission (``decoding.draw_seed``), so its ``decoding.seed`` replays it."""
@@ -304,11 +305,11 @@ def plan_choices(engine: Engine, request: GenerationFields, asked: Asked) -> lis
     choices = []
     seed = None
     for prompt_ids in asked.prompts:
-        generation = plan(engine, request, asked, prompt_ids)
+        generation = plan(loaded, request, asked, prompt_ids)
         sampling = generation.sampling
         if seed is None:
             seed = sampling.seed if sampling.seed is not None or sampling.greedy else draw_seed()
-        choices += [validate(engine, replace(generation, sampling=replace(sampling, seed=derived_seed(seed, j))))
+        choices += [validate(loaded, replace(generation, sampling=replace(sampling, seed=derived_seed(seed, j))))
                     for j in range(n)]
     return choices
 
@@ -341,24 +342,24 @@ def resolve_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> 
     return tuple(sorted(pairs))
 
 
-def start(engine: Engine, generation: GenerationPlan, tracked: bool = True, force: bool = False) -> Handle:
+def start(loaded: Loaded, generation: GenerationPlan, tracked: bool = True, force: bool = False) -> Handle:
     """Submit one planned generation to the scheduler (429 / 503 when refused)."""
-    return start_many(engine, [generation], tracked, force)[0]
+    return start_many(loaded, [generation], tracked, force)[0]
 
 
 def start_many(
-    engine: Engine, generations: Sequence[GenerationPlan], tracked: bool = True, force: bool = False
+    loaded: Loaded, generations: Sequence[GenerationPlan], tracked: bool = True, force: bool = False
 ) -> list[Handle]:
     """``start`` for a request's choices (planned, so validated, by ``plan_choices``): all admitted or none."""
-    texts = [TextStream(engine.codec.decode, generation.stop_strings) for generation in generations]
-    return engine.scheduler.submit_many(list(zip(generations, texts, strict=True)), tracked=tracked, force=force)
+    texts = [TextStream(loaded.codec.decode, generation.stop_strings) for generation in generations]
+    return loaded.scheduler.submit_many(list(zip(generations, texts, strict=True)), tracked=tracked, force=force)
 
 
-def validate(engine: Engine, generation: GenerationPlan) -> GenerationPlan:
+def validate(loaded: Loaded, generation: GenerationPlan) -> GenerationPlan:
     """``generation`` once the decoder has checked its parameters (``Decoder.validate``: 400 naming the field);
     anything else the decoder raises is logged and becomes a 500."""
     try:
-        engine.decoder.validate(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
+        loaded.decoder.validate(generation.prompt_ids, generation.stop, generation.sampling, generation.lookahead)
     except InvalidParameterError:
         raise
     except Exception as exc:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from server.replies import DeltaFunctionCall, DeltaToolCall, ResponseFunctionCall, ResponseToolCall
+from server.completion_objects import DeltaFunctionCall, DeltaToolCall, ResponseFunctionCall, ResponseToolCall
 from server.tools import JSON_SPACE, ToolPlan
 
 

@@ -1,4 +1,5 @@
-"""The docs say what the code does: README's flag table is the CLI's, and every relative link resolves."""
+"""The docs say what the code does: README's flag table is the CLI's, and every relative link resolves, to a heading
+of its page where it names one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import yaml
 
 from server import cli
-from server.config import DEVICE_PRESETS, ServerConfig, config_flags, load_config
+from server.config import ServerConfig
+from server.config_layers import DEVICE_PRESETS, load_config
+from server.flags import config_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -75,3 +78,36 @@ def test_relative_links_resolve(path):
         if "://" in target or target.startswith("mailto:"):
             continue
         assert (path.parent / target).exists(), f"{path.name} links to {target}, which does not exist"
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces made hyphens.
+
+    >>> heading_anchor("2026-11-25 evening: the pool's suffixes at G=32 (`python -m bench.sampled`)")
+    '2026-11-25-evening-the-pools-suffixes-at-g32-python--m-benchsampled'
+    """
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a page's headings (outside code blocks; a repeated heading's get ``-1``, ``-2``...)."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in path.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and (match := re.match(r"#{1,6} (.*)", line)):
+            anchor = heading_anchor(match.group(1))
+            found.add(f"{anchor}-{seen[anchor]}" if anchor in seen else anchor)
+            seen[anchor] = seen.get(anchor, 0) + 1
+    return found
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda path: path.name)
+def test_links_to_headings_resolve(path):
+    """A link to ``page.md#anchor`` (or ``#anchor`` on the same page) lands on a heading of that page."""
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", path.read_text()):
+        page = path.parent / target if target else path
+        if "://" in target or page.suffix != ".md" or not page.exists():
+            continue
+        assert anchor in anchors(page), f"{path.name} links to {target}#{anchor}, a heading {page.name} does not have"

@@ -1,9 +1,9 @@
 """Dependencies point one way: server -> decoding -> torch/transformers; server never imports torch.
 
 The tooling package ``bench`` sits beside them: it measures ``decoding`` and reads the server's settings
-(``server.config``, and their command-line flags, ``server.flags``) but nothing else of the server; neither
-``decoding`` nor ``server`` imports it. Within each of the three packages no import circle closes, annotations
-included.
+(``server.config``, the layers that resolve them, ``server.config_layers``, and their command-line flags,
+``server.flags``) but nothing else of the server; neither ``decoding`` nor ``server`` imports it. Within each of
+the three packages no import circle closes, annotations included.
 
 Inside ``decoding``, imports point one way through its rooms (``decoding/__init__.py`` maps them): the top-level
 ground (``params``, ``errors``, ``grammar``) imports no room, each room (``ROOMS``, lowest first) imports only itself,
@@ -53,14 +53,16 @@ def test_imports_point_one_way(package, forbidden):
     assert offenders == {}
 
 
-# The server's settings and their flags; and server.spawn (standard library only: it starts ``python -m server``
-# as a process, for the GPU check's start-up timing, as it does for scripts and tests).
-BENCH_MAY_READ = {"server.config", "server.flags", "server.spawn"}
+# The server's settings (their definition, and the layers that resolve a device preset's values: server.config
+# was both before it was split) and their flags; and server.spawn (standard library only: it starts ``python -m
+# server`` as a process, for the GPU check's start-up timing, as it does for scripts and tests).
+BENCH_MAY_READ = {"server.config", "server.config_layers", "server.flags", "server.spawn"}
 
 
 def test_bench_reads_only_the_server_settings() -> None:
-    """``bench`` takes the server's defaults from ``server.config`` (and ``serve``'s flags from ``server.flags``),
-    may start the server as a process (``server.spawn``), and imports no other server module."""
+    """``bench`` takes the server's defaults from ``server.config`` and ``server.config_layers`` (and ``serve``'s
+    flags from ``server.flags``), may start the server as a process (``server.spawn``), and imports no other server
+    module."""
     offenders = {}
     for path in (ROOT / "bench").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import cli, measure
-from server.config import load_config
+from server.config_layers import load_config
 from tests.bench.helpers import save_tiny_model
 
 ALL_METHODS = "greedy,lookahead,generate,prompt_lookup"

@@ -11,7 +11,7 @@ from bench import cli, heldout
 from bench.records import RunRecord
 from decoding.decoder import Decoder
 from decoding.proposers.ngram_memory import NGramMemory, load_memory
-from server.config import load_config
+from server.config_layers import load_config
 from tests.bench.helpers import fake_prompt_sets, save_tiny_model
 
 

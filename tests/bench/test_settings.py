@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import cli, settings
-from server.config import load_config
+from server.config_layers import load_config
 
 
 def resolved(*flags: str) -> settings.Resolved:

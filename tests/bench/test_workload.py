@@ -33,7 +33,7 @@ def test_templated_wraps_text_and_chat_prompts_alike():
 def test_a_named_preset_gives_the_lookahead_settings_and_the_device_the_model(monkeypatch):
     """``--preset cuda`` on a CPU: the CUDA preset's lookahead settings and batch policy, the CPU preset's model."""
     from bench import workload
-    from server.config import load_config
+    from server.config_layers import load_config
 
     loads = []
     monkeypatch.setattr(workload.Decoder, "load", staticmethod(lambda *args: loads.append(args) or "decoder"))

@@ -15,7 +15,8 @@ from transformers import DynamicCache
 from decoding.batch import BatchPolicy
 from decoding.params import LookaheadConfig, StopCriteria
 from decoding.step.stream import generate_autoregressive, generate_lookahead
-from server.config import decoder_lookahead, load_config
+from server.config import decoder_lookahead
+from server.config_layers import load_config
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.forward.test_lean import assert_lean_step_equals_the_public_forward
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS

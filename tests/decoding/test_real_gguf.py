@@ -12,7 +12,8 @@ from decoding.weights import native
 from decoding.weights.gguf_model import read_tensors, rope_order
 from decoding.weights.loading import gguf_files
 from decoding.weights.quant_panels import dequantize
-from server.config import decoder_lookahead, load_config
+from server.config import decoder_lookahead
+from server.config_layers import load_config
 from tests.decoding.test_real_model import MESSAGES, decode, prompt_ids
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow,

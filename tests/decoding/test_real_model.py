@@ -128,7 +128,8 @@ def test_the_static_step_on_the_real_model_equals_greedy(greedy_outputs):
     from decoding.forward.kv_cache import KVPool
     from decoding.forward.static import StaticStep
     from decoding.weights.loading import load_model
-    from server.config import decoder_lookahead, load_config
+    from server.config import decoder_lookahead
+    from server.config_layers import load_config
     from tests.decoding.forward.test_static import drain
 
     loaded = load_model(device="cpu", dtype="float32")

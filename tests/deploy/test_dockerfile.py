@@ -174,7 +174,7 @@ def test_dockerignore_keeps_local_state_out(instructions: list[Instruction]) -> 
 
 def test_editable_install_keeps_configs_next_to_the_packages(instructions: list[Instruction]) -> None:
     """server.config finds configs/ beside the package directory, so the image installs in place from /app."""
-    from server.config import CONFIG_DIR
+    from server.config_layers import CONFIG_DIR
 
     assert CONFIG_DIR == ROOT / "configs"
     builder = [i for i in instructions if i.stage == "builder"]

@@ -9,19 +9,9 @@ from decoding import ModelLoadError
 from decoding.params import LOOKAHEAD_BOUNDS, LookaheadConfig
 from decoding.weights.cores import usable_cores
 from server import cli, flags
-from server.config import (
-    CONFIG_DIR,
-    ConfigError,
-    LookaheadSettings,
-    ServerConfig,
-    config_flags,
-    fields,
-    load_config,
-    lookahead_bounds,
-    merge,
-    read_yaml,
-    resolve,
-)
+from server.config import ConfigError, LookaheadSettings, ServerConfig, fields, lookahead_bounds
+from server.config_layers import CONFIG_DIR, load_config, merge, read_yaml, resolve
+from server.flags import config_flags
 
 
 def test_the_shipped_configs_are_the_two_device_presets():
@@ -133,7 +123,7 @@ def test_the_config_command_prints_what_serve_runs_and_where_it_came_from(monkey
 
 def test_the_reference_page_is_generated_from_the_definition():
     page = (CONFIG_DIR.parent / "docs" / "configuration.md").read_text()
-    from server.config import reference_markdown
+    from server.config_reference import reference_markdown
 
     assert reference_markdown() in page, "docs/configuration.md is stale: regenerate it (see its first lines)"
 

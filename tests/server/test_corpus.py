@@ -28,7 +28,7 @@ async def test_documents_enter_the_memory_on_the_worker_thread_and_are_counted(t
         empty = (await client.get("/v1/memory")).json()
         response = await client.post("/v1/memory/corpus", json={"documents": [CODE, PROSE]})
         after = (await client.get("/v1/memory")).json()
-        snapshot = app.state.runtime.batch.memory.snapshot()
+        snapshot = app.state.runtime.engine.memory.snapshot()
         metrics = scrape(app)
     documents = [encode(tokenizer, CODE), encode(tokenizer, PROSE)]
     tokens = sum(map(len, documents))
@@ -48,7 +48,7 @@ async def test_a_long_text_enters_as_documents_of_bounded_length(tokenizer, scri
     assert CORPUS_DOCUMENT_TOKENS < len(tokens) < 2 * CORPUS_DOCUMENT_TOKENS
     async with running_app(make_config(lookahead={"memory_tokens": 20_000}), scripted) as (app, client):
         data = (await client.post("/v1/memory/corpus", json={"documents": [text]})).json()
-        snapshot = app.state.runtime.batch.memory.snapshot()
+        snapshot = app.state.runtime.engine.memory.snapshot()
     assert (data["documents"], data["tokens"]) == (2, len(tokens))
     assert snapshot == [tokens[:CORPUS_DOCUMENT_TOKENS], tokens[CORPUS_DOCUMENT_TOKENS:]]
 
@@ -59,7 +59,7 @@ async def test_the_memory_bound_holds(tokenizer, scripted):
     async with running_app(make_config(lookahead={"memory_tokens": 50}), scripted) as (app, client):
         first = (await client.post("/v1/memory/corpus", json={"documents": [long_text]})).json()
         second = (await client.post("/v1/memory/corpus", json={"documents": [PROSE]})).json()
-        snapshot = app.state.runtime.batch.memory.snapshot()
+        snapshot = app.state.runtime.engine.memory.snapshot()
     assert first["tokens"] == len(encode(tokenizer, long_text)) > 50
     assert first["memory"] == {"object": "memory", "enabled": True, "tokens": 50, "documents": 1, "capacity": 50}
     assert second["memory"]["tokens"] <= 50 and snapshot == [encode(tokenizer, PROSE)]  # the long one evicted
@@ -162,5 +162,5 @@ async def test_a_corpus_feeds_greedy_decodes_and_a_memory_file_keeps_it(decoder,
     assert saved.snapshot()[0] == encode(decoder.tokenizer, prompt + text)
     async with running_app(config, decoder) as (app, client):
         memory = (await client.get("/v1/memory")).json()
-        snapshot = app.state.runtime.batch.memory.snapshot()
+        snapshot = app.state.runtime.engine.memory.snapshot()
     assert memory["documents"] == 2 and snapshot == saved.snapshot()

@@ -11,9 +11,9 @@ import jsonschema_rs
 import pytest
 
 from server import tool_calls, tools
+from server.completion_objects import DeltaToolCall
 from server.errors import BadRequestError
 from server.protocol import ChatCompletionRequest, chat_message
-from server.replies import DeltaToolCall
 from server.text import TextCodec
 from tests.server.conftest import make_config
 from tests.server.helpers import chat_body, running_app, sse_events

@@ -18,7 +18,8 @@ from decoding.forward.static_forward import static_forward, supports
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.proposers.window import step_layout
 from decoding.step.stream import DecodeStream
-from server.config import decoder_lookahead, load_config
+from server.config import decoder_lookahead
+from server.config_layers import load_config
 from tests.conftest import tiny_llama, tiny_qwen2
 from tests.decoding.test_batch import CONFIGS as BATCH_CONFIGS
 from tests.decoding.test_batch import PROMPTS, tokens_of

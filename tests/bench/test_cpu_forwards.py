@@ -1,11 +1,11 @@
-"""``bench.compiled``: the report states the compile cost, each forward's ms per token, each forward's ratio to
-the lean step's and the exactness counts; bad arguments exit with status 2."""
+"""``bench.cpu_forwards`` (``python -m bench compile``): the report states the compile cost, each forward's ms per
+token, each forward's ratio to the lean step's and the exactness counts; bad arguments exit with status 2."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import compiled
+from bench import cpu_forwards
 
 
 def test_the_report_gives_compile_cost_speeds_ratios_and_exactness():
@@ -20,7 +20,7 @@ def test_the_report_gives_compile_cost_speeds_ratios_and_exactness():
                   "lookahead_identical_to_greedy": {"lean": 2, "compiled": 2},
                   "identical_to_lean": {"lean": 2, "compiled": 1}},
     }
-    text = compiled.report(figures)
+    text = cpu_forwards.report(figures)
     assert "compile: 95.0 s (fresh inductor cache), 6 graphs, 3 recompiles" in text
     assert "greedy: compiled / lean = 0.500x time, 0.500x CPU" in text
     assert "lookahead: compiled / lean = 0.750x time, 0.740x CPU" in text
@@ -33,5 +33,5 @@ def test_the_report_gives_compile_cost_speeds_ratios_and_exactness():
                                   ["--forwards", "lean,lean"]])
 def test_bad_arguments_exit_with_status_2(argv):
     with pytest.raises(SystemExit) as caught:
-        compiled.main(argv)
+        cpu_forwards.main(argv)
     assert caught.value.code == 2

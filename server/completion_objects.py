@@ -1,4 +1,5 @@
-"""The answers of chat and text completions in OpenAI's exact shapes, and the ``/v1/models`` cards.
+"""The objects chat and text completions answer with (OpenAI's chat completion, completion and chunk objects) in
+OpenAI's exact shapes, and the ``/v1/models`` cards. (The Responses API's objects are ``server.responses_protocol``'s.)
 
 Contract: response models serialize to exactly OpenAI's shapes (``system_fingerprint`` included; a field OpenAI
 leaves out when empty is left out), with the server's extensions: ``decoding`` (``DecodingInfo``) in non-streaming

@@ -37,7 +37,8 @@ from decoding.forward import fused, lean
 from decoding.forward.compiled import CompiledForward
 from decoding.forward.packed import LEAN_FORWARD
 from decoding.params import StopCriteria
-from server.config import decoder_lookahead, load_config
+from server.config import decoder_lookahead
+from server.config_layers import load_config
 
 FORWARDS = ("fused", "lean", "compiled")
 BASELINE = "lean"

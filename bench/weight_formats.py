@@ -31,7 +31,8 @@ from bench.measure import STEP_COST_KS, decode_greedy, decode_lookahead, measure
 from bench.report import write_json
 from decoding.decoder import Decoder, configure_threads
 from decoding.params import StopCriteria
-from server.config import decoder_lookahead, load_config
+from server.config import decoder_lookahead
+from server.config_layers import load_config
 
 WEIGHTS = ("gguf", "float32")
 METHODS = ("greedy", "lookahead")
