@@ -16,6 +16,6 @@ and ``server.flags`` (the settings the server runs with, their layers, and their
   ``bench.cpu_forwards`` (``python -m bench compile``): the CPU forwards (fused, lean, ``torch.compile``) side
   by side; ``bench.weight_formats`` (``python -m bench weights``): the GGUF weights against float32; the other
   subcommands are ``bench.cli.SUBCOMMANDS``.
-- ``bench.datasets``: HumanEval and AlpacaEval (fetched through ``decoding.fetch``), chat questions, JSONL
+- ``bench.datasets``: HumanEval and AlpacaEval (fetched through ``decoding.weights.fetch``), chat questions, JSONL
   prompt files, and the tune / held-out split of each built-in set.
 """

@@ -4,7 +4,7 @@ Contract: ``python -m bench anatomy [--preset cpu|cuda] [--json FILE]`` (``main(
 and a lookahead stream of the preset (its W/N/G, copies and batch policy) on ``tiny_deep_llama``: the default
 model's depth (30 LLaMA layers) at a tiny width, so that a forward's arithmetic is negligible and what is left is
 the work a GPU step pays on the host. Each is run twice, each step one ``BatchEngine.step()`` (the server's engine
-step, whole): through today's eager path (``forward_packed``) and through the static step (``decoding.static``,
+step, whole): through today's eager path (``forward_packed``) and through the static step (``decoding.forward.static``,
 eager mode on the CPU). It prints, per path and stream:
 
 - ``step_host_ms`` (also ``host_ms``): CPU thread milliseconds per engine step, the device's work excluded (median

@@ -4,7 +4,7 @@ Contract: ``--baseline REV`` (``add_baseline_flag``; ``python -m bench`` and ``p
 methods ``base_greedy`` and ``base_lookahead`` runnable: commit REV's greedy loop and lookahead, each exactly as
 that commit's ``python -m bench heldout`` ran it (its preset's lookahead settings, batch policy and model loading),
 interleaved per prompt with today's methods in one run. ``checkout(commit)`` makes (or reuses) a detached
-``git worktree`` of the commit under ``<cache>/baselines/<12 hex digits>`` (``decoding.loading.cache_root``: not
+``git worktree`` of the commit under ``<cache>/baselines/<12 hex digits>`` (``decoding.weights.loading.cache_root``: not
 inside the repository). ``BaselineChild`` runs ``bench/baseline_child.py`` of this tree with that checkout as its
 ``PYTHONPATH`` and working directory (the two trees share package names, so they cannot share an interpreter):
 the model loads once, each decode is one JSON line each way, and the seconds a run reports are the child's,

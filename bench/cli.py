@@ -146,10 +146,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"default model name, local directory or hub id ({SERVER_DEFAULT})")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1... (picks the server preset)")
     parser.add_argument("--dtype", help=f"auto, float32, float16, bfloat16 ({SERVER_DEFAULT})")
-    parser.add_argument("--quantize", choices=QUANTIZE, help=f"int8: decoding.quantize, CPU ({SERVER_DEFAULT})")
+    parser.add_argument("--quantize", choices=QUANTIZE, help=f"int8: decoding.weights.quantize, CPU ({SERVER_DEFAULT})")
     parser.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS,
-                        help="our methods' linears (decoding.linears; auto: packed on a float32 CPU); generate runs "
-                        f"on nn.Linear ({SERVER_DEFAULT})")
+                        help="our methods' linears (decoding.weights.linears; auto: packed on a float32 CPU); "
+                        f"generate runs on nn.Linear ({SERVER_DEFAULT})")
     parser.add_argument("--weights", choices=WEIGHTS,
                         help=f"gguf: a GGUF model's quantized weights as they are; float32: de-quantized "
                         f"({SERVER_DEFAULT})")

@@ -5,7 +5,7 @@ Contract: a conversation is an MT-bench question (the held-out split), its own s
 tokens (200) at the device preset's lookahead settings, and every prompt holds the whole conversation so far
 (the chat template over all messages), as a chat UI, an agent loop or ``previous_response_id`` sends it. Each
 turn runs on two ``BatchEngine`` s (the server's decode loop) that differ only in their prefix cache
-(``decoding.prefix_cache``: ``--prefix-cache-tokens``, the preset's by default, against none), one after the other
+(``decoding.step.prefix_cache``: ``--prefix-cache-tokens``, the preset's by default, against none), one after the other
 in alternating order; each keeps its own history, and their outputs must be identical (else exit 1). It prints,
 per turn (the median over ``--limit`` conversations), the prompt tokens, the tokens reused, the time to first
 token (from ``add`` to the first step that commits a token: the prefill, and the lookup and copy with the cache)

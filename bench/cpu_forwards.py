@@ -1,6 +1,6 @@
 """``python -m bench compile``: the CPU forwards side by side in one process on the default model: the fused step
-the server runs (``decoding.fused``), the lean step it replaced (``lean.forward``: the model's own modules, one
-ATen op at a time) and ``torch.compile``'s graphs around the native products (``decoding.compiled``).
+the server runs (``decoding.forward.fused``), the lean step it replaced (``lean.forward``: the model's own modules, one
+ATen op at a time) and ``torch.compile``'s graphs around the native products (``decoding.forward.compiled``).
 
 Contract: ``main(argv)`` loads the default model as the CPU preset loads it (one thread). With ``compiled`` among
 ``--forwards`` it builds the ``CompiledForward`` and times the compile: one greedy and one lookahead decode of a

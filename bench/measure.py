@@ -79,7 +79,7 @@ _STATIC_STEPS: dict[int, StaticStep | None] = {}  # per model (by id): the stati
 def static_for(model: PreTrainedModel, policy: BatchPolicy | None) -> StaticStep | None:
     """The static step a server with ``policy`` runs ``model``'s steps through (one per model, built on first use
     over a one-row KV pool); None when the policy has none or the model is not one it runs (packed linears).
-    ``"graphs"`` off CUDA rehearses the capture, as the server does (``decoding.static``)."""
+    ``"graphs"`` off CUDA rehearses the capture, as the server does (``decoding.forward.static``)."""
     if policy is None or policy.static_step == "off":
         return None
     if id(model) not in _STATIC_STEPS:

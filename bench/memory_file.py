@@ -5,8 +5,8 @@ Contract: ``main(argv)`` decodes each of the first ``--limit`` prompts of the ``
 (or every prompt of ``--prompts FILE.jsonl``) with our greedy loop, ``--max-tokens`` new tokens each (256 for
 HumanEval, 192 for the others, as ``bench heldout`` decodes), adds each prompt's last ``MEMORY_PROMPT_TAIL`` tokens
 and its completion to one ``NGramMemory(--memory-tokens)`` exactly as a finished server request is added, and
-writes it to ``--output`` (``decoding.memory.save_memory``, under the model's vocabulary id). ``python -m bench
-heldout --memory-file PATH`` then starts its shared memory from it: the held-out figures of a server that has
+writes it to ``--output`` (``decoding.proposers.ngram_memory.save_memory``, under the model's vocabulary id). ``python
+-m bench heldout --memory-file PATH`` then starts its shared memory from it: the held-out figures of a server that has
 been serving other requests of the same kind. Held-out splits are refused: a memory that held the reported
 prompts' own completions would measure nothing. ``build(decoder, prompts, ...)`` is the loop, for tests.
 """

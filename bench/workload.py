@@ -2,8 +2,8 @@
 
 Contract: ``python -m bench.workload`` sends the same requests, one after another, through two
 ``BatchEngine`` s (the server's decode loop) that differ only in their memory: one holds a
-``decoding.memory.NGramMemory`` of ``--memory-tokens``, the other none. Requests alternate between the two
-engines so both see the same machine load. Each request is one prompt of a held-out split wrapped in the same
+``decoding.proposers.ngram_memory.NGramMemory`` of ``--memory-tokens``, the other none. Requests alternate between the
+two engines so both see the same machine load. Each request is one prompt of a held-out split wrapped in the same
 system prompt and task template (what repeats across a real service's requests); ``--rounds 2`` sends the
 set twice (retries, agent loops). It prints, per request and
 in total, tokens, steps, accepted guesses and those from the memory, checks that both engines return the same

@@ -37,7 +37,7 @@ class CompletionTokensDetails(BaseModel):
 
 class PromptTokensDetails(BaseModel):
     """OpenAI's prompt counts: ``cached_tokens``, the prompt tokens whose KV the server reused from an earlier
-    request (the prefix cache, ``decoding.prefix_cache``) rather than computing them."""
+    request (the prefix cache, ``decoding.step.prefix_cache``) rather than computing them."""
 
     cached_tokens: int = 0
 

@@ -29,7 +29,7 @@ def describe(resolved: Resolved, header: str = "") -> str:
     """The resolved config as YAML that ``--config`` accepts, each value commented with the layer it came from.
 
     Secrets (``api_key``) are not printed: their line is commented out and says where they were set; ``threads:
-    auto`` says how many threads it gives here (``decoding.cores.usable_cores``).
+    auto`` says how many threads it gives here (``decoding.weights.cores.usable_cores``).
     """
     lines = [header] if header else []
     section = ""

@@ -11,7 +11,7 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
 - ``decode_steps_total`` counts forward passes that produced at least one token, the prefill included;
 - ``draft_tokens_total`` counts guessed tokens offered (N-1 for each step that verified at least one
   candidate) and ``accepted_tokens_total`` the guessed tokens accepted (and kept); ``memory_accepted_tokens_total``
-  counts those of them that came from the server-wide n-gram memory (``decoding.memory``);
+  counts those of them that came from the server-wide n-gram memory (``decoding.proposers.ngram_memory``);
   ``source_offered_tokens_total{source}`` and ``source_accepted_tokens_total{source}`` count, per candidate source
   (``decoding.proposers``: pool, copy, memory, prediction, ...), the guessed tokens it offered (the longest of its
   verified guesses per step) and those of the accepted ones it proposed; sources overlap, so they do not sum to
@@ -30,12 +30,12 @@ Semantics (all names carry the ``lookahead_`` prefix; no per-request labels):
   the other (0..1; 0 until the capacity is known): the load signal a router or an autoscaler reads beside
   ``requests_running`` and ``requests_waiting``;
 - ``static_buckets``, ``static_capture_failures`` and ``static_capture_seconds`` describe the static step
-  (``decoding.static``): the shapes built so far, the captures that failed on a working device (their shapes run
+  (``decoding.forward.static``): the shapes built so far, the captures that failed on a working device (their shapes run
   eagerly), and the seconds building them took (absent without a static step);
 - ``prefix_cache_hits_total`` / ``prefix_cache_misses_total`` count the engine's prefix-cache lookups (a request
   that opted out, or reads prompt logprobs, looks nothing up), ``prefix_cache_cached_tokens_total`` the prompt
   tokens reused (not computed), ``prefix_cache_evictions_total`` entries dropped for room (least recently used
-  first), and ``prefix_cache_tokens`` / ``prefix_cache_bytes`` what the cache holds now (``decoding.prefix_cache``;
+  first), and ``prefix_cache_tokens`` / ``prefix_cache_bytes`` what the cache holds now (``decoding.step.prefix_cache``;
   all 0 when it is off);
 - ``step_cost{tokens}`` is the step-cost curve the engine prices drafts on (relative to a one-token forward):
   measured on the device at start (``batch.measure_step_cost``), else the preset's;

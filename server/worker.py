@@ -97,7 +97,7 @@ class EngineLike(Protocol):
 
     def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None: ...
 
-    # optional: ``prefix_cache_stats() -> decoding.prefix_cache.PrefixCacheStats | None`` (read when present)
+    # optional: ``prefix_cache_stats() -> decoding.step.prefix_cache.PrefixCacheStats | None`` (read when present)
 
     def memory_usage(self) -> MemoryUsage | None: ...
 
@@ -196,8 +196,8 @@ class Worker:
         self.engine = engine
 
     def publish_static(self) -> StaticStats | None:
-        """The engine's static-step stats (``decoding.static.StaticStats``) into the metrics, when it has a static
-        step and there are metrics; returned either way (None without one)."""
+        """The engine's static-step stats (``decoding.forward.static.StaticStats``) into the metrics, when it has a
+        static step and there are metrics; returned either way (None without one)."""
         static = getattr(self.engine, "static_stats", None)  # engines without a static step have none
         stats = static() if static is not None else None
         if stats is not None and self.metrics is not None:
