@@ -36,7 +36,9 @@ def chunks_of(body: str) -> list[dict]:
 
 
 def normalized(body: str) -> str:
-    """An SSE body with its response id and creation time blanked, to compare two streams byte for byte."""
+    """An SSE body with its response id and creation time blanked and its keep-alive comments (``: ping``, sent when a
+    stream pauses, as one may on a loaded machine) dropped, to compare two streams byte for byte."""
+    body = "".join(line for line in body.splitlines(keepends=True) if not line.startswith(":"))
     return re.sub(r'"created":\d+', '"created":0', re.sub(r'"id":"[^"]+"', '"id":""', body))
 
 
