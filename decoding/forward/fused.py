@@ -26,6 +26,7 @@ bound by arithmetic on one thread, gain the most.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ from transformers import PreTrainedModel
 from decoding.forward import lean
 from decoding.forward.kv_cache import CacheOverflowError, SlotCache
 from decoding.weights import native
-from decoding.weights.linears import KernelLinear, is_float32_cpu, shared_kernel
+from decoding.weights.linears import KernelLinear, PackedFloat32, is_float32_cpu, shared_kernel
+from decoding.weights.quant_panels import QuantKernel
 
 if TYPE_CHECKING:
     from decoding.forward.slices import Slice
@@ -77,7 +79,8 @@ class _Step:
 class FusedPlan:
     """A model's layers prepared for the fused step (see the module contract)."""
 
-    def __init__(self, model: PreTrainedModel, ops: native.FusedOps, layers: list[_Layer]) -> None:
+    def __init__(self, model: PreTrainedModel, ops: native.FusedOps, layers: list[_Layer],
+                 step_layers: ctypes.Array | None = None) -> None:
         config = model.config.get_text_config(decoder=True)
         attention = model.model.layers[0].self_attn
         self.model, self.ops, self.layers = model, ops, layers
@@ -88,6 +91,7 @@ class FusedPlan:
         self.eps = float(config.rms_norm_eps)
         self.inner = config.intermediate_size
         self.final_norm = model.model.norm.weight.detach()
+        self.step_layers = step_layers  # the layers for one native call (``_native_layers``); None: call by call
 
     def forward(self, slices: Sequence[Slice]) -> list[torch.Tensor]:
         """Each slice's kept logits ``[rows, vocab]``, in order; each slice's cache grows by its token count.
@@ -103,8 +107,11 @@ class FusedPlan:
         count = hidden.shape[0]
         step = _Step(slices, [_visible_bytes(slice_) for slice_ in slices], cos, sin, torch.empty_like(hidden),
                      torch.empty((count, self.heads * self.dim)), torch.empty((count, self.inner)))
-        for index, layer in enumerate(self.layers):
-            self._layer(index, layer, hidden, step)
+        if self.step_layers is not None and not any(map(_is_prefill_chunk, slices, step.masks)):
+            self._native_layers(hidden, step)
+        else:
+            for index, layer in enumerate(self.layers):
+                self._layer(index, layer, hidden, step)
         for slice_ in slices:
             slice_.cache.advance(len(slice_.tokens))
         rows, start = [], 0
@@ -117,6 +124,23 @@ class FusedPlan:
                           normed.data_ptr())
         logits = self.model.lm_head(normed)
         return list(torch.split(logits, [slice_.row_count for slice_ in slices]))
+
+    def _native_layers(self, hidden: torch.Tensor, step: _Step) -> None:
+        """Every layer of a decode step (no prompt chunk among its slices) in one native call
+        (``csrc/fused_step.cpp``): what ``_layer`` does layer by layer, the same kernels in the same order."""
+        slices, start = [], 0
+        for slice_, mask in zip(step.slices, step.masks, strict=True):
+            layers = slice_.cache.layers[: len(self.layers)]
+            keys = (ctypes.c_void_p * len(layers))(*(layer._key_buffer[0].data_ptr() for layer in layers))
+            values = (ctypes.c_void_p * len(layers))(*(layer._value_buffer[0].data_ptr() for layer in layers))
+            count = len(slice_.tokens)
+            slices.append(native.StepSlice(start, count, slice_.cache.length, 0 if mask is None else mask.data_ptr(),
+                                           keys, values, layers[0]._key_buffer[0].stride(0)))
+            start += count
+        table = (native.StepSlice * len(slices))(*slices)
+        self.ops.step_layers(hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.step_layers,
+                             len(self.layers), table, len(slices), self.heads, self.kv_heads, self.dim, self.inner,
+                             self.eps, self.scaling, step.cos.data_ptr(), step.sin.data_ptr())
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, step: _Step) -> None:
         """``hidden`` [T, hidden] through decoder layer ``index``, in place: attention (keys/values stored), then
@@ -227,7 +251,40 @@ def _make_plan(model: PreTrainedModel) -> FusedPlan | None:
             return None
         layers.append(_Layer(layer.input_layernorm.weight.detach(), qkv, attention.o_proj.kernel,
                              layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.kernel))
-    return FusedPlan(model, ops, layers)
+    return FusedPlan(model, ops, layers, _step_layers(layers))
+
+
+def _step_layers(layers: Sequence[_Layer]) -> ctypes.Array | None:
+    """``layers`` as ``csrc/fused_step.cpp`` takes them, or None when a product is not a native panel kernel (an
+    int8 or oneDNN one: the step then calls layer by layer). The array points into the layers' tensors, which the
+    plan keeps."""
+    gemm = native.panel_gemm()
+    table = []
+    for layer in layers:
+        products = [_step_product(gemm, kernel) for kernel in (layer.qkv, layer.output, layer.gate_up, layer.down)]
+        if gemm is None or None in products:
+            return None
+        table.append(native.StepLayer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *products))
+    return (native.StepLayer * len(table))(*table)
+
+
+def _step_product(gemm: native.PanelGemm | None, kernel: object) -> native.StepProduct | None:
+    """A native kernel as one product of the native step; None for any other kernel."""
+    if gemm is None:
+        return None
+    bias = getattr(kernel, "bias", None)
+    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
+        return None
+    bias_address = 0 if bias is None else bias.data_ptr()
+    if isinstance(kernel, QuantKernel) and kernel.gemm is gemm:
+        panels = kernel.panels
+        return native.StepProduct(gemm.entry_address(kernel.lanes, quantized=True), kernel.format.kind,
+                                  panels.data_ptr(), panels.shape[0] * kernel.lanes, kernel.in_features, bias_address)
+    if isinstance(kernel, PackedFloat32) and kernel.gemm is gemm and kernel.panels is not None:
+        panels = kernel.panels  # [N / L, K, L]
+        return native.StepProduct(gemm.entry_address(panels.shape[2], quantized=False), -1, panels.data_ptr(),
+                                  panels.shape[0] * panels.shape[2], panels.shape[1], bias_address)
+    return None
 
 
 def _plain_norm(norm: torch.nn.Module) -> bool:

@@ -48,7 +48,8 @@ import torch
 from decoding.weights.loading import cache_root
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("panel_gemm.cpp", "quant_gemm.cpp", "fused_ops.cpp", "thread_pool.cpp"))
+SOURCES = tuple(CSRC / name for name in ("panel_gemm.cpp", "quant_gemm.cpp", "fused_ops.cpp", "fused_step.cpp",
+                                          "thread_pool.cpp"))
 PANEL = 8  # output columns per panel of the AVX2 kernel: one register of float32
 WIDE_PANEL = 16  # of the AVX-512 kernel
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-pthread")
@@ -81,6 +82,12 @@ class PanelGemm:
                               ctypes.c_int64, ctypes.c_void_p]
             entry.restype = ctypes.c_int
         self.lanes = max(self._entries)
+
+    def entry_address(self, lanes: int, quantized: bool) -> int:
+        """The address of the entry that runs panels of ``lanes`` columns (a quantized or a float32 one), for
+        native code that calls it directly (``FusedOps.step_layers``)."""
+        entry = (self._quantized if quantized else self._entries)[lanes]
+        return int(ctypes.cast(entry, ctypes.c_void_p).value)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` [N, K] (N a multiple of 8) as contiguous float32 panels [N / L, K, L]: L = ``lanes`` when
@@ -117,6 +124,30 @@ class PanelGemm:
         return out
 
 
+class StepProduct(ctypes.Structure):
+    """One product of ``csrc/fused_step.cpp``: an entry (``PanelGemm.entry_address``), the GGUF block kind (-1:
+    float32 panels), the packed weight, N and K, and a bias [N] (0: none)."""
+
+    _fields_ = [("entry", ctypes.c_void_p), ("kind", ctypes.c_int64), ("panels", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+class StepLayer(ctypes.Structure):
+    """One decoder layer of ``csrc/fused_step.cpp``: its two norms' weights and its four products."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", StepProduct),
+                ("output", StepProduct), ("gate_up", StepProduct), ("down", StepProduct)]
+
+
+class StepSlice(ctypes.Structure):
+    """One sequence of a step (``csrc/fused_step.cpp``): its rows, cached length, visibility bytes (0: causal) and
+    each layer's key and value buffers."""
+
+    _fields_ = [("start", ctypes.c_int64), ("count", ctypes.c_int64), ("past", ctypes.c_int64),
+                ("visible", ctypes.c_void_p), ("keys", ctypes.POINTER(ctypes.c_void_p)),
+                ("values", ctypes.POINTER(ctypes.c_void_p)), ("head_stride", ctypes.c_int64)]
+
+
 class FusedOps:
     """The small operations of a CPU step over raw float32 buffers (``csrc/fused_ops.cpp``): each output row
     depends on its own row alone, bit for bit. Arguments are ``data_ptr()`` addresses and sizes; the callers
@@ -131,6 +162,8 @@ class FusedOps:
                                 pointer],
             "fused_silu_mul": [pointer, size, size, pointer],
             "fused_top_tokens": [pointer, size, size, size, pointer],
+            "fused_step_layers": [pointer, size, size, ctypes.POINTER(StepLayer), size, ctypes.POINTER(StepSlice),
+                                  size, size, size, size, size, real, real, pointer, pointer],
         }
         for name, argtypes in signatures.items():
             entry = getattr(library, name)
@@ -140,6 +173,7 @@ class FusedOps:
         self.attention = library.fused_attention
         self.silu_mul = library.fused_silu_mul
         self.top_tokens = library.fused_top_tokens
+        self.step_layers = library.fused_step_layers
 
 
 @functools.lru_cache(maxsize=1)
@@ -283,7 +317,7 @@ def panel_gemm() -> PanelGemm | None:
 def fused_ops() -> FusedOps | None:
     """The step's small operations (``csrc/fused_ops.cpp``), from the same library; None where it cannot run."""
     loaded = library()
-    return None if loaded is None or not hasattr(loaded, "fused_attention") else FusedOps(loaded)
+    return None if loaded is None or not hasattr(loaded, "fused_step_layers") else FusedOps(loaded)
 
 
 def forget() -> None:

@@ -16,10 +16,13 @@
 // Stalls: on a machine whose other work takes the cores, a worker can lose its core while it holds a chunk, and the
 // caller then waits a scheduler time slice (milliseconds) for it, many times a step; or the workers get no core at
 // all and only spin against the caller (and everything else) when they do. When the caller waits longer than STALL
-// plus twice its own share of a call, or runs every chunk itself MISSES calls in a row, it runs the next calls alone
-// for FIRST_BACKOFF (the workers fall asleep), doubling with each stall in a row up to LAST_BACKOFF; a call that
-// splits without a stall resets it. So a busy machine costs about what one thread costs, and a quiet one gets every
-// thread. (The bits are the same either way.)
+// plus twice its own share of a call twice within STALL_WINDOW calls, or runs every chunk itself MISSES calls in a
+// row while the workers were awake, it runs the next calls alone for FIRST_BACKOFF (the workers fall asleep),
+// doubling with each stall in a row up to LAST_BACKOFF; a call that splits without a stall resets it. So a busy
+// machine costs about what one thread costs, and a quiet one gets every thread. (The bits are the same either way.)
+// The first version backed off on any single stall or miss, and on a quiet 2-core VM fed itself: asleep after a
+// back-off, the workers woke too late for the next calls, which counted as misses, and two thirds of a step's calls
+// ran alone (2026-11-28).
 //
 // A forked child (the pool's workers do not exist there) starts over with a pool of one thread.
 //
@@ -50,7 +53,9 @@ constexpr auto WAIT_SPIN = std::chrono::microseconds(50);  // how long a caller 
 constexpr auto STALL = std::chrono::microseconds(50);  // a wait this much longer than twice the caller's share: a stall
 constexpr auto FIRST_BACKOFF = std::chrono::milliseconds(20);  // calls run alone this long after a stall...
 constexpr auto LAST_BACKOFF = std::chrono::milliseconds(640);  // ...doubling with each stall in a row, up to this
+constexpr int64_t STALL_WINDOW = 64;  // a second stall within this many split calls of the last: the machine is busy
 constexpr int MISSES = 16;  // calls in a row whose chunks the caller ran alone (no worker got a core): a stall too
+constexpr auto MISS_TIME = std::chrono::microseconds(20);  // ...counting calls this long whose workers were awake
 constexpr uint64_t LOW = 0xffffffffu;
 constexpr int MAX_THREADS = 256;
 
@@ -71,6 +76,7 @@ struct Pool {
     std::chrono::steady_clock::time_point alone_until{};
     std::chrono::steady_clock::duration backoff = FIRST_BACKOFF;
     int misses = 0;
+    int64_t calls = 0, last_stall = -(1 << 30);  // split calls so far; the index of the last stall
 };
 
 Pool* pool = new Pool();  // never deleted: workers may outlive static destruction at exit
@@ -178,7 +184,8 @@ void parallel_chunks(int64_t chunks, Task task, void* context) {
     own.limit.store((static_cast<uint64_t>(generation) << 32) | static_cast<uint64_t>(chunks),
                     std::memory_order_release);
     own.ticket.store(static_cast<uint64_t>(generation) << 32, std::memory_order_seq_cst);
-    if (own.sleepers.load(std::memory_order_seq_cst) > 0) {
+    const bool asleep = own.sleepers.load(std::memory_order_seq_cst) > 0;
+    if (asleep) {
         { std::lock_guard<std::mutex> lock(own.mutex); }
         own.wake.notify_all();
     }
@@ -186,8 +193,19 @@ void parallel_chunks(int64_t chunks, Task task, void* context) {
     const auto shared = std::chrono::steady_clock::now();
     wait_done(own, static_cast<int32_t>(chunks));
     const auto end = std::chrono::steady_clock::now();
-    own.misses = mine == chunks ? own.misses + 1 : 0;
-    if (end - shared > STALL + 2 * (shared - start) || own.misses >= MISSES) {  // go alone a while
+    // A miss: a call long enough for an awake worker to join, whose chunks the caller ran alone. A call that
+    // found the workers asleep (their wake-up takes tens of microseconds) or a short one says nothing.
+    const bool missed = mine == chunks && !asleep && shared - start > MISS_TIME;
+    own.misses = missed ? own.misses + 1 : mine == chunks ? own.misses : 0;
+    // A stall counts only when it follows another within STALL_WINDOW calls: on a quiet machine a worker is
+    // preempted now and then (a kernel thread, a timer), and backing off for it cost more than the stall.
+    ++own.calls;
+    bool stalled = end - shared > STALL + 2 * (shared - start);
+    if (stalled) {
+        stalled = own.calls - own.last_stall <= STALL_WINDOW;
+        own.last_stall = own.calls;
+    }
+    if (stalled || own.misses >= MISSES) {  // go alone a while
         own.alone_until = end + own.backoff;
         own.backoff = own.backoff * 2 < LAST_BACKOFF ? own.backoff * 2 : LAST_BACKOFF;
         own.misses = 0;

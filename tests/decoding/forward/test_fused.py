@@ -139,6 +139,73 @@ def test_lookahead_equals_greedy_at_every_thread_count(pool):
         assert ahead == greedy, prompt
 
 
+def decode_step(model, native_step: bool):
+    """Two sequences prefilled, then one decode forward of a 4-token tree over the first and a one-token step over
+    the second: the forward's logits and both caches, through the native whole step or call by call."""
+    plan = fused.plan_for(model)
+    saved = plan.step_layers
+    plan.step_layers = saved if native_step else None
+    try:
+        first, second = new_cache(model, 32), new_cache(model, 32)
+        with torch.no_grad():
+            forward_packed(model, [Slice([3, 9, 4, 1, 7], torch.arange(5), None, torch.tensor([4]), first),
+                                   Slice([2, 8], torch.arange(2), None, torch.tensor([1]), second)])
+            logits = forward_packed(model, [
+                Slice([12, 13, 14, 15], torch.tensor([5, 6, 6, 7]), TREE, torch.arange(4), first),
+                Slice([30], torch.tensor([2]), None, torch.tensor([0]), second),
+            ])
+    finally:
+        plan.step_layers = saved
+    return logits, [first, second]
+
+
+def assert_same_bits(got, expected) -> None:
+    (logits, caches), (expected_logits, expected_caches) = got, expected
+    assert all(torch.equal(a, b) for a, b in zip(logits, expected_logits, strict=True))
+    for cache, expected_cache in zip(caches, expected_caches, strict=True):
+        assert cache.length == expected_cache.length
+        for layer, expected_layer in zip(cache.layers, expected_cache.layers, strict=True):
+            assert torch.equal(layer.keys, expected_layer.keys) and torch.equal(layer.values, expected_layer.values)
+
+
+@needs_kernel
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2-with-biases"])
+def test_a_decode_step_in_one_native_call_is_the_bits_of_the_call_by_call_step(make_model, pool):
+    model = make_model(0)
+    torch.manual_seed(1)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            module.bias.data.normal_(0, 0.5)  # transformers initialises biases to zero: give them weight
+    model = pack_float32(model)
+    assert fused.plan_for(model).step_layers is not None
+    assert_same_bits(decode_step(model, native_step=True), decode_step(model, native_step=False))
+
+
+@needs_kernel
+def test_a_gguf_model_steps_in_one_native_call_with_the_same_bits(tmp_path, pool):
+    from tests.decoding.weights.test_gguf_model import LAYOUTS, write_tiny_gguf
+
+    from decoding.weights.gguf_model import build_gguf_model
+
+    path = tmp_path / "tiny.gguf"
+    config, _ = write_tiny_gguf(path, LAYOUTS["mixed"])  # Q4_1, Q8_0 and de-quantized float32 products
+    model = build_gguf_model(path, config, native.panel_gemm())
+    assert fused.plan_for(model).step_layers is not None
+    assert_same_bits(decode_step(model, native_step=True), decode_step(model, native_step=False))
+
+
+@needs_kernel
+def test_a_step_with_a_prompt_chunk_goes_call_by_call(monkeypatch):
+    model = packed_model()
+    plan = fused.plan_for(model)
+    calls = []
+    monkeypatch.setattr(plan, "_native_layers", lambda hidden, step: calls.append(len(step.slices)))
+    cache = new_cache(model, 64)
+    with torch.no_grad():
+        forward_packed(model, [Slice(list(range(1, 41)), torch.arange(40), None, torch.tensor([39]), cache)])
+    assert calls == []  # a 40-token prompt chunk attends through SDPA, layer by layer
+
+
 @needs_kernel
 def test_an_overflowing_step_writes_nothing():
     model = packed_model()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.decoder import configure_threads
+from decoding.decoder import TORCH_DEFAULT_THREADS, configure_threads
 from decoding.weights import native
 from decoding.weights.cores import parse_cpu_list, parse_threads, resolve_threads, usable_cores
 
@@ -73,13 +73,25 @@ def test_cpu_lists_parse():
         parse_cpu_list("")
 
 
-def test_configure_threads_sets_torch_and_the_native_pool():
+def test_configure_threads_gives_the_native_pool_the_threads_and_torch_one():
     before = torch.get_num_threads()
     try:
         assert configure_threads(2) == 2
-        assert torch.get_num_threads() == 2 and native.threads() == 2
+        assert native.threads() == 2
+        assert torch.get_num_threads() == (1 if native.fused_ops() is not None else 2)
         assert configure_threads("auto") == usable_cores() == native.threads()
-        assert configure_threads(0) == torch.get_num_threads() == native.threads()  # torch's count kept
+        assert configure_threads(0) == TORCH_DEFAULT_THREADS == native.threads()  # torch's default count
+    finally:
+        configure_threads(1)
+        torch.set_num_threads(before)
+
+
+def test_without_the_native_kernels_torch_gets_the_threads(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr(native, "fused_ops", lambda: None)
+    try:
+        assert configure_threads(2) == 2
+        assert torch.get_num_threads() == 2
     finally:
         configure_threads(1)
         torch.set_num_threads(before)
