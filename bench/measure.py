@@ -300,12 +300,17 @@ def run_benchmark(
 # --- step cost --------------------------------------------------------------------------------------------
 
 
-def _step_slice(model: PreTrainedModel, cache: SlotCache, tokens: list[int], start: int, every: bool) -> Slice:
+def _step_slice(
+    model: PreTrainedModel, cache: SlotCache, tokens: list[int], start: int, every: bool, tree: bool = False
+) -> Slice:
     """``tokens`` as one causal slice at positions ``start``.. over ``cache``, reading every row's logits when
-    ``every``, else the last row's."""
+    ``every``, else the last row's. ``tree``: the causal visibility given as a mask, as a lookahead step's tree
+    is, so the forward takes a decode step's path (the fused CPU step attends natively, in one call) rather
+    than a prompt chunk's."""
     count = len(tokens)
     rows = torch.arange(count) if every else torch.tensor([count - 1])
-    return Slice(tokens, torch.arange(start, start + count, device=model.device), None, rows, cache)
+    visible = torch.ones((count, count), dtype=torch.bool).tril() if tree else None
+    return Slice(tokens, torch.arange(start, start + count, device=model.device), visible, rows, cache)
 
 
 def _median_forward_ms(
@@ -315,7 +320,7 @@ def _median_forward_ms(
     warm-up, rolling the cache back to ``context`` slots after each; the logits of every row when ``every``, else
     of the last row only."""
     device = model.device
-    slice_ = _step_slice(model, cache, tokens, context, every)
+    slice_ = _step_slice(model, cache, tokens, context, every, tree=True)
     times = []
     for attempt in range(repeats + 1):
         _synchronize(device)
@@ -333,8 +338,9 @@ def _median_forward_ms(
 def measure_step_cost(
     model: PreTrainedModel, context: int = 300, ks: Sequence[int] = STEP_COST_KS, repeats: int = 7, seed: int = 0
 ) -> list[StepCost]:
-    """Time one engine forward (``forward_packed``, what a decode step runs) of k random tokens over a
-    ``SlotCache`` holding ``context`` random tokens, per k: the last row's logits, and every row's.
+    """Time one engine forward (``forward_packed``, what a decode step runs: the k tokens with their visibility
+    given, as a lookahead tree's) of k random tokens over a ``SlotCache`` holding ``context`` random tokens, per k:
+    the last row's logits, and every row's.
 
     Raises ``InvalidParameterError`` when ``context + max(ks)`` does not fit the model's context length.
     """
