@@ -32,9 +32,10 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
 import transformers
 from transformers import PreTrainedModel
 
@@ -57,6 +58,7 @@ from bench.measure import (
     measure_step_cost,
     parse_methods,
     run_benchmark,
+    static_for,
 )
 from bench.records import RunRecord
 from bench.report import (
@@ -75,6 +77,7 @@ from bench.report import (
     write_json,
 )
 from bench.settings import Resolved, describe, preset_digest, resolve
+from decoding.calibration import measure_step_cost as measure_curve
 from decoding.decoder import (
     QUANTIZE,
     WEIGHT_LAYOUTS,
@@ -380,6 +383,19 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
     return resolved
 
 
+def calibrated(resolved: Resolved, loaded: LoadedModel) -> Resolved:
+    """``resolved`` with its policy's step-cost curve measured on this machine, at the threads set now, where the
+    policy asks for it (``measure_step_cost``: both presets), as the server measures it at start
+    (``decoding.calibration``), so the bench's lookahead prices its drafts as the server's does; else as it is."""
+    policy = resolved.policy
+    if not policy.measure_step_cost:
+        return resolved
+    with torch.inference_mode():
+        curve = measure_curve(loaded.model, static_for(loaded.model, policy), policy.max_step_tokens)
+    print("step cost measured here: " + ", ".join(f"{tokens}:{cost:g}" for tokens, cost in curve), flush=True)
+    return replace(resolved, policy=replace(policy, step_cost=curve))
+
+
 def start(resolved: Resolved) -> tuple[LoadedModel, str]:
     """Print the settings, set the threads, load the model and prepare its linears (what runs them, as
     ``prepare_linears`` says); raises ``DecodingError`` when the model cannot be loaded."""
@@ -403,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.step_cost:
             payload = run_step_cost(resolved, loaded, linears)
         else:
+            resolved = calibrated(resolved, loaded)
             payload = run_decode_benchmark(resolved, loaded, linears, transformers_twin(args, linears))
     except (DecodingError, DatasetError, PromptFileError, BaselineError) as error:
         print(f"error: {error}", file=sys.stderr)

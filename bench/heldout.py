@@ -51,6 +51,7 @@ from bench.cli import (
     PRESETS,
     add_lookahead_flags,
     add_model_flags,
+    calibrated,
     lookahead_config,
     measure_prompts,
     start,
@@ -317,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         load_split(args.dataset, args.split, 1)  # fetch the prompt set before the model
         loaded, linears = start(resolved)
+        resolved = calibrated(resolved, loaded)
         payload = run_heldout(resolved, loaded, linears, transformers_twin(args, linears))
     except (DecodingError, DatasetError, MemoryFileError, BaselineError) as error:
         print(f"error: {error}", file=sys.stderr)

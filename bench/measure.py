@@ -181,6 +181,22 @@ def _on_model(model: PreTrainedModel, runner: Runner) -> Runner:
     return lambda _model, prompt_ids, stop: runner(model, prompt_ids, stop)
 
 
+def _with_torch_threads(runner: Runner, threads: int) -> Runner:
+    """``runner`` with torch's intra-op threads at ``threads`` while it runs (restored after): transformers'
+    ``generate`` runs on torch's kernels, which get the threads a transformers user gives them, where our decodes
+    leave torch one thread beside the native pool (``decoding.decoder.configure_threads``)."""
+
+    def run(model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria) -> Decoded:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return runner(model, prompt_ids, stop)
+        finally:
+            torch.set_num_threads(before)
+
+    return run
+
+
 def make_runners(
     methods: Sequence[str],
     lookahead: LookaheadConfig,
@@ -196,7 +212,7 @@ def make_runners(
     given, is the model ``generate`` and ``prompt_lookup`` run on (the others run on the benchmark's model);
     ``policy`` and ``memory``, when given, are the ``BatchPolicy`` lookahead steps under and the n-gram memory
     all its decodes share (see ``decode_lookahead``). ``llama_cpp`` runs llama.cpp on ``gguf_path`` with
-    ``threads`` threads (``bench.llama_cpp``); asking for it without a GGUF file raises ``ValueError``, as does
+    ``threads`` threads (``bench.llama_cpp``), and transformers' methods run with torch at ``threads``; asking for it without a GGUF file raises ``ValueError``, as does
     asking for ``base_greedy`` or ``base_lookahead`` without the ``baseline`` child that runs them."""
     transformers_methods: dict[str, Runner] = {
         "generate": decode_generate,
@@ -205,6 +221,7 @@ def make_runners(
     }
     if transformers_model is not None:
         transformers_methods = {name: _on_model(transformers_model, run) for name, run in transformers_methods.items()}
+    transformers_methods = {name: _with_torch_threads(run, threads) for name, run in transformers_methods.items()}
     table: dict[str, Runner] = {
         "greedy": partial(decode_greedy, policy=policy),
         "lookahead": partial(decode_lookahead, config=lookahead, policy=policy, memory=memory),

@@ -4,7 +4,9 @@ Contract: ``python -m bench.results add RUN.json ...`` reads payloads that ``pyt
 wrote, keeps one row per (device, prompt set) in ``docs/results.json`` (a newer run replaces the older row), and
 rewrites ``docs/results.md`` from it; ``python -m bench.results render`` only rewrites the page. The page ends
 with the latest multi-turn conversation run (``python -m bench conversation``: the prefix cache on and off), kept
-in ``docs/results-conversation.json`` (its ``summary`` and ``stamp``, written there by hand). Each row carries
+in ``docs/results-conversation.json`` (its ``summary`` and ``stamp``, written there by hand), and with the latest
+thread scaling run (``python -m bench.results threads RUN.json STEPS.json``: a ``bench threads --output`` payload
+and a ``bench threads --step-cost --output`` one, kept in ``docs/results-threads.json``). Each row carries
 the command, commit, date, machine and the preset with its digest (``bench.settings.preset_digest``), so a test can
 tell a row measured on today's preset from a stale one (``stale_rows``). ``docs/journal.md`` stays the dated
 journal of how the figures got here (``docs/benchmarks.md``: how to run them).
@@ -25,6 +27,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 RESULTS_JSON = DOCS / "results.json"
 RESULTS_MD = DOCS / "results.md"
 CONVERSATION_JSON = DOCS / "results-conversation.json"
+THREADS_JSON = DOCS / "results-threads.json"
 DEVICES = {"cpu": "CPU", "cuda": "GPU"}
 HEADER = """# Current results
 
@@ -113,7 +116,46 @@ def render(rows: Sequence[Mapping[str, Any]]) -> str:
     conversation = json.loads(CONVERSATION_JSON.read_text()) if CONVERSATION_JSON.exists() else None
     if conversation is not None:
         parts.append(render_conversation(conversation))
+    threads = json.loads(THREADS_JSON.read_text()) if THREADS_JSON.exists() else None
+    if threads is not None:
+        parts.append(render_threads(threads))
     return "\n".join(parts)
+
+
+def threads_record(decodes: Mapping[str, Any], steps: Mapping[str, Any]) -> dict[str, Any]:
+    """What the threads section keeps of a ``bench threads`` payload and a ``bench threads --step-cost`` one."""
+    config = decodes["config"]
+    return {"machine": config["environment"]["machine"], "dataset": config["dataset"], "split": config["split"],
+            "prompts": len({run["id"] for run in decodes["runs"]}), "max_tokens": config["max_tokens"],
+            "methods": decodes["summary"], "step_cost": steps["step_cost"], "counts": steps["config"]["counts"],
+            "stamp": config["stamp"], "step_cost_stamp": steps["config"]["stamp"]}
+
+
+def render_threads(record: Mapping[str, Any]) -> str:
+    """The threads section: each method at each thread count, then the step's cost by thread count."""
+    stamp, counts = record["stamp"], [str(count) for count in record["counts"]]
+    lines = ["## The CPU's threads: one and two\n",
+             f"Machine: {record['machine']}. {record['dataset']} {record['split']}, {record['prompts']} x "
+             f"{record['max_tokens']} tokens, each method at each thread count interleaved per prompt: "
+             f"`{stamp['command']}`, commit {stamp['commit']}, {stamp['date']}.\n",
+             "| method | tok/s | tok/step | vs greedy@1 | vs llama.cpp, same threads | vs greedy, same threads | "
+             "same text as greedy@1 |", "|---|---|---|---|---|---|---|"]
+    for method in record["methods"]:
+        per_step = "-" if method["tokens_per_step"] is None else f"{method['tokens_per_step']:.2f}"
+        lines.append(f"| {method['method']} | {method['tokens_per_second']:.1f} | {per_step} | "
+                     f"{_ratio(method['vs_greedy_1'])} | {_ratio(method['vs_llama_cpp'])} | "
+                     f"{_ratio(method['vs_greedy'])} | {method['identical_to_greedy_1'] or '-'} |")
+    steps = record["step_cost_stamp"]
+    lines += ["", f"A decode step of k tokens over 300 cached, every row's logits, ms (median of rounds): "
+                  f"`{steps['command']}`, commit {steps['commit']}, {steps['date']}.\n",
+              "| k | " + " | ".join(f"{count} thread{'s' * (count != '1')}" for count in counts) + " | "
+              + " | ".join(f"{count} / {counts[0]}" for count in counts[1:]) + " |",
+              "|" + "---|" * (1 + 2 * len(counts) - 1)]
+    for point in record["step_cost"]:
+        first = point[counts[0]]
+        lines.append(f"| {point['k']} | " + " | ".join(f"{point[count]:.2f}" for count in counts) + " | "
+                     + " | ".join(f"{point[count] / first:.2f}x" for count in counts[1:]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def render_conversation(run: Mapping[str, Any]) -> str:
@@ -148,8 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add = commands.add_parser("add", help="merge bench heldout payloads into docs/results.json, rewrite the page")
     add.add_argument("runs", nargs="+", metavar="RUN.json")
     commands.add_parser("render", help="rewrite docs/results.md from docs/results.json")
+    threads = commands.add_parser("threads", help="keep a bench threads run and its step cost, rewrite the page")
+    threads.add_argument("decodes", metavar="RUN.json")
+    threads.add_argument("steps", metavar="STEPS.json")
     args = parser.parse_args(argv)
     rows = load()
+    if args.command == "threads":
+        record = threads_record(json.loads(Path(args.decodes).read_text()), json.loads(Path(args.steps).read_text()))
+        THREADS_JSON.write_text(json.dumps(record, indent=1) + "\n")
     if args.command == "add":
         rows = merged(rows, [row_of(json.loads(Path(path).read_text())) for path in args.runs])
         RESULTS_JSON.write_text(json.dumps(rows, indent=1) + "\n")

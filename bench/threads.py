@@ -4,8 +4,9 @@ process, on held-out prompts.
 Contract: ``main(argv)`` loads one model as the device's preset says, then for each of the first ``--limit``
 prompts of ``--split`` of ``--dataset`` runs every (method, thread count) pair of ``--methods`` x ``--counts``
 (default ``greedy,lookahead,llama_cpp`` x ``1,2``), interleaved in rotating order (``bench.measure.run_benchmark``);
-before each decode ``decoding.decoder.configure_threads`` sets torch's threads and the native kernels' pool to the
-pair's count (llama.cpp gets its own context with that many threads). It prints per method the tokens, seconds,
+before each decode ``decoding.decoder.configure_threads`` gives the pair's count to the native kernels' pool (torch
+keeps one thread beside it; transformers' methods get torch at the count; llama.cpp gets its own context with that
+many threads). It prints per method the tokens, seconds,
 tokens per second and tokens per step, its speed-up over our greedy loop at one thread, over llama.cpp at the same
 count and over our greedy loop at the same count, and whether its output is greedy's at one thread token for token
 (llama.cpp's text is its own: reported, not required); ``--output`` writes the JSON ``{"config", "runs",
@@ -33,6 +34,7 @@ from bench.cli import (
     PRESETS,
     add_lookahead_flags,
     add_model_flags,
+    calibrated,
     gguf_file,
     json_settings,
     lookahead_config,
@@ -94,7 +96,7 @@ def parse_counts(text: str) -> list[int]:
 
 
 def at_threads(runner: Runner, count: int) -> Runner:
-    """``runner`` with torch's threads and the native pool set to ``count`` first."""
+    """``runner`` with the threads set to ``count`` first (``decoding.decoder.configure_threads``)."""
 
     def run(model: PreTrainedModel, prompt_ids: Sequence[int], stop: StopCriteria) -> Decoded:
         configure_threads(count)
@@ -144,6 +146,7 @@ def run_threads(resolved: Resolved, counts: Sequence[int], methods: Sequence[str
     args = resolved.args
     args.threads = max(counts)
     loaded, linears = start(resolved)
+    resolved = calibrated(resolved, loaded)  # at the largest count: the curve every count's lookahead prices on
     specs = load_split(args.dataset, args.split, args.limit or None)
     prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec)) for spec in specs]
     runners: dict[str, Runner] = {}

@@ -73,8 +73,8 @@ TORCH_DEFAULT_THREADS = torch.get_num_threads()  # torch's own count, before any
 
 def configure_threads(num_threads: int | str) -> int:
     """Give the CPU work ``num_threads`` threads: a count, ``"auto"`` (``decoding.weights.cores.usable_cores``: the
-    physical cores this process may use), or ``0`` (torch's default count, ``TORCH_DEFAULT_THREADS``). Returns the count.
-    Raises ``ValueError`` on any other value.
+    physical cores this process may use), or ``0`` (torch's default count, ``TORCH_DEFAULT_THREADS``). Returns
+    the count. Raises ``ValueError`` on any other value.
 
     Where the native kernels are built (``decoding.weights.native``), their pool takes the threads and torch keeps
     one: the products, norms and attention of every step are native, and torch's OpenMP workers, which spin for

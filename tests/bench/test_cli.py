@@ -144,3 +144,16 @@ def test_every_server_step_setting_is_a_flag_and_reaches_the_decoder() -> None:
     decoder = cli.lookahead_config(args)
     assert {name: getattr(decoder, name) for name in LOOKAHEAD_STEP_FIELDS} == {
         name: getattr(config, name) for name in LOOKAHEAD_STEP_FIELDS}
+
+
+def test_the_bench_prices_drafts_on_the_curve_it_measures_where_the_preset_asks(tmp_path: Path) -> None:
+    save_tiny_model(tmp_path / "model")
+    resolved = cli.parse(cli.build_parser(), ["--model", str(tmp_path / "model"), "--device", "cpu", "--threads", "1"])
+    loaded, _ = cli.start(resolved)
+    assert resolved.policy.measure_step_cost  # the CPU preset measures its curve, as the server does at start
+    measured = cli.calibrated(resolved, loaded)
+    assert measured.policy.step_cost != resolved.policy.step_cost
+    assert [tokens for tokens, _ in measured.policy.step_cost] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert measured.policy.step_cost[0] == (1, 1.0)
+    off = cli.replace(resolved, policy=cli.replace(resolved.policy, measure_step_cost=False))
+    assert cli.calibrated(off, loaded) is off

@@ -183,9 +183,8 @@ def test_a_decode_step_in_one_native_call_is_the_bits_of_the_call_by_call_step(m
 
 @needs_kernel
 def test_a_gguf_model_steps_in_one_native_call_with_the_same_bits(tmp_path, pool):
-    from tests.decoding.weights.test_gguf_model import LAYOUTS, write_tiny_gguf
-
     from decoding.weights.gguf_model import build_gguf_model
+    from tests.decoding.weights.test_gguf_model import LAYOUTS, write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     config, _ = write_tiny_gguf(path, LAYOUTS["mixed"])  # Q4_1, Q8_0 and de-quantized float32 products
