@@ -76,17 +76,18 @@ def configure_threads(num_threads: int | str) -> int:
     physical cores this process may use), or ``0`` (torch's default count, ``TORCH_DEFAULT_THREADS``). Returns
     the count. Raises ``ValueError`` on any other value.
 
-    Where the native kernels are built (``decoding.weights.native``), their pool takes the threads and torch keeps
-    one: the products, norms and attention of every step are native, and torch's OpenMP workers, which spin for
-    milliseconds after each parallel region, would take the cores from the pool's workers (on the 2-core Xeon a
-    one-token step at two threads gained nothing with torch at two, 1.3x with torch at one, and a 512-token
-    prefill ran 1.25x faster). Without them torch's threads do the work and get the count.
+    Where the native kernels run (``decoding.weights.native.available``, asked without building them, so a GPU
+    server's start compiles nothing), their pool takes the threads and torch keeps one: the products, norms and
+    attention of every step are native, and torch's OpenMP workers, which spin for milliseconds after each
+    parallel region, would take the cores from the pool's workers (on the 2-core Xeon a one-token step at two
+    threads gained nothing with torch at two, 1.3x with torch at one, and a 512-token prefill ran 1.25x faster).
+    Without them torch's threads do the work and get the count.
     """
     count = resolve_threads(num_threads)
     if count <= 0:
         count = TORCH_DEFAULT_THREADS
     native.set_threads(count)
-    torch.set_num_threads(1 if native.fused_ops() is not None else count)
+    torch.set_num_threads(1 if native.available() else count)
     return count
 
 

@@ -244,6 +244,17 @@ def _run(command: list[str]) -> None:
     subprocess.run(command, check=True, capture_output=True, timeout=120)
 
 
+def available() -> bool:
+    """Whether the library runs here, without building it: the loaded library's answer once loaded, else whether
+    it could be (a supported CPU, ``LOOKAHEAD_NATIVE`` not 0, and the built library cached or a compiler to build
+    it). ``decoding.decoder.configure_threads`` asks this before any model is loaded."""
+    if library.cache_info().currsize:
+        return library() is not None
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0" or not supported_cpu():
+        return False
+    return library_path().exists() or compiler() is not None
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The native library, built on first use; None where it cannot run (see the module contract)."""

@@ -78,7 +78,7 @@ def test_configure_threads_gives_the_native_pool_the_threads_and_torch_one():
     try:
         assert configure_threads(2) == 2
         assert native.threads() == 2
-        assert torch.get_num_threads() == (1 if native.fused_ops() is not None else 2)
+        assert torch.get_num_threads() == (1 if native.available() else 2)
         assert configure_threads("auto") == usable_cores() == native.threads()
         assert configure_threads(0) == TORCH_DEFAULT_THREADS == native.threads()  # torch's default count
     finally:
@@ -88,7 +88,7 @@ def test_configure_threads_gives_the_native_pool_the_threads_and_torch_one():
 
 def test_without_the_native_kernels_torch_gets_the_threads(monkeypatch):
     before = torch.get_num_threads()
-    monkeypatch.setattr(native, "fused_ops", lambda: None)
+    monkeypatch.setattr(native, "available", lambda: False)
     try:
         assert configure_threads(2) == 2
         assert torch.get_num_threads() == 2

@@ -133,7 +133,17 @@ def test_packing_needs_whole_panels_and_takes_the_widest_that_divides(gemm):
 
 def test_disabled_by_the_environment(fresh, monkeypatch):
     monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    assert not native.available()
     assert fresh() is None
+
+
+@needs_kernel
+def test_available_says_so_without_building_and_then_follows_the_load(fresh, monkeypatch, tmp_path):
+    assert native.available() and not native.library_path().exists()  # a compiler would build it: nothing built
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert not native.available()  # no compiler and nothing cached
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails: the load's answer is what counts once tried
+    assert native.available() and fresh() is None and not native.available()
 
 
 @needs_kernel
