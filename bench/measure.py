@@ -211,9 +211,10 @@ def make_runners(
     """Map each method name (see ``METHODS``) to its runner, in the given order. ``transformers_model``, when
     given, is the model ``generate`` and ``prompt_lookup`` run on (the others run on the benchmark's model);
     ``policy`` and ``memory``, when given, are the ``BatchPolicy`` lookahead steps under and the n-gram memory
-    all its decodes share (see ``decode_lookahead``). ``llama_cpp`` runs llama.cpp on ``gguf_path`` with
-    ``threads`` threads (``bench.llama_cpp``), and transformers' methods run with torch at ``threads``; asking for it without a GGUF file raises ``ValueError``, as does
-    asking for ``base_greedy`` or ``base_lookahead`` without the ``baseline`` child that runs them."""
+    all its decodes share (see ``decode_lookahead``). Transformers' methods run with torch at ``threads``.
+    ``llama_cpp`` runs llama.cpp on ``gguf_path`` with ``threads`` threads (``bench.llama_cpp``); asking for it
+    without a GGUF file raises ``ValueError``, as does asking for ``base_greedy`` or ``base_lookahead`` without
+    the ``baseline`` child that runs them."""
     transformers_methods: dict[str, Runner] = {
         "generate": decode_generate,
         "prompt_lookup": partial(decode_generate, prompt_lookup_tokens=prompt_lookup_tokens),
