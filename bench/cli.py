@@ -86,6 +86,7 @@ from decoding.decoder import (
     check_linear_options,
     configure_threads,
     load_prepared,
+    native_steps,
 )
 from decoding.errors import DecodingError
 from decoding.params import DEFAULT_MODEL, LookaheadConfig
@@ -401,7 +402,8 @@ def start(resolved: Resolved) -> tuple[LoadedModel, str]:
     ``prepare_linears`` says); raises ``DecodingError`` when the model cannot be loaded."""
     args = resolved.args
     print(describe(resolved), flush=True)
-    args.threads = configure_threads(args.threads)  # "auto" resolved: what the figures and a baseline child get
+    native_model = native_steps(args.quantize, args.weight_layout, args.device)
+    args.threads = configure_threads(args.threads, native_model)  # "auto" resolved: what the figures and a child get
     transformers.utils.logging.disable_progress_bar()
     return load_prepared(args.model, args.device, args.dtype, args.quantize, args.weight_layout, args.weights)
 

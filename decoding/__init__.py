@@ -38,6 +38,7 @@ _EXPORTS = {
     "step_batch": "decoding.batch",
     "Decoder": "decoding.decoder",
     "configure_threads": "decoding.decoder",
+    "native_steps": "decoding.decoder",
     "release_free_memory": "decoding.decoder",
     "DecodeStream": "decoding.step.stream",
     "Step": "decoding.step.stream",

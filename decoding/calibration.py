@@ -89,12 +89,12 @@ def _fill(model: PreTrainedModel, static: StaticStep | None, cache: SlotCache, v
 def _slice(cache: SlotCache, count: int, vocab: int, tree: bool = False) -> Slice:
     """``count`` causal tokens after ``cache``'s, reading every row (as a lookahead step reads its tree's).
     ``tree``: the causal visibility given as a chain of parents and its mask, as a lookahead step's tree is, so
-    that the step takes a decode step's path (a static step's bucket; on the CPU the fused step's one native call)
-    and not a prompt chunk's."""
+    that an eager step takes a decode step's path (on the CPU the fused step's one native call) and not a prompt
+    chunk's; a static step runs a slice without parents as that same chain already."""
     start = cache.length
     tokens = [(7 * (start + offset) + 1) % vocab for offset in range(count)]  # not all alike
     visible = torch.ones((count, count), dtype=torch.bool).tril() if tree else None
-    parents = tuple(range(-1, count - 1)) if tree else None  # a chain: each token's parent the one before
+    parents = tuple(range(-1, count - 1)) if tree else None  # a chain: each token's parent the one before it
     return Slice(tokens, None, visible, None, cache, parents=parents, host_positions=range(start, start + count),
                  host_rows=range(count))
 
@@ -102,7 +102,7 @@ def _slice(cache: SlotCache, count: int, vocab: int, tree: bool = False) -> Slic
 def _run(model: PreTrainedModel, static: StaticStep | None, cache: SlotCache, count: int, vocab: int) -> float:
     """Wall seconds of one ``count``-token step over ``cache`` (module contract); the step is dropped after."""
     begin = time.perf_counter()
-    logits, argmax = forward_batch(model, [_slice(cache, count, vocab, tree=True)], static)
+    logits, argmax = forward_batch(model, [_slice(cache, count, vocab, tree=static is None)], static)
     if argmax[0] is None:  # the eager forward: the engine reads the argmax ids itself
         torch.argmax(logits[0], dim=-1).tolist()
     spent = time.perf_counter() - begin

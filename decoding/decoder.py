@@ -71,24 +71,32 @@ def release_free_memory() -> None:
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # torch's own count, before any configure_threads
 
 
-def configure_threads(num_threads: int | str) -> int:
+def configure_threads(num_threads: int | str, native_model: bool | None = None) -> int:
     """Give the CPU work ``num_threads`` threads: a count, ``"auto"`` (``decoding.weights.cores.usable_cores``: the
     physical cores this process may use), or ``0`` (torch's default count, ``TORCH_DEFAULT_THREADS``). Returns
     the count. Raises ``ValueError`` on any other value.
 
-    Where the native kernels run (``decoding.weights.native.available``, asked without building them, so a GPU
-    server's start compiles nothing), their pool takes the threads and torch keeps one: the products, norms and
-    attention of every step are native, and torch's OpenMP workers, which spin for milliseconds after each
-    parallel region, would take the cores from the pool's workers (on the 2-core Xeon a one-token step at two
-    threads gained nothing with torch at two, 1.3x with torch at one, and a 512-token prefill ran 1.25x faster).
-    Without them torch's threads do the work and get the count.
+    Where the native kernels run the model's steps (``native_model``; None: wherever they can run,
+    ``decoding.weights.native.available``, asked without building them), their pool takes the threads and torch
+    keeps one: the products, norms and attention of every step are native, and torch's OpenMP workers, which spin
+    for milliseconds after each parallel region, would take the cores from the pool's workers (on the 2-core Xeon a
+    one-token step at two threads gained nothing with torch at two, 1.3x with torch at one, and a 512-token
+    prefill ran 1.25x faster). Elsewhere (``native_steps``: torch's linears, int8, a GPU) torch gets the count.
     """
     count = resolve_threads(num_threads)
     if count <= 0:
         count = TORCH_DEFAULT_THREADS
     native.set_threads(count)
-    torch.set_num_threads(1 if native.available() else count)
+    torch.set_num_threads(1 if (native.available() if native_model is None else native_model) else count)
     return count
+
+
+def native_steps(quantize: str = "none", weight_layout: str = "auto", device: str = "auto") -> bool:
+    """Whether a model loaded with these options steps on the native kernels: on the CPU, without int8 or torch's
+    own linears, where the kernels can run (``decoding.weights.native.available``)."""
+    if quantize != "none" or weight_layout == "torch" or resolve_device(device).type != "cpu":
+        return False
+    return native.available()
 
 
 def check_linear_options(quantize: str, weight_layout: str, weights: str = "auto") -> None:

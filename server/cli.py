@@ -102,11 +102,11 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (config.protect_health or config.protect_metrics) and not keys:
         logger.warning("--protect-health / --protect-metrics have no effect without --api-key or --api-keys-file")
-    from decoding import InvalidParameterError, ModelLoadError, configure_threads
+    from decoding import InvalidParameterError, ModelLoadError, configure_threads, native_steps
     from server.app import create_app
     from server.runtime import load_default_decoder
 
-    threads = configure_threads(config.threads)
+    threads = configure_threads(config.threads, native_steps(config.quantize, config.weight_layout, config.device))
     logger.info("threads: %d (config: %s)", threads, config.threads)
     try:
         decoder = load_default_decoder(config)

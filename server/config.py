@@ -243,8 +243,9 @@ class ServerConfig(BaseModel):
         "the default included, on the CPU in float32 where the native kernel builds); float32: de-quantized"
     )
     threads: Annotated[int, Ge(0)] | Literal["auto"] = Field(
-        AUTO, description="threads of the native kernels' pool and of torch's intra-op work (auto: the physical "
-        "cores this process may use, affinity and cgroup quota respected; 0: torch's default)",
+        AUTO, description="threads of the native kernels' pool (torch keeps one beside it), or of torch's intra-op "
+        "work where the native kernels do not run (auto: the physical cores this process may use, affinity and "
+        "cgroup quota respected; 0: torch's default count)",
     )
     max_running: int = Field(16, ge=1, description="requests decoding at once (their steps share each forward)")
     max_queue: int = Field(32, ge=0, description="requests waiting for a running slot; more -> 429")

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from decoding import Decoder, SamplingParams, StopCriteria, configure_threads
+from decoding import Decoder, SamplingParams, StopCriteria, configure_threads, native_steps
 from server import serving
 from server.auth import KeyChecker, load_api_keys
 from server.config import ServerConfig, batch_policy
@@ -53,7 +53,7 @@ def configure_worker_thread(config: ServerConfig) -> Callable[[], None]:
     """The worker thread's setup: torch's threads and the native kernels' pool from the config."""
 
     def setup() -> None:
-        configure_threads(config.threads)
+        configure_threads(config.threads, native_steps(config.quantize, config.weight_layout, config.device))
 
     return setup
 

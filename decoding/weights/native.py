@@ -1,5 +1,6 @@
 """The native kernels: ``csrc/panel_gemm.cpp`` (float32 panels), ``csrc/quant_gemm.cpp`` (GGUF block-quantized
-panels) and ``csrc/fused_ops.cpp`` (a step's small operations), on the thread pool of ``csrc/thread_pool.cpp``,
+panels), ``csrc/fused_ops.cpp`` (a step's small operations) and ``csrc/fused_step.cpp`` (a decode step's layers
+in one call), on the thread pool of ``csrc/thread_pool.cpp``,
 compiled on first use into one library and called through ctypes.
 
 Contract: ``panel_gemm()`` returns a ``PanelGemm`` (the loaded kernel) or None where it cannot run here: not an
@@ -13,10 +14,10 @@ writes its own file and renames it into place). The library's name is a digest o
 and the flags, so an edited source or header builds a new library. The result is cached per process.
 
 Threads: ``set_threads(n)`` sizes the kernels' pool (n - 1 workers started once, the calling thread the n-th; 1
-until set: ``decoding.decoder.configure_threads`` sets it with torch's threads). Each call cuts its output into
-ranges (column panels of a product, attention's (row, head) pairs, rows) run by one thread each, so every output
-element is one thread's operations in the same order: the bits are the same at any thread count. Calls too small
-to pay for the hand-off run on the calling thread. Every call releases the GIL (ctypes' ``CDLL``).
+until set: ``decoding.decoder.configure_threads`` sets it, torch then keeping one thread). Each call cuts its
+output into ranges (column panels of a product, attention's (row, head) pairs, rows) run by one thread each, so
+every output element is one thread's operations in the same order: the bits are the same at any thread count.
+Calls too small to pay for the hand-off run on the calling thread. Every call releases the GIL (ctypes' ``CDLL``).
 
 On a CPU with AVX-512 (``avx512f``) the kernel packs weights in panels of 16 columns and runs the 512-bit
 entry; elsewhere, or with ``LOOKAHEAD_NATIVE=avx2``, panels of 8 and the AVX2 entry. Both run every output

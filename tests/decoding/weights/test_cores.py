@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.decoder import TORCH_DEFAULT_THREADS, configure_threads
+from decoding.decoder import TORCH_DEFAULT_THREADS, configure_threads, native_steps
 from decoding.weights import native
 from decoding.weights.cores import parse_cpu_list, parse_threads, resolve_threads, usable_cores
 
@@ -92,6 +92,18 @@ def test_without_the_native_kernels_torch_gets_the_threads(monkeypatch):
     try:
         assert configure_threads(2) == 2
         assert torch.get_num_threads() == 2
+    finally:
+        configure_threads(1)
+        torch.set_num_threads(before)
+
+
+def test_torch_gets_the_threads_where_its_own_kernels_run_the_model():
+    before = torch.get_num_threads()
+    try:
+        assert not native_steps(weight_layout="torch") and not native_steps(quantize="int8")
+        assert native_steps(device="cpu") == native.available()
+        assert configure_threads(2, native_model=native_steps(weight_layout="torch")) == 2
+        assert torch.get_num_threads() == 2 and native.threads() == 2
     finally:
         configure_threads(1)
         torch.set_num_threads(before)
