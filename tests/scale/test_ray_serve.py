@@ -42,8 +42,10 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow,
 ROOT = Path(__file__).resolve().parents[2]
 APP = "lookahead"
 MODEL = "SmolLM2-135M-Instruct"
+# measure_step_cost off: a replica's start skips the CPU preset's ~5 s calibration (decoding/calibration.py, tested
+# on its own), which under the autoscaling test's burst took longer still
 OVERRIDES = {"max_running": 2, "max_queue": 4, "default_max_tokens": 16, "drain_grace_seconds": 5, "threads": 1,
-             "lookahead": {"memory_tokens": 0}}
+             "lookahead": {"memory_tokens": 0}, "batch": {"measure_step_cost": False}}
 REPLICA_CPUS = 0.5  # four replicas fit in num_cpus=2 while an update replaces two with one
 METRICS_INTERVAL_S = 0.5
 PLAIN = {"lookahead": {"enabled": False}}  # one token per step: more, evenly spaced chunks
