@@ -2,9 +2,10 @@
 
 Contract: ``measure_step_cost(model, static, max_tokens)`` times one stream's forward of k input tokens, causal
 over a cache already holding ``CONTEXT`` tokens, through ``decoding.batch.forward_batch``: the path the
-engine takes (the static step's bucket when one fits, replayed as a CUDA graph on CUDA; else the eager forward: the
-fused CPU step, the lean step or the public forward). The ks are the static step's token buckets up to ``max_tokens``
-with a static step, powers of two up to it without. Each time is wall clock around the whole call, its inputs'
+engine's decode steps take (the static step's bucket when one fits, replayed as a CUDA graph on CUDA; else the
+eager forward, the k tokens carrying a chain's mask as a lookahead tree does: on the CPU the fused step's one native
+call, not a prompt chunk's path; the lean step or the public forward elsewhere). The ks are the static step's
+token buckets up to ``max_tokens`` with a static step, powers of two up to it without. Each time is wall clock around the whole call, its inputs'
 preparation and the read of its argmax ids to the host included (that read waits for the device), so it is what a
 step pays apart from drafting and verifying. The ks are run in rounds (every k once a round, so a burst of noise
 from elsewhere spreads over them instead of bending one point): one untimed round, then timed rounds until
