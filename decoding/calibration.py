@@ -1,20 +1,19 @@
 """The step-cost curve measured where the server runs: what a forward of k input tokens costs against one token.
 
-Contract: ``measure_step_cost(model, static, max_tokens)`` times one stream's forward of k input tokens, causal
-over a cache already holding ``CONTEXT`` tokens, through ``decoding.batch.forward_batch``: the path the
-engine's decode steps take (the static step's bucket when one fits, replayed as a CUDA graph on CUDA; else the
-eager forward, the k tokens carrying a chain's mask as a lookahead tree does: on the CPU the fused step's one native
-call, not a prompt chunk's path; the lean step or the public forward elsewhere). The ks are the static step's
-token buckets up to ``max_tokens`` with a static step, powers of two up to it without. Each time is wall clock around the whole call, its inputs'
-preparation and the read of its argmax ids to the host included (that read waits for the device), so it is what a
-step pays apart from drafting and verifying. The ks are run in rounds (every k once a round, so a burst of noise
-from elsewhere spreads over them instead of bending one point): one untimed round, then timed rounds until
+Contract: ``measure_step_cost(model, static, max_tokens)`` times one stream's forward of k input tokens, causal over
+a cache already holding ``CONTEXT`` tokens, through ``decoding.batch.forward_batch``: the path the engine's decode
+steps take (the static step's bucket when one fits, replayed as a CUDA graph on CUDA; else the eager forward, the k
+tokens carrying a chain's mask as a lookahead tree does: on the CPU the fused step's one native call, not a prompt
+chunk's path; the lean step or the public forward elsewhere). The ks are the static step's token buckets up to
+``max_tokens`` with a static step, powers of two up to it without. Each time is wall clock around the whole call,
+its inputs' preparation and the read of its argmax ids to the host included (that read waits for the device), so it
+is what a step pays apart from drafting and verifying. The ks are run in rounds (every k once a round, so a burst of
+noise from elsewhere spreads over them instead of bending one point): one untimed round, then timed rounds until
 ``ROUNDS`` or ``BUDGET_SECONDS`` (at least one); each k's cost is its fastest run (noise only ever adds time).
-Returns ``(k, cost(k) / cost(1))`` points, made non-decreasing and at most k (a k-token step never costs more
-than k one-token steps: a point above that is noise), ready for ``BatchPolicy.step_cost``. The cache is
-dropped back to ``CONTEXT`` tokens after every run and freed at the end. On the default model: ~3 s on a CPU at
-the CPU preset (k <= 128), well under a second on a GPU.
-"""
+Returns ``(k, cost(k) / cost(1))`` points, made non-decreasing and at most k (a k-token step never costs more than k
+one-token steps: a point above that is noise), ready for ``BatchPolicy.step_cost``. The cache is dropped back to
+``CONTEXT`` tokens after every run and freed at the end. On the default model: ~3 s on a CPU at the CPU preset (k <=
+128), well under a second on a GPU. """
 
 from __future__ import annotations
 
