@@ -35,7 +35,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
 import transformers
 from transformers import PreTrainedModel
 
@@ -77,7 +76,8 @@ from bench.report import (
     write_json,
 )
 from bench.settings import Resolved, describe, preset_digest, resolve
-from decoding.calibration import measure_step_cost as measure_curve
+from decoding.calibration import calibrated as calibrated_policy
+from decoding.calibration import curve_text
 from decoding.decoder import (
     QUANTIZE,
     WEIGHT_LAYOUTS,
@@ -391,10 +391,9 @@ def calibrated(resolved: Resolved, loaded: LoadedModel) -> Resolved:
     policy = resolved.policy
     if not policy.measure_step_cost:
         return resolved
-    with torch.inference_mode():
-        curve = measure_curve(loaded.model, static_for(loaded.model, policy), policy.max_step_tokens)
-    print("step cost measured here: " + ", ".join(f"{tokens}:{cost:g}" for tokens, cost in curve), flush=True)
-    return replace(resolved, policy=replace(policy, step_cost=curve))
+    policy = calibrated_policy(loaded.model, policy, static_for(loaded.model, policy))
+    print("step cost measured here: " + curve_text(policy.step_cost), flush=True)
+    return replace(resolved, policy=policy)
 
 
 def start(resolved: Resolved) -> tuple[LoadedModel, str]:

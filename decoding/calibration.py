@@ -13,19 +13,25 @@ noise from elsewhere spreads over them instead of bending one point): one untime
 Returns ``(k, cost(k) / cost(1))`` points, made non-decreasing and at most k (a k-token step never costs more than k
 one-token steps: a point above that is noise), ready for ``BatchPolicy.step_cost``. The cache is dropped back to
 ``CONTEXT`` tokens after every run and freed at the end. On the default model: ~3 s on a CPU at the CPU preset (k <=
-128), well under a second on a GPU. """
+128), well under a second on a GPU. ``calibrated(model, policy, static)`` is ``policy`` priced on that curve, the
+measurement logged with its time: what the server's engine builder and the bench both run.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
 
-from decoding.batch import forward_batch
+from decoding.batch import BatchPolicy, forward_batch
 from decoding.forward.kv_cache import SlotCache, new_cache
 from decoding.forward.slices import Slice
 from decoding.forward.static import TOKEN_BUCKETS, StaticStep
+
+log = logging.getLogger(__name__)
 
 CONTEXT = 256  # cached tokens under the timed steps: a conversation's first turn
 ROUNDS = 3
@@ -59,6 +65,25 @@ def measure_step_cost(
         highest = min(max(highest, best[count] / best[1]), float(count))  # never above k one-token steps
         curve.append((count, round(highest, 3)))
     return tuple(curve)
+
+
+def calibrated(model: PreTrainedModel, policy: BatchPolicy, static: StaticStep | None) -> BatchPolicy:
+    """``policy`` with its ``step_cost`` replaced by the curve ``measure_step_cost`` measures here (in inference
+    mode, up to ``policy.max_step_tokens``), logged with the time it took."""
+    started = time.perf_counter()
+    with torch.inference_mode():
+        curve = measure_step_cost(model, static, policy.max_step_tokens)
+    log.info("step cost measured in %.1f s: %s", time.perf_counter() - started, curve_text(curve))
+    return replace(policy, step_cost=curve)
+
+
+def curve_text(curve: tuple[tuple[int, float], ...]) -> str:
+    """A curve as ``1:1, 2:1.25, ...``.
+
+    >>> curve_text(((1, 1.0), (2, 1.25)))
+    '1:1, 2:1.25'
+    """
+    return ", ".join(f"{tokens}:{cost:g}" for tokens, cost in curve)
 
 
 def step_counts(max_tokens: int, static: bool) -> list[int]:

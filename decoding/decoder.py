@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from decoding.batch import BatchEngine, BatchPolicy
-from decoding.calibration import measure_step_cost
+from decoding.calibration import calibrated
 from decoding.errors import InvalidParameterError
 from decoding.forward.static import StaticStep, build_static_step, warm_buckets
 from decoding.grammar import Constraint, Grammar, GrammarCompiler
@@ -287,12 +286,7 @@ class Decoder:
         if static is None:
             policy = replace(policy, static_step="off")
         if policy.measure_step_cost:
-            started = time.perf_counter()
-            with torch.inference_mode():
-                curve = measure_step_cost(self.loaded.model, static, policy.max_step_tokens)
-            log.info("step cost measured in %.1f s: %s", time.perf_counter() - started,
-                     ", ".join(f"{tokens}:{cost:g}" for tokens, cost in curve))
-            policy = replace(policy, step_cost=curve)
+            policy = calibrated(self.loaded.model, policy, static)
         memory = NGramMemory(memory_tokens) if memory_tokens > 0 else None
         if memory is not None and memory_file is not None and Path(memory_file).exists():
             try:

@@ -107,12 +107,12 @@ class FusedPlan:
         hidden = decoder.embed_tokens(torch.tensor(tokens))  # [T, hidden]
         cos, sin = decoder.rotary_emb(hidden[None], positions[None])  # [1, T, dim]
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        count = hidden.shape[0]
-        step = _Step(slices, [_visible_bytes(slice_) for slice_ in slices], cos, sin, torch.empty_like(hidden),
-                     torch.empty((count, self.heads * self.dim)), torch.empty((count, self.inner)))
-        if self.step_layers is not None and not any(map(_is_prefill_chunk, slices, step.masks)):
-            self._native_layers(hidden, step)
+        count, masks = hidden.shape[0], [_visible_bytes(slice_) for slice_ in slices]
+        if self.step_layers is not None and not any(map(_is_prefill_chunk, slices, masks)):
+            self._native_layers(hidden, slices, masks, cos, sin)
         else:
+            step = _Step(slices, masks, cos, sin, torch.empty_like(hidden), torch.empty((count, self.heads * self.dim)),
+                         torch.empty((count, self.inner)))
             for index, layer in enumerate(self.layers):
                 self._layer(index, layer, hidden, step)
         for slice_ in slices:
@@ -128,22 +128,24 @@ class FusedPlan:
         logits = self.model.lm_head(normed)
         return list(torch.split(logits, [slice_.row_count for slice_ in slices]))
 
-    def _native_layers(self, hidden: torch.Tensor, step: _Step) -> None:
-        """Every layer of a decode step (no prompt chunk among its slices) in one native call
-        (``csrc/fused_step.cpp``): what ``_layer`` does layer by layer, the same kernels in the same order."""
-        slices, start = [], 0
-        for slice_, mask in zip(step.slices, step.masks, strict=True):
+    def _native_layers(self, hidden: torch.Tensor, slices: Sequence[Slice], masks: list[torch.Tensor | None],
+                       cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Every layer of a decode step (no prompt chunk among its ``slices``; ``masks`` their visibility bytes)
+        in one native call (``csrc/fused_step.cpp``): what ``_layer`` does layer by layer, the same kernels in the
+        same order, without its scratch tensors (the native call keeps its own)."""
+        entries, start = [], 0
+        for slice_, mask in zip(slices, masks, strict=True):
             layers = slice_.cache.layers[: len(self.layers)]
             keys = (ctypes.c_void_p * len(layers))(*(layer._key_buffer[0].data_ptr() for layer in layers))
             values = (ctypes.c_void_p * len(layers))(*(layer._value_buffer[0].data_ptr() for layer in layers))
             count = len(slice_.tokens)
-            slices.append(native.StepSlice(start, count, slice_.cache.length, 0 if mask is None else mask.data_ptr(),
-                                           keys, values, layers[0]._key_buffer[0].stride(0)))
+            entries.append(native.StepSlice(start, count, slice_.cache.length, 0 if mask is None else mask.data_ptr(),
+                                            keys, values, layers[0]._key_buffer[0].stride(0)))
             start += count
-        table = (native.StepSlice * len(slices))(*slices)
+        table = (native.StepSlice * len(entries))(*entries)
         self.ops.step_layers(hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.step_layers,
-                             len(self.layers), table, len(slices), self.heads, self.kv_heads, self.dim, self.inner,
-                             self.eps, self.scaling, step.cos.data_ptr(), step.sin.data_ptr())
+                             len(self.layers), table, len(entries), self.heads, self.kv_heads, self.dim, self.inner,
+                             self.eps, self.scaling, cos.data_ptr(), sin.data_ptr())
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, step: _Step) -> None:
         """``hidden`` [T, hidden] through decoder layer ``index``, in place: attention (keys/values stored), then
@@ -262,19 +264,19 @@ def _step_layers(layers: Sequence[_Layer]) -> ctypes.Array | None:
     int8 or oneDNN one: the step then calls layer by layer). The array points into the layers' tensors, which the
     plan keeps."""
     gemm = native.panel_gemm()
+    if gemm is None:
+        return None
     table = []
     for layer in layers:
         products = [_step_product(gemm, kernel) for kernel in (layer.qkv, layer.output, layer.gate_up, layer.down)]
-        if gemm is None or None in products:
+        if None in products:
             return None
         table.append(native.StepLayer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *products))
     return (native.StepLayer * len(table))(*table)
 
 
-def _step_product(gemm: native.PanelGemm | None, kernel: object) -> native.StepProduct | None:
-    """A native kernel as one product of the native step; None for any other kernel."""
-    if gemm is None:
-        return None
+def _step_product(gemm: native.PanelGemm, kernel: object) -> native.StepProduct | None:
+    """A native kernel of ``gemm`` as one product of the native step; None for any other kernel."""
     bias = getattr(kernel, "bias", None)
     if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
         return None

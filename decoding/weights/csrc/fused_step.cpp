@@ -10,7 +10,7 @@
 //
 // Exactness: the same kernels in the same order as fused.py's layer (the same extern "C" entries, the products
 // through the entries the Python side names), and the residual additions and biases as float32 adds: the output
-// is the same bits as the per-call path's, at any thread count (tests/decoding/forward/test_fused_step.py).
+// is the same bits as the per-call path's, at any thread count (tests/decoding/forward/test_fused.py).
 //
 // Compiled in the AVX2 pass alone (decoding/weights/native.py compiles every source twice); the products it calls
 // may be either pass's entries, passed in as function pointers.
@@ -18,8 +18,6 @@
 
 #include <cstdint>
 #include <vector>
-
-#include "thread_pool.h"
 
 extern "C" {
 void fused_rms_norm(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* out);
