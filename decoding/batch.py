@@ -26,12 +26,21 @@ streams for long), and the remaining budget buys lookahead where the measured st
 a stream's window and candidates are granted when the tokens it expects to gain raise the batch's tokens per
 unit of step cost. A lone stream gets whatever its own step policy asks for. Greedy output does not depend on
 the budgets.
+
+With a ``decoding.payoff.PayoffGuard`` (``step_batch``'s ``guard``; a ``BatchEngine`` keeps the one ``payoff_guard``
+gives its policy: on with a static step or a measured curve, both presets' policies) each lookahead stream's steps
+are checked against what they pay: a stream whose recent verifying steps commit fewer tokens than plain one-token
+steps would at their price rests, its budget 1 for a while (``decoding.payoff``). A resting stream is not asked to
+propose (drafting is host work a plain step does not need): its ``plan(1)`` is a plain one-token step whatever it
+proposed last. With ``measure_step_cost`` the engine also times each step a stream took alone, and the guard prices
+steps on those wall times (host work included) once it has them.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +54,7 @@ from decoding.forward.slices import Slice
 from decoding.forward.static import TOKEN_BUCKETS, StaticStats, StaticStep, bucket_shape
 from decoding.grammar import GrammarCompiler
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.payoff import PayoffGuard, WallCurve
 from decoding.step.prefix_cache import PrefixCache, PrefixCacheStats, Running
 from decoding.step.stream import DecodeStream, Proposal, Step, validate_request
 
@@ -189,29 +199,65 @@ def _fit_prefill(proposals: Sequence[Proposal], budgets: list[int], policy: Batc
             budgets[index] = widest
 
 
+def payoff_guard(policy: BatchPolicy) -> PayoffGuard | None:
+    """The payoff guard of an engine under ``policy`` (``decoding.payoff``): on with a static step or a measured
+    curve, which both presets' policies have (CUDA: a wide window runs every step, priced by no gate; CPU: the lazy
+    window and ``break_even`` gate each verifying step on its expected gain, the guard checks what it realised), off
+    otherwise; with ``measure_step_cost``, its price is measured online too (``WallCurve``), bucketed as the static
+    step pads a lone stream (without one, by powers of two).
+
+    >>> payoff_guard(BatchPolicy()) is None, payoff_guard(BatchPolicy(static_step="graphs")).wall is None
+    (True, True)
+    >>> guard = payoff_guard(BatchPolicy(static_step="graphs", measure_step_cost=True))
+    >>> guard.wall is not None, guard.bucket(300), payoff_guard(BatchPolicy(measure_step_cost=True)).bucket(300)
+    (True, 384, 512)
+    """
+    if policy.static_step == "off" and not policy.measure_step_cost:
+        return None
+    if policy.static_step != "off":
+        def bucket(tokens: int) -> int:
+            return policy.padded_tokens([tokens])
+    else:
+        def bucket(tokens: int) -> int:
+            return 1 << (tokens - 1).bit_length()
+    return PayoffGuard(policy.stream_cost, bucket, WallCurve() if policy.measure_step_cost else None)
+
+
 def step_batch(
-    streams: Sequence[DecodeStream], policy: BatchPolicy, static: StaticStep | None = None
+    streams: Sequence[DecodeStream], policy: BatchPolicy, static: StaticStep | None = None,
+    guard: PayoffGuard | None = None,
 ) -> list[Step | BaseException | None]:
     """Advance the (unfinished) streams by one step in one packed forward; see the module contract. With
     ``static``, a step whose slices fit one of its buckets runs there (``decoding.forward.static``), else eagerly.
+    With ``guard``, a stream it rests takes a plain one-token step, and each step taken is recorded in it (keyed by
+    the stream).
 
     Each result is the stream's ``Step``, the exception that ended it, or None when the stream sat this
     forward out (a prompt waiting for its prefill chunk).
     """
     results: list[Step | BaseException | None] = [None] * len(streams)
-    planned, slices = plan_batch(streams, policy, results)
+    planned, slices = plan_batch(streams, policy, results, guard)
     if planned:
         _forward_and_finish(streams, planned, slices, results, static)
+    if guard is not None:
+        for stream, result in zip(streams, results, strict=True):
+            if isinstance(result, Step):
+                guard.record(stream, result.stats)
     return results
 
 
 def plan_batch(
-    streams: Sequence[DecodeStream], policy: BatchPolicy, results: list[Step | BaseException | None]
+    streams: Sequence[DecodeStream], policy: BatchPolicy, results: list[Step | BaseException | None],
+    guard: PayoffGuard | None = None,
 ) -> tuple[list[int], list[Slice]]:
     """Propose, allocate and plan one step of ``streams``: the indices that run and their slices, in order. A
-    stream whose proposal or plan raised gets its exception in ``results`` and does not run."""
+    stream whose proposal or plan raised gets its exception in ``results`` and does not run. A stream ``guard``
+    rests proposes nothing and gets one token (module contract)."""
     proposals: dict[int, Proposal] = {}
     for index, stream in enumerate(streams):
+        if guard is not None and guard.resting(stream):
+            proposals[index] = Proposal(1)
+            continue
         try:
             proposals[index] = stream.propose(policy.stream_cost)
         except Exception as error:  # one stream's failure ends that stream only
@@ -298,6 +344,8 @@ class BatchEngine:
         memory: NGramMemory | None = None,
         grammars: GrammarCompiler | None = None,
         static: StaticStep | None = None,
+        guard: Callable[[BatchPolicy], PayoffGuard | None] = payoff_guard,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model = model
         self.static = static
@@ -311,6 +359,8 @@ class BatchEngine:
         self.prefix_cache = PrefixCache(policy.prefix_cache_tokens) if policy.prefix_cache_tokens > 0 else None
         self._uncached: set[Hashable] = set()  # running decodes that opted out of the prefix cache
         self.last_forward: str | None = None  # how the last step's forward ran: "graph", "static" or "eager"
+        self.guard = guard(policy)
+        self._clock = clock
 
     @property
     def has_work(self) -> bool:
@@ -390,7 +440,10 @@ class BatchEngine:
         finished or failed one leaves the batch."""
         request_ids = list(self._streams)
         runs = self.static.runs if self.static is not None else 0
-        results = step_batch([self._streams[request_id] for request_id in request_ids], self.policy, self.static)
+        started = self._clock()
+        results = step_batch([self._streams[request_id] for request_id in request_ids], self.policy, self.static,
+                             self.guard)
+        seconds = self._clock() - started
         self.last_forward = "eager"
         if self.static is not None and self.static.runs > runs:
             self.last_forward = "graph" if self.static.mode == "graphs" else "static"
@@ -401,6 +454,8 @@ class BatchEngine:
             reported.append((request_id, result))
             if isinstance(result, BaseException) or result.finish_reason is not None:
                 self.cancel(request_id)
+        if self.guard is not None and len(reported) == 1 and isinstance(reported[0][1], Step):
+            self.guard.observe(reported[0][1].stats, seconds)  # a lone decode's step: its wall is its own
         return reported
 
     def static_stats(self) -> StaticStats | None:
@@ -423,6 +478,8 @@ class BatchEngine:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        if self.guard is not None:
+            self.guard.forget(stream)
         opted_out = request_id in self._uncached
         self._uncached.discard(request_id)
         state = stream.prefix_state() if self.prefix_cache is not None and not opted_out else None

@@ -10,9 +10,11 @@ import pytest
 MODULES = [
     "bench.oracle",
     "bench.tune",
+    "decoding.batch",
     "decoding.forward.choice",
     "decoding.forward.static_forward",
     "decoding.forward.static_inputs",
+    "decoding.payoff",
     "decoding.proposers.ngram_memory",
     "decoding.proposers.pool",
     "decoding.proposers.recycled",

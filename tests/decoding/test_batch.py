@@ -10,6 +10,7 @@ import pytest
 from decoding.batch import BatchEngine, BatchPolicy, allocate, step_batch
 from decoding.errors import InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.payoff import PayoffGuard
 from decoding.proposers.ngram_memory import NGramMemory
 from decoding.step.stream import (
     DecodeStream,
@@ -148,6 +149,31 @@ def test_a_failing_stream_ends_alone(tiny_model):
     results = step_batch([good, bad], BatchPolicy())
     assert isinstance(results[1], RuntimeError) and not isinstance(results[0], BaseException)
     assert results[0].token_ids  # the prefill committed the first token
+
+
+def test_a_stream_the_guard_rests_takes_plain_steps_without_proposing_and_keeps_its_greedy_tokens(tiny_model):
+    """Every verifying step fails the guard's price (100 plain steps each), so after each one the stream rests 3
+    steps: budget 1, ``propose`` not called, a plain one-token step (``LookaheadStep.plan(1)`` after a step that
+    ran the window); its window re-aligned (``jacobi.skip``), so its tokens stay greedy's."""
+    alone = tokens_of(make_stream(tiny_model, PROMPTS[3], None))
+    stream = make_stream(tiny_model, PROMPTS[3], LookaheadConfig(4, 4, 4))
+    proposed = []
+    propose = stream.propose
+    stream.propose = lambda cost=None: proposed.append(1) or propose(cost)
+    guard = PayoffGuard(lambda tokens: 100.0, trial=1, rest=3, max_rest=3, warmup=0)
+    sizes, tokens = [], []
+    while not stream.finished:
+        (step,) = step_batch([stream], BatchPolicy(), guard=guard)
+        tokens.extend(step.token_ids)
+        sizes.append(step.stats.input_tokens)
+    assert tokens == alone
+    decoding = sizes[1:]  # after the prefill
+    assert decoding[:8] == [decoding[0], 1, 1, 1, decoding[4], 1, 1, 1] and decoding[0] > 1 and decoding[4] > 1
+    assert len(proposed) == sum(size > 1 for size in sizes)  # the prefill and each verifying step; a rested one not
+    stream = make_stream(tiny_model, PROMPTS[3], LookaheadConfig(4, 4, 4))
+    step_batch([stream], BatchPolicy())
+    assert stream.propose().tokens > 1
+    assert len(stream.plan(1).tokens) == 1  # the window's step shrinks to a plain one
 
 
 def test_allocation_grants_lookahead_only_where_it_pays():
