@@ -1,7 +1,9 @@
 """The anatomy of a step: host work per phase, ATen ops per forward, blocking copies, graphs per bucket.
 
 Contract: ``python -m bench anatomy [--preset cpu|cuda] [--json FILE]`` (``main(argv)``) decodes with a greedy
-and a lookahead stream of the preset (its W/N/G, copies and batch policy) on ``tiny_deep_llama``: the default
+and a lookahead stream of the preset (its W/N/G, copies and batch policy), and a ``rested`` one (the same lookahead
+stream, kept on plain one-token steps by the payoff guard, ``decoding.payoff``, after its first verifying step: what
+a rested step costs the host) on ``tiny_deep_llama``: the default
 model's depth (30 LLaMA layers) at a tiny width, so that a forward's arithmetic is negligible and what is left is
 the work a GPU step pays on the host. Each is run twice, each step one ``BatchEngine.step()`` (the server's engine
 step, whole): through today's eager path (``forward_packed``) and through the static step (``decoding.forward.static``,
@@ -24,8 +26,9 @@ eager mode on the CPU). It prints, per path and stream:
 - ``graphs_per_bucket``: graphs ``torch.compile(fullgraph=True, dynamic=False)`` made for each bucket over a whole
   decode, recompiles made errors (static path only).
 
-The JSON has ``{"preset": ..., "eager": {"greedy": {...}, "lookahead": {...}}, "static": {...}}``; the top-level
-``"greedy"`` and ``"lookahead"`` are the static path's.
+The JSON has ``{"preset": ..., "eager": {"greedy": {...}, "lookahead": {...}, "rested": {...}}, "static": {...}}``;
+the top-level ``"greedy"``, ``"lookahead"`` and ``"rested"`` are the static path's. The greedy and lookahead streams
+run without the payoff guard (each row is one kind of step).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from decoding.forward import lean
 from decoding.forward.kv_cache import KVPool
 from decoding.forward.static import StaticStep
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.payoff import PayoffGuard
 from decoding.step.steps import Step
 from server.config_layers import load_config
 
@@ -58,6 +62,7 @@ DEPTH = 30  # the default model's layers
 PROMPT_TOKENS = 96
 DECODE_TOKENS = 128
 GRAPH_DECODE_TOKENS = 24  # the compile count's decode: each new bucket costs a compile
+STREAMS = ("greedy", "lookahead", "rested")
 _READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
                     torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__})
 
@@ -201,10 +206,16 @@ def _phases(clock: _Clock, static: StaticStep | None) -> list[tuple[object, str,
     return patches
 
 
+def _resting_guard(policy: BatchPolicy) -> PayoffGuard:
+    """A payoff guard that rests a decode after each verifying step for longer than any anatomy decode."""
+    return PayoffGuard(lambda tokens: float("inf"), trial=1, warmup=0, rest=1 << 20, max_rest=1 << 20)
+
+
 def _decode(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
-            static: StaticStep | None, max_tokens: int) -> BatchEngine:
-    """An engine (as the server's: ``BatchEngine``, the static step's pool) with one decode of the anatomy prompt."""
-    engine = BatchEngine(model, policy, static=static)
+            static: StaticStep | None, max_tokens: int, rested: bool = False) -> BatchEngine:
+    """An engine (as the server's: ``BatchEngine``, the static step's pool) with one decode of the anatomy prompt;
+    without a payoff guard, or (``rested``) with one that keeps it on plain steps after its first verifying step."""
+    engine = BatchEngine(model, policy, static=static, guard=_resting_guard if rested else lambda policy: None)
     engine.add(0, anatomy_prompt(model.config.vocab_size), StopCriteria(max_tokens, frozenset()), lookahead=lookahead)
     return engine
 
@@ -219,13 +230,13 @@ def _engine_step(engine: BatchEngine) -> Step:
 
 def measure_decode(
     model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy, static: StaticStep | None,
-    max_tokens: int = DECODE_TOKENS,
+    max_tokens: int = DECODE_TOKENS, rested: bool = False,
 ) -> dict:
     """Decode one stream through ``BatchEngine.step`` (prefill excluded from the figures) and report the module
     contract's measures: timed in one decode, the syncs counted in a second, identical one (the counter's own
     Python would be timed too)."""
     clock = _Clock()
-    engine = _decode(model, lookahead, policy, static, max_tokens)
+    engine = _decode(model, lookahead, policy, static, max_tokens, rested)
     per_step: list[dict[str, float]] = []
     tokens: list[int] = []
     with torch.inference_mode(), _patched(_phases(clock, static)):
@@ -240,7 +251,7 @@ def measure_decode(
             device = phases.get("forward", 0.0) + phases.get("commit_device", 0.0)
             per_step.append({**phases, "other": total - sum(phases.values()), "host": total - device})
             tokens.append(step.stats.input_tokens)
-    syncs, reads = _count_syncs(model, lookahead, policy, static, max_tokens)
+    syncs, reads = _count_syncs(model, lookahead, policy, static, max_tokens, rested)
     phases = sorted({name for step in per_step for name in step} - {"forward", "host", "commit_device"})
     host_ms = round(1000 * statistics.median(step["host"] for step in per_step), 3)
     return {
@@ -259,9 +270,9 @@ def measure_decode(
 
 
 def _count_syncs(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
-                 static: StaticStep | None, max_tokens: int) -> tuple[list[int], list[int]]:
+                 static: StaticStep | None, max_tokens: int, rested: bool = False) -> tuple[list[int], list[int]]:
     """Per decode step (prefill excluded): the blocking copies and reads (``SyncCounter``), and the reads alone."""
-    engine = _decode(model, lookahead, policy, static, max_tokens)
+    engine = _decode(model, lookahead, policy, static, max_tokens, rested)
     syncs: list[int] = []
     reads: list[int] = []
     with torch.inference_mode():
@@ -354,8 +365,9 @@ def run(preset: str, graphs: bool = True) -> dict:
         model = tiny_deep_llama()
         static = StaticStep(model, KVPool(model, 2, 1024, scratch_tokens=256)) if path == "static" else None
         report[path] = {}
-        for name, config in (("greedy", None), ("lookahead", lookahead)):
-            measured = measure_decode(model, config, policy, static)
+        for name, config, rested in (("greedy", None, False), ("lookahead", lookahead, False),
+                                     ("rested", lookahead, True)):
+            measured = measure_decode(model, config, policy, static, rested=rested)
             ops, inside = forward_ops(model, static, measured["median_step_tokens"])
             measured.update(aten_ops_forward=ops, kernels_per_forward=ops, syncs_in_static=inside)
             report[path][name] = measured
@@ -363,7 +375,8 @@ def run(preset: str, graphs: bool = True) -> dict:
         counted = graphs_per_bucket(tiny_deep_llama(), lookahead, policy)
         for name in ("greedy", "lookahead"):
             report["static"][name]["graphs_per_bucket"] = counted
-    report["greedy"], report["lookahead"] = report["static"]["greedy"], report["static"]["lookahead"]
+    for name in STREAMS:
+        report[name] = report["static"][name]
     return report
 
 
@@ -372,7 +385,7 @@ def table(report: dict) -> str:
     lines = ["| path | stream | step tokens | host ms | phases (ms) | forward ms | ATen ops | reads | syncs in step | "
              "syncs in forward |", "|---|---|---|---|---|---|---|---|---|---|"]
     for path in ("eager", "static"):
-        for name in ("greedy", "lookahead"):
+        for name in STREAMS:
             row = report[path][name]
             phases = ", ".join(f"{phase} {value:.3f}" for phase, value in row["phases_ms"].items())
             lines.append(f"| {path} | {name} | {row['median_step_tokens']} | {row['step_host_ms']:.3f} | {phases} | "

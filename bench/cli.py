@@ -53,8 +53,11 @@ from bench.measure import (
     METHODS,
     STEP_COST_KS,
     WARMUP_TOKENS,
+    GuardFactory,
+    Wall,
     make_runners,
     measure_step_cost,
+    own_wall,
     parse_methods,
     run_benchmark,
     static_for,
@@ -76,6 +79,7 @@ from bench.report import (
     write_json,
 )
 from bench.settings import Resolved, describe, preset_digest, resolve
+from decoding.batch import payoff_guard
 from decoding.calibration import calibrated as calibrated_policy
 from decoding.calibration import curve_text
 from decoding.decoder import (
@@ -260,12 +264,15 @@ def measure_prompts(
     output: str | None,
     memory: NGramMemory | None = None,
     reset_memory: Callable[[], None] | None = None,
+    guard: GuardFactory = payoff_guard,
+    wall: Wall | None = None,
 ) -> tuple[list[RunRecord], dict[str, object]]:
     """Print the header, run ``methods`` on ``prompts`` interleaved (``bench.measure.run_benchmark``) with
     progress lines (saved to ``output`` as they come when given); return the runs and the JSON settings. With
     ``memory``, every lookahead decode (warm-up included) shares it; after the warm-up ``reset_memory`` (default:
     ``memory.clear``) puts it back as it was before. Base methods run in one ``--baseline`` child process, ended
-    when the runs are (its settings under the JSON ``baseline``; the child resets its own memory too)."""
+    when the runs are (its settings under the JSON ``baseline``; the child resets its own memory too). ``guard`` and
+    ``wall``: lookahead's payoff guard and what prices it (``bench.measure.decode_lookahead``)."""
     args = resolved.args
     config = lookahead_config(args)
     env = environment(loaded, args.threads, linears)
@@ -275,6 +282,7 @@ def measure_prompts(
         runners = make_runners(
             methods, config, args.prompt_lookup_tokens, transformers_model, resolved.policy, memory,
             gguf_file(args) if "llama_cpp" in methods else None, args.threads or os.cpu_count() or 1, baseline,
+            guard, wall,
         )
         eos = Decoder(loaded).eos_token_ids()
         settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos),
@@ -307,13 +315,15 @@ def run_decode_benchmark(
 ) -> dict[str, object]:
     """The decode benchmark the flags describe: prints both tables, returns the JSON payload. ``loaded`` runs our
     methods with its linears prepared as ``linears`` says; ``transformers_model`` (default: the same model) runs
-    ``generate`` and ``prompt_lookup``; lookahead steps under the server's batch policy."""
+    ``generate`` and ``prompt_lookup``; lookahead steps under the server's batch policy and its payoff guard
+    (priced as ``server_wall`` says)."""
     args = resolved.args
     methods = parse_methods(args.methods)
     specs = select_prompts(args)
     prompts = [(spec.id, encode_prompt(loaded.tokenizer, spec, args.chat_template)) for spec in specs]
     runs, settings = measure_prompts(
-        resolved, loaded, linears, transformers_model, prompts, methods, args.prompts or args.dataset, args.json
+        resolved, loaded, linears, transformers_model, prompts, methods, args.prompts or args.dataset, args.json,
+        wall=server_wall(resolved, loaded.model.device.type),
     )
     summaries = summarize(runs)
     print("\nper prompt\n" + format_table(PROMPT_HEADERS, prompt_rows(runs), left=2))
@@ -382,6 +392,13 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
     except (ValueError, DecodingError) as error:  # ConfigError and InvalidParameterError are ValueErrors
         parser.error(str(error))
     return resolved
+
+
+def server_wall(resolved: Resolved, device: str) -> Wall | None:
+    """What prices lookahead's payoff guard as the server's engine prices it on ``device`` (``decoding.payoff``):
+    each step's own wall time where ``resolved``'s preset is the device's (``own_wall``), else None (``--preset
+    cuda`` on a CPU: seconds here say nothing of a GPU, and the guard prices on the curve alone)."""
+    return own_wall if resolved.preset == device else None
 
 
 def calibrated(resolved: Resolved, loaded: LoadedModel) -> Resolved:

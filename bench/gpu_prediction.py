@@ -1,15 +1,23 @@
-"""What a decode measured here would cost on the H100: each forward priced on the GPU's measured step curve.
+"""What a decode measured here would cost on the H200: each forward priced on the GPU's measured step curve.
 
 Contract: ``predict(runs)`` takes the held-out records of our own decodes (``RunRecord.step_tokens``: the input
 tokens of each forward) and prices every forward, padded to the static step's token bucket it replays
-(``decoding.forward.static.TOKEN_BUCKETS``), at ``H100_GRAPH_MS`` (the static step's CUDA graph, one sequence,
-measured on an H100 on 2026-11-27: ``../shared/docs/gpu-notes.md``; linear between points and past the last one)
-plus the engine's host milliseconds per step of its method (``HOST_MS``: ``python -m bench anatomy --preset cuda``,
-greedy 0.22 ms and lookahead 2.00 ms on 2026-11-27; the lookahead figure is what issue #42 is cutting to 0.5).
-It returns a ``Prediction``: the mean input tokens of a lookahead step (prefill left out), the predicted seconds
-of each method, and lookahead's predicted speed-up over greedy (prompts summed; the median per prompt). So the
-trade between tokens per step and step size shows without a GPU: a preset that commits more tokens a step with
-much larger steps may still be slower there. A prediction, not a measurement: the GPU check measures.
+(``decoding.forward.static.TOKEN_BUCKETS``), at ``STEP_MS`` (``H200_STEP_MS``: the whole static step, one sequence,
+measured on an H200 on 2026-11-28 up to 128 tokens, past that the server's measured relative curve of that day times the
+one-token step; linear between points and past the last one; ``H100_GRAPH_MS``, the H100's graph replays of
+2026-11-27, ``../shared/docs/gpu-notes.md``, kept for reference) plus the engine's host milliseconds per step of
+its method (``HOST_MS``: ``python -m bench anatomy --preset cuda``, greedy 0.22 ms and lookahead 2.00 ms on
+2026-11-27; the lookahead figure is what issue #42 is cutting to 0.5), a lookahead decode's one-token steps (the
+payoff guard's rests, ``decoding.payoff``) at ``PLAIN_HOST_MS`` instead. It returns a ``Prediction``: the mean
+input tokens of a lookahead step (prefill left out), the predicted seconds of each method, and lookahead's
+predicted speed-up over greedy (prompts summed; the median per prompt). So the trade between tokens per step and
+step size shows without a GPU: a preset that commits more tokens a step with much larger steps may still be slower
+there. A prediction, not a measurement: the GPU check measures.
+
+``relative_curve()`` is ``STEP_MS`` over its one-token step, made non-decreasing: the curve the server's calibration
+measures on that GPU (``decoding.calibration``), for a ``BatchPolicy`` to price drafts on; ``predicted_wall(stats,
+seconds)`` is a lookahead step's predicted seconds there (the payoff guard's measured price, simulated:
+``python -m bench heldout --simulate-gpu``).
 """
 
 from __future__ import annotations
@@ -21,15 +29,27 @@ from dataclasses import dataclass
 
 from bench.records import RunRecord
 from decoding.forward.static import TOKEN_BUCKETS
+from decoding.step.steps import StepStats
 
 # (input tokens, ms) of one CUDA-graph step, batch 1, the default model in float32, H100 (gpu-notes.md).
 H100_GRAPH_MS = ((1, 3.52), (2, 4.37), (8, 4.40), (32, 4.52), (64, 4.90), (128, 5.23))
+# (input tokens, ms) of one whole static step (graph replay and input packing), batch 1, the default model in float32,
+# H200, 2026-11-28 (issue #42's GPU check), up to 128 tokens as measured (2 tokens took longer than 4 that day); past
+# 128 the server's relative curve measured at start that day (192: 1.68, 256: 1.83, 384: 2.74, 512: 2.93) x 3.654.
+H200_STEP_MS = ((1, 3.654), (2, 4.531), (4, 4.329), (8, 4.517), (16, 4.61), (32, 4.659), (64, 5.015), (96, 5.399),
+                (128, 5.509), (192, 6.13), (256, 6.68), (384, 10.01), (512, 10.69))
+STEP_MS = H200_STEP_MS
 HOST_MS = {"greedy": 0.22, "lookahead": 2.00}  # bench anatomy --preset cuda, 2026-11-27
+# A lookahead decode's one-token step: bench anatomy's "rested" stream (no drafting; the plain step's finish, the
+# window re-aligned, the proposers told, the recycled source's top-k read) took 1.22x, 1.75x and 1.52x the greedy
+# step's host time in three runs on 2026-11-28 (0.37 / 0.47 / 0.46 ms against 0.30 / 0.27 / 0.30; lookahead 1.5-2.0):
+# 0.22 x 1.52 = 0.33, or 9 % of the way from greedy's 0.22 to lookahead's 2.00 = 0.38; taken as 0.35.
+PLAIN_HOST_MS = 0.35
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """Lookahead against greedy on the H100, predicted from the steps taken here."""
+    """Lookahead against greedy on the GPU, predicted from the steps taken here."""
 
     mean_step_tokens: float | None  # input tokens per lookahead step, prefill left out
     greedy_seconds: float
@@ -38,12 +58,14 @@ class Prediction:
     median_speedup: float | None  # per prompt
 
 
-def step_ms(tokens: int, curve: Sequence[tuple[int, float]] = H100_GRAPH_MS) -> float:
+def step_ms(tokens: int, curve: Sequence[tuple[int, float]] = STEP_MS) -> float:
     """Milliseconds of one graph step of ``tokens`` input tokens on ``curve`` (linear between points, and past
     the last along the last segment).
 
-    >>> step_ms(1), step_ms(5), round(step_ms(256), 2)
-    (3.52, 4.385, 5.89)
+    >>> step_ms(1), step_ms(384), round(step_ms(640), 2)
+    (3.654, 10.01, 11.37)
+    >>> step_ms(5, H100_GRAPH_MS), round(step_ms(256, H100_GRAPH_MS), 2)
+    (4.385, 5.89)
     """
     counts = [count for count, _ in curve]
     index = min(max(bisect.bisect_left(counts, tokens), 1), len(curve) - 1)
@@ -60,15 +82,43 @@ def padded(tokens: int) -> int:
     return next((bucket for bucket in TOKEN_BUCKETS if bucket >= tokens), tokens)
 
 
-def decode_seconds(run: RunRecord, host_ms: float) -> float:
-    """Predicted seconds of ``run`` on the H100: each forward, padded to its bucket, on the graph curve plus
-    ``host_ms``."""
-    return sum(step_ms(padded(tokens)) + host_ms for tokens in run.step_tokens or ()) / 1000
+def relative_curve(curve: Sequence[tuple[int, float]] = STEP_MS) -> tuple[tuple[int, float], ...]:
+    """``curve`` over its one-token step, made non-decreasing (as ``decoding.calibration`` makes what it measures):
+    a ``BatchPolicy.step_cost``.
+
+    >>> relative_curve()[:3], relative_curve()[-2]
+    (((1, 1.0), (2, 1.24), (4, 1.24)), (384, 2.739))
+    """
+    points, highest = [], 0.0
+    for tokens, ms in curve:
+        highest = max(highest, round(ms / curve[0][1], 3))
+        points.append((tokens, highest))
+    return tuple(points)
 
 
-def predict(runs: Sequence[RunRecord], host_ms: Mapping[str, float] = HOST_MS) -> Prediction | None:
+def predicted_wall(stats: StepStats, seconds: float = 0.0) -> float:
+    """The predicted seconds of a lookahead decode's step on the GPU, whatever it took here (``seconds``, ignored):
+    its bucket on ``STEP_MS`` plus the host work of a lookahead step, or of a plain one (one input token).
+
+    >>> round(predicted_wall(StepStats(340, 3)), 5), round(predicted_wall(StepStats(1, 1)), 6)
+    (0.01201, 0.004004)
+    """
+    host = HOST_MS["lookahead"] if stats.input_tokens > 1 else PLAIN_HOST_MS
+    return (step_ms(padded(stats.input_tokens)) + host) / 1000
+
+
+def decode_seconds(run: RunRecord, host_ms: float, plain_host_ms: float | None = None) -> float:
+    """Predicted seconds of ``run`` on the GPU: each forward, padded to its bucket, on the step curve plus
+    ``host_ms``; a one-token step after the prefill plus ``plain_host_ms`` instead, when given."""
+    plain = host_ms if plain_host_ms is None else plain_host_ms
+    return sum(step_ms(padded(tokens)) + (plain if tokens == 1 and index >= run.prefill_steps else host_ms)
+               for index, tokens in enumerate(run.step_tokens or ())) / 1000
+
+
+def predict(runs: Sequence[RunRecord], host_ms: Mapping[str, float] = HOST_MS,
+            plain_host_ms: float = PLAIN_HOST_MS) -> Prediction | None:
     """The ``Prediction`` for the prompts that have both a greedy and a lookahead record with their step sizes;
-    None when there are none."""
+    None when there are none. A lookahead decode's one-token steps cost ``plain_host_ms`` of host work."""
     pairs: dict[str, dict[str, RunRecord]] = {}
     for run in runs:
         if run.method in host_ms and run.step_tokens:
@@ -77,7 +127,8 @@ def predict(runs: Sequence[RunRecord], host_ms: Mapping[str, float] = HOST_MS) -
     if not pairs:
         return None
     greedy = [decode_seconds(methods["greedy"], host_ms["greedy"]) for methods in pairs.values()]
-    lookahead = [decode_seconds(methods["lookahead"], host_ms["lookahead"]) for methods in pairs.values()]
+    lookahead = [decode_seconds(methods["lookahead"], host_ms["lookahead"], plain_host_ms)
+                 for methods in pairs.values()]
     sizes = [tokens for methods in pairs.values()
              for tokens in methods["lookahead"].step_tokens[methods["lookahead"].prefill_steps:]]
     return Prediction(
@@ -91,6 +142,7 @@ def predict(runs: Sequence[RunRecord], host_ms: Mapping[str, float] = HOST_MS) -
 
 def describe(prediction: Prediction) -> str:
     """One line for the held-out report."""
-    return (f"predicted on the H100 (graph curve of 2026-11-27, host {HOST_MS['greedy']:g} / "
-            f"{HOST_MS['lookahead']:g} ms a step): lookahead {prediction.speedup}x greedy (median "
-            f"{prediction.median_speedup}x), {prediction.mean_step_tokens} input tokens a lookahead step")
+    return (f"predicted on the H200 (step curve of 2026-11-28, host {HOST_MS['greedy']:g} / "
+            f"{HOST_MS['lookahead']:g} ms a step, {PLAIN_HOST_MS:g} a lookahead decode's plain step): lookahead "
+            f"{prediction.speedup}x greedy (median {prediction.median_speedup}x), {prediction.mean_step_tokens} "
+            "input tokens a lookahead step")

@@ -22,9 +22,16 @@ names whose lookahead settings and batch policy run (default: this device's); th
 loads as this device's preset says either way. ``--preset cuda --methods lookahead,prompt_lookup`` on a CPU
 counts the GPU setting's tokens per step, which is what it buys where a step's cost hardly grows with its size;
 its times on a CPU say nothing about a GPU, so there, with greedy and lookahead both run, the report adds a prediction
-(``bench.gpu_prediction``): each forward priced on the H100's measured graph curve plus host work per step, the
-mean input tokens of a lookahead step, and lookahead's predicted speed-up there. Every other flag overrides one
-setting, as in ``python -m bench``.
+(``bench.gpu_prediction``): each forward priced on the H200's measured step curve plus host work per step, the
+mean input tokens of a lookahead step, and lookahead's predicted speed-up there. ``--simulate-gpu`` takes the steps
+as a server on that GPU would: drafts priced on its relative curve (``gpu_prediction.relative_curve``, what the
+server's calibration measures there, instead of the curve measured here) and the payoff guard's measured price fed
+each step's predicted wall time (``gpu_prediction.predicted_wall``; ``decoding.payoff``). ``--payoff-guard``:
+``server`` (default) the guard the server keeps for the preset's policy (``decoding.batch.payoff_guard``), its
+measured price from the simulation, or from each step's wall time where the preset is this device's, as the
+server's engine measures it (``bench.cli.server_wall``; ``--preset cuda`` on a CPU without ``--simulate-gpu``: the
+curve's price alone); ``curve``: that guard on the curve's price alone; ``off``: none. Every other flag overrides
+one setting, as in ``python -m bench``.
 
 ``--baseline REV`` runs an earlier commit in the same run (``bench.baseline``): ``--methods greedy,lookahead,
 base_greedy,base_lookahead --baseline 507a7ad`` adds that commit's greedy loop and lookahead, each run as that
@@ -39,6 +46,7 @@ base lookahead's is base greedy's; the totals add our greedy's and lookahead's s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -54,15 +62,17 @@ from bench.cli import (
     calibrated,
     lookahead_config,
     measure_prompts,
+    server_wall,
     start,
     transformers_twin,
 )
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
-from bench.gpu_prediction import describe, predict
-from bench.measure import WARMUP_TOKENS, parse_methods
+from bench.gpu_prediction import describe, predict, predicted_wall, relative_curve
+from bench.measure import WARMUP_TOKENS, GuardFactory, Wall, parse_methods
 from bench.records import RunRecord
 from bench.report import by_method, first_difference, format_table, summarize, write_json
 from bench.settings import SERVER_MEMORY_TOKENS, Resolved, resolve
+from decoding.batch import payoff_guard
 from decoding.decoder import Decoder, check_linear_options
 from decoding.errors import DecodingError
 from decoding.proposers.ngram_memory import MemoryFileError, NGramMemory, load_memory
@@ -78,6 +88,7 @@ PROMPT_HEADERS = (
     "prompt lookup vs greedy", "identical",
 )
 TOTAL_HEADERS = ("method", "prompts", "tokens", "steps", "tok/step", "vs greedy", "median vs greedy", "identical")
+GUARDS = ("server", "curve", "off")
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-file", metavar="PATH",
                         help="start the shared memory from this memory file (python -m bench memory); implies "
                              f"--memory-tokens {SERVER_MEMORY_TOKENS} unless given")
+    parser.add_argument("--payoff-guard", choices=GUARDS, default="server",
+                        help="lookahead's payoff guard: the server's for the preset (default), on the curve's price "
+                             "alone, or off")
+    parser.add_argument("--simulate-gpu", action="store_true",
+                        help="with --preset cuda: price drafts on the predicted GPU's relative curve and the payoff "
+                             "guard on each step's predicted wall time there")
     add_lookahead_flags(parser)
     add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
@@ -148,6 +165,8 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
     try:
         check_baseline(args, parse_heldout_methods(args.methods))
         resolved = resolve(args, args.preset)
+        if args.simulate_gpu and resolved.preset != "cuda":
+            raise ValueError("--simulate-gpu needs --preset cuda (the GPU's settings)")
         lookahead_config(resolved.args)
         check_linear_options(resolved.args.quantize, resolved.args.weight_layout, resolved.args.weights)
     except (ValueError, DecodingError) as error:  # ConfigError and InvalidParameterError are ValueErrors
@@ -263,6 +282,21 @@ def total_lines(runs: Sequence[RunRecord], rows: Sequence[PromptComparison]) -> 
     return "\n".join(lines), summary
 
 
+def payoff_settings(resolved: Resolved, device: str) -> tuple[Resolved, GuardFactory, Wall | None]:
+    """What ``--payoff-guard`` and ``--simulate-gpu`` ask for (module contract): the settings (the simulated GPU's
+    relative curve in the policy), lookahead's payoff guard and what prices it."""
+    args = resolved.args
+    wall: Wall | None = None
+    if args.simulate_gpu:
+        policy = dataclasses.replace(resolved.policy, step_cost=relative_curve())
+        resolved, wall = dataclasses.replace(resolved, policy=policy), predicted_wall
+    else:
+        wall = server_wall(resolved, device)
+    if args.payoff_guard == "off":
+        return resolved, lambda policy: None, None
+    return resolved, payoff_guard, None if args.payoff_guard == "curve" else wall
+
+
 def run_heldout(
     resolved: Resolved, loaded: LoadedModel, linears: str, transformers_model: PreTrainedModel | None
 ) -> dict[str, object]:
@@ -287,8 +321,10 @@ def run_heldout(
                    f"{args.memory_file} (then the earlier prompts')")
     elif memory is not None:
         source += f", shared memory of {args.memory_tokens} tokens (filled by the earlier prompts)"
+    resolved, guard, wall = payoff_settings(resolved, loaded.model.device.type)
     runs, settings = measure_prompts(
-        resolved, loaded, linears, transformers_model, prompts, methods, source, args.output, memory, reset
+        resolved, loaded, linears, transformers_model, prompts, methods, source, args.output, memory, reset, guard,
+        wall,
     )
     settings["memory_tokens"] = args.memory_tokens
     settings["memory_file"] = args.memory_file

@@ -10,11 +10,12 @@ pre-hook on the model); its seconds are wall time end to end, the device synchro
 returns ``StepCost`` rows. Nothing here prints; ``bench.report`` does the arithmetic and the tables.
 
 Methods: ``greedy`` (our reference loop), ``lookahead`` (our generator, stepped through
-``decoding.step_batch`` with the server's ``BatchPolicy`` when one is given: the server's code path; a lone
-stream is never limited by the policy's budgets), ``generate`` and ``prompt_lookup`` (transformers'
-``model.generate``, plain and with prompt-lookup decoding), ``llama_cpp`` (llama.cpp on the model's GGUF file,
-``bench.llama_cpp``: an optional extra), ``base_greedy`` and ``base_lookahead`` (an earlier commit's greedy and
-lookahead in a child process, ``bench.baseline``: their seconds are the child's, timed around the decode alone).
+``decoding.step_batch`` with the server's ``BatchPolicy`` when one is given: the server's code path, its payoff
+guard included, ``decoding.batch.payoff_guard``; a lone stream is never limited by the policy's budgets),
+``generate`` and ``prompt_lookup`` (transformers' ``model.generate``, plain and with prompt-lookup decoding),
+``llama_cpp`` (llama.cpp on the model's GGUF file, ``bench.llama_cpp``: an optional extra), ``base_greedy`` and
+``base_lookahead`` (an earlier commit's greedy and lookahead in a child process, ``bench.baseline``: their seconds
+are the child's, timed around the decode alone).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,15 +34,16 @@ from transformers import PreTrainedModel
 
 from bench.llama_cpp import llama_cpp_runner
 from bench.records import Decoded, Runner, RunRecord, StepCost
-from decoding.batch import BatchPolicy, step_batch
+from decoding.batch import BatchPolicy, payoff_guard, step_batch
 from decoding.errors import InvalidParameterError
 from decoding.forward.kv_cache import SlotCache, new_cache
 from decoding.forward.packed import forward_packed
 from decoding.forward.slices import Slice
 from decoding.forward.static import StaticStep, build_static_step
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from decoding.payoff import PayoffGuard
 from decoding.proposers.ngram_memory import NGramMemory
-from decoding.step.stream import DecodeStream, Step, generate_autoregressive
+from decoding.step.stream import DecodeStream, Step, StepStats, generate_autoregressive
 from decoding.weights.loading import context_length
 
 if TYPE_CHECKING:
@@ -53,6 +56,14 @@ METHODS = (
 DEFAULT_METHODS = "greedy,lookahead,generate"
 STEP_COST_KS = (1, 2, 4, 8, 16, 32, 64, 128)
 WARMUP_TOKENS = 16
+
+GuardFactory = Callable[[BatchPolicy], "PayoffGuard | None"]  # a batch policy -> its payoff guard (or none)
+Wall = Callable[[StepStats, float], float]  # a step and its seconds here -> the seconds its guard prices it at
+
+
+def own_wall(stats: StepStats, seconds: float) -> float:
+    """A ``Wall`` that prices each step at its own ``seconds`` here, as the server's engine times its steps."""
+    return seconds
 
 
 # --- decoding methods -------------------------------------------------------------------------------------
@@ -98,15 +109,24 @@ def decode_greedy(
     return _collect(batched_steps(DecodeStream(model, prompt_ids, stop, pool=static.pool), policy, static))
 
 
-def batched_steps(stream: DecodeStream, policy: BatchPolicy, static: StaticStep | None = None) -> Iterator[Step]:
-    """The steps of ``stream``, each from its own ``step_batch([stream], policy, static)``: the server worker's way
-    of advancing a request (an exception that ended the stream is raised). The stream is closed at the end."""
+def batched_steps(
+    stream: DecodeStream, policy: BatchPolicy, static: StaticStep | None = None, guard: PayoffGuard | None = None,
+    wall: Wall | None = None,
+) -> Iterator[Step]:
+    """The steps of ``stream``, each from its own ``step_batch([stream], policy, static, guard)``: the server worker's
+    way of advancing a request (an exception that ended the stream is raised). With ``guard`` and ``wall``, each
+    step's wall seconds (timed as ``BatchEngine.step`` times them, passed through ``wall``: a simulation may replace
+    them) price it for the guard, as the engine's do. The stream is closed at the end."""
     try:
         while not stream.finished:
-            result = step_batch([stream], policy, static)[0]
+            started = time.perf_counter()
+            result = step_batch([stream], policy, static, guard)[0]
+            seconds = time.perf_counter() - started
             if isinstance(result, BaseException):
                 raise result
             if result is not None:
+                if guard is not None and wall is not None:
+                    guard.observe(result.stats, wall(result.stats, seconds))
                 yield result
     finally:
         stream.close()
@@ -119,14 +139,24 @@ def decode_lookahead(
     config: LookaheadConfig,
     policy: BatchPolicy | None = None,
     memory: NGramMemory | None = None,
+    guard: PayoffGuard | None = None,
+    wall: Wall | None = None,
 ) -> Decoded:
     """Greedy lookahead decoding with ``config``: through ``step_batch`` under ``policy`` when one is given (as
-    the server runs it), else by iterating the generator. With ``memory`` (the server-wide n-gram memory) the
-    decode draws candidates from it and, once finished, adds its output to it, as a server request does."""
+    the server runs it, with its payoff ``guard`` when given: the decode is forgotten there at the end, as the
+    engine forgets a finished request), else by iterating the generator. With ``memory`` (the server-wide n-gram
+    memory) the decode draws candidates from it and, once finished, adds its output to it, as a server request does.
+    ``wall`` (see ``batched_steps``) feeds the guard's measured price."""
     static = static_for(model, policy)
     pool = static.pool if static is not None else None
     stream = DecodeStream(model, prompt_ids, stop, SamplingParams(), config, memory=memory, pool=pool)
-    return _collect(stream if policy is None else batched_steps(stream, policy, static))
+    if policy is None:
+        return _collect(stream)
+    try:
+        return _collect(batched_steps(stream, policy, static, guard, wall))
+    finally:
+        if guard is not None:
+            guard.forget(stream)
 
 
 def decode_generate(
@@ -207,11 +237,15 @@ def make_runners(
     gguf_path: Path | None = None,
     threads: int = 1,
     baseline: BaselineChild | None = None,
+    guard: GuardFactory = payoff_guard,
+    wall: Wall | None = None,
 ) -> dict[str, Runner]:
     """Map each method name (see ``METHODS``) to its runner, in the given order. ``transformers_model``, when
     given, is the model ``generate`` and ``prompt_lookup`` run on (the others run on the benchmark's model);
     ``policy`` and ``memory``, when given, are the ``BatchPolicy`` lookahead steps under and the n-gram memory
-    all its decodes share (see ``decode_lookahead``). Transformers' methods run with torch at ``threads``.
+    all its decodes share; lookahead's decodes share one payoff guard too, ``guard(policy)`` (the server's engine
+    keeps one for all its requests), priced on ``wall`` when given (see ``decode_lookahead``), else on the curve
+    alone (the policy's ``measure_step_cost`` left out). Transformers' methods run with torch at ``threads``.
     ``llama_cpp`` runs llama.cpp on ``gguf_path`` with ``threads`` threads (``bench.llama_cpp``); asking for it
     without a GGUF file raises ``ValueError``, as does asking for ``base_greedy`` or ``base_lookahead`` without
     the ``baseline`` child that runs them."""
@@ -223,9 +257,12 @@ def make_runners(
     if transformers_model is not None:
         transformers_methods = {name: _on_model(transformers_model, run) for name, run in transformers_methods.items()}
     transformers_methods = {name: _with_torch_threads(run, threads) for name, run in transformers_methods.items()}
+    priced = policy if policy is None or wall is not None else replace(policy, measure_step_cost=False)
+    watched = None if priced is None else guard(priced)
     table: dict[str, Runner] = {
         "greedy": partial(decode_greedy, policy=policy),
-        "lookahead": partial(decode_lookahead, config=lookahead, policy=policy, memory=memory),
+        "lookahead": partial(decode_lookahead, config=lookahead, policy=policy, memory=memory, guard=watched,
+                             wall=wall),
         **transformers_methods,
     }
     if "llama_cpp" in methods:

@@ -6,7 +6,8 @@ prompts of ``--split`` of ``--dataset`` runs every (method, thread count) pair o
 (default ``greedy,lookahead,llama_cpp`` x ``1,2``), interleaved in rotating order (``bench.measure.run_benchmark``);
 before each decode ``decoding.decoder.configure_threads`` gives the pair's count to the native kernels' pool (torch
 keeps one thread beside it; transformers' methods get torch at the count; llama.cpp gets its own context with that
-many threads). It prints per method the tokens, seconds,
+many threads; lookahead at each count keeps its own payoff guard, priced as the server's engine prices it:
+``bench.cli.server_wall``). It prints per method the tokens, seconds,
 tokens per second and tokens per step, its speed-up over our greedy loop at one thread, over llama.cpp at the same
 count and over our greedy loop at the same count, and whether its output is greedy's at one thread token for token
 (llama.cpp's text is its own: reported, not required); ``--output`` writes the JSON ``{"config", "runs",
@@ -39,6 +40,7 @@ from bench.cli import (
     json_settings,
     lookahead_config,
     parse_ks,
+    server_wall,
     start,
 )
 from bench.datasets import DATASETS, SPLIT_NAMES, DatasetError, encode_prompt, load_split
@@ -152,7 +154,8 @@ def run_threads(resolved: Resolved, counts: Sequence[int], methods: Sequence[str
     runners: dict[str, Runner] = {}
     for count in counts:
         made = make_runners(methods, lookahead_config(args), 10, policy=resolved.policy,
-                            gguf_path=gguf_file(args) if "llama_cpp" in methods else None, threads=count)
+                            gguf_path=gguf_file(args) if "llama_cpp" in methods else None, threads=count,
+                            wall=server_wall(resolved, loaded.model.device.type))
         runners.update({f"{name}@{count}": at_threads(runner, count) for name, runner in made.items()})
     env = environment(loaded, max(counts), linears)
     print(header(env, [f"{args.dataset} {args.split} split x {len(prompts)} prompts, {args.max_tokens} new tokens, "

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from bench import cli, heldout
+from bench.gpu_prediction import predicted_wall, relative_curve
+from bench.measure import own_wall
 from bench.records import RunRecord
+from decoding.batch import payoff_guard
 from decoding.decoder import Decoder
 from decoding.proposers.ngram_memory import NGramMemory, load_memory
 from server.config_layers import load_config
@@ -56,6 +59,27 @@ def test_arguments_default_by_dataset_and_reject_other_methods(capsys: pytest.Ca
     with pytest.raises(SystemExit):
         heldout.parse(parser, ["--dataset", "mt-bench"])
     assert heldout.parse(parser, ["--device", "cpu", "--memory-file", "m.gz"]).args.memory_tokens == 200_000
+
+
+def test_the_payoff_guard_is_the_servers_priced_on_this_devices_steps_unless_asked_otherwise() -> None:
+    """The server's guard (``payoff_guard``) priced on each step's own seconds where the preset is the device's; on
+    the curve alone for the CUDA preset on a CPU; on the simulated GPU's walls with ``--simulate-gpu``; or none."""
+    parser = heldout.build_parser()
+
+    def settings(*flags: str) -> tuple:
+        return heldout.payoff_settings(heldout.parse(parser, ["--device", "cpu", *flags]), "cpu")
+
+    resolved, guard, wall = settings()
+    assert guard is payoff_guard and wall is own_wall and guard(resolved.policy).wall is not None  # the CPU preset's
+    resolved, guard, wall = settings("--preset", "cuda")
+    assert guard is payoff_guard and wall is None
+    resolved, guard, wall = settings("--preset", "cuda", "--simulate-gpu")
+    assert wall is predicted_wall and resolved.policy.step_cost == relative_curve()
+    assert settings("--payoff-guard", "curve")[2] is None
+    _, guard, wall = settings("--payoff-guard", "off")
+    assert guard(resolved.policy) is None and wall is None
+    with pytest.raises(SystemExit):
+        heldout.parse(parser, ["--device", "cpu", "--simulate-gpu"])  # the CPU preset: no GPU to simulate
 
 
 def tiny_argv(model: Path, *flags: str) -> list[str]:

@@ -8,6 +8,7 @@ from bench import measure, records, report
 from decoding.batch import BatchPolicy
 from decoding.errors import InvalidParameterError
 from decoding.params import LookaheadConfig, StopCriteria
+from decoding.payoff import PayoffGuard
 from decoding.proposers.ngram_memory import NGramMemory
 from decoding.weights.linears import pack_float32
 from tests.conftest import tiny_llama
@@ -132,6 +133,31 @@ def test_lookahead_under_a_batch_policy_steps_as_the_generator_does(model) -> No
     assert batched == plain and batched.steps < len(batched.output_ids)
     runners = measure.make_runners(["lookahead"], config, 3, policy=BatchPolicy(max_step_tokens=4))
     assert runners["lookahead"](model, [5, 9, 11, 5, 9, 11, 5, 9], stop) == plain  # a lone stream is never capped
+
+
+def test_lookaheads_decodes_share_one_payoff_guard_priced_on_the_wall_given(model) -> None:
+    """As the server's engine keeps one guard for all its requests: each decode is forgotten when it ends; the guard
+    gets the policy with ``measure_step_cost`` only when a wall prices it (a CPU's seconds say nothing of a GPU)."""
+    config, stop, prompt = LookaheadConfig(4, 4, 4), StopCriteria(30, frozenset()), [5, 9, 11, 5, 9, 11, 5, 9]
+    greedy = measure.decode_greedy(model, prompt, stop)
+    built: list[tuple[BatchPolicy, PayoffGuard]] = []
+
+    def never_pays(policy: BatchPolicy) -> PayoffGuard:
+        built.append((policy, PayoffGuard(lambda tokens: 100.0, trial=1, rest=3, max_rest=3, warmup=0)))
+        return built[-1][1]
+
+    measured = BatchPolicy(measure_step_cost=True)
+    runners = measure.make_runners(["lookahead"], config, 3, policy=measured, guard=never_pays)
+    first, second = (runners["lookahead"](model, prompt, stop) for _ in range(2))
+    assert first == second and first.output_ids == greedy.output_ids
+    decoding = first.step_tokens[first.prefill_steps:]
+    assert decoding[1:4] == [1, 1, 1] and decoding[0] > 1  # a verifying step, then three rested
+    (policy, guard), = built  # one guard for both decodes, each forgotten at its end
+    assert not policy.measure_step_cost and guard._watches == {}
+    seconds: list[float] = []
+    measure.make_runners(["lookahead"], config, 3, policy=measured, guard=never_pays,
+                         wall=lambda stats, spent: seconds.append(spent) or 0.004)["lookahead"](model, prompt, stop)
+    assert built[-1][0].measure_step_cost and len(seconds) == len(first.step_tokens)
 
 
 def test_a_runner_that_timed_its_decode_gives_the_seconds_and_base_methods_need_their_child(model) -> None:
