@@ -5,8 +5,10 @@ Contract: ``python -m bench.gpu_step_cost --out FILE [--random-weights]`` times 
 float32 (or, with ``--random-weights`` or when it does not load, random weights of its exact shape: the same
 kernels, the same times): today's eager ``forward_packed`` (batch 1), the static step run eagerly, and its CUDA
 graph replayed (CUDA events, median of ``REPEATS`` runs), and the whole static step as the engine runs it through
-graphs (host work included). FILE is rewritten after every row as ``{"model", "rows", "complete"}``, so a run cut
-off by its time budget keeps the rows it measured; the last row has the graph captures. Exit status 2 without CUDA.
+graphs (host work included). Then the fused step (``"fused"``: the forward compiled by inductor, captured) for
+``FUSED_ROWS``: replayed, whole, and its compiles' seconds (a failure is a row ``{"fused_error"}``, the rows before
+it kept). FILE is rewritten after every row as ``{"model", "rows", "complete"}``, so a run cut off by its time budget
+keeps the rows it measured; the plain graphs' captures follow their rows. Exit status 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ STEP_KS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 STEP_BATCHES = (1, 4, 8)
 CONTEXT = 300
 REPEATS = 50
+FUSED_ROWS = tuple((1, k) for k in STEP_KS) + ((8, 1), (8, 8))  # (batch, k): five compiles in all
 
 
 def default_model_shape() -> torch.nn.Module:
@@ -112,6 +115,45 @@ def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
                 emit(row)
     graphs = runners["graphs"]
     emit({"captures": graphs.captures, "capture_seconds": round(graphs.capture_seconds, 2), "mode_after": graphs.mode})
+    try:
+        fused_step_cost(model, prompt, emit)
+    except Exception as error:  # the plain rows stand; say why the fused ones stop
+        emit({"fused_error": f"{type(error).__name__}: {error}"[:2000]})
+
+
+def fused_step_cost(model: torch.nn.Module, prompt: Sequence[int], emit: Callable[[dict], None]) -> None:
+    """The fused step's rows (``FUSED_ROWS``): each (batch, k) replayed and whole, with the seconds its first
+    build took (a new class of buckets compiles there), then the step's compiles, captures and mode."""
+    import time
+
+    from decoding.batch import forward_batch
+    from decoding.forward.kv_cache import KVPool
+    from decoding.forward.slices import Slice
+    from decoding.forward.static import StaticStep
+
+    runner = StaticStep(model, KVPool(model, max(STEP_BATCHES), 1024, scratch_tokens=256), "fused")
+    with torch.inference_mode():
+        caches = [runner.pool.acquire(1024) for _ in range(max(STEP_BATCHES))]
+        for cache in caches:
+            forward_batch(model, [Slice(prompt, torch.arange(CONTEXT), None, torch.arange(1), cache)], runner)
+        for batch, k in FUSED_ROWS:
+            slices = [Slice(list(range(5, 5 + k)), torch.arange(CONTEXT, CONTEXT + k), None, torch.arange(k), cache,
+                            tuple(range(-1, k - 1))) for cache in caches[:batch]]
+            started = time.perf_counter()
+            compiled = runner.prepare(slices)
+            torch.cuda.synchronize()
+            row = {"batch": batch, "k": k, "fused_build_s": round(time.perf_counter() - started, 2),
+                   "static_fused_ms": round(cuda_median_ms(lambda c=compiled: runner.launch(c)), 3)}
+
+            def whole_step(slices=slices):
+                runner.collect(slices, *runner.launch(runner.prepare(slices)))
+                for slice_ in slices:
+                    slice_.cache.commit(CONTEXT, [])
+
+            row["static_fused_whole_step_ms"] = round(cuda_median_ms(whole_step), 3)
+            emit(row)
+    emit({"fused_compiles": runner.fused.compiles if runner.fused else None, "fused_captures": runner.captures,
+          "fused_capture_seconds": round(runner.capture_seconds, 2), "fused_mode_after": runner.mode})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,7 +42,7 @@ from transformers import PreTrainedModel
 from decoding.errors import InvalidParameterError
 from decoding.forward.packed import forward_packed
 from decoding.forward.slices import Slice
-from decoding.forward.static import TOKEN_BUCKETS, StaticStats, StaticStep, bucket_shape
+from decoding.forward.static import CAPTURED, TOKEN_BUCKETS, StaticStats, StaticStep, bucket_shape
 from decoding.grammar import GrammarCompiler
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.step.prefix_cache import PrefixCache, PrefixCacheStats, Running
@@ -393,7 +393,7 @@ class BatchEngine:
         results = step_batch([self._streams[request_id] for request_id in request_ids], self.policy, self.static)
         self.last_forward = "eager"
         if self.static is not None and self.static.runs > runs:
-            self.last_forward = "graph" if self.static.mode == "graphs" else "static"
+            self.last_forward = "graph" if self.static.mode in CAPTURED else "static"
         reported: list[tuple[Hashable, Step | BaseException]] = []
         for request_id, result in zip(request_ids, results, strict=True):
             if result is None:

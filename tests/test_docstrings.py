@@ -12,6 +12,7 @@ MODULES = [
     "bench.tune",
     "decoding.forward.choice",
     "decoding.forward.static_forward",
+    "decoding.forward.static_fused",
     "decoding.forward.static_inputs",
     "decoding.proposers.ngram_memory",
     "decoding.proposers.pool",
