@@ -13,7 +13,8 @@ sequence and many, one token and many, are separate classes). The tokens' classe
 ``static_forward``'s ancestor closure: its squarings are a Python count, so each class runs the count its longest
 step needs (``TOKEN_CLASSES``: T = 1, up to 8, up to 64, up to 512); a squaring past the closure changes nothing.
 So at most eight compiles cover every bucket; a server compiles the one-sequence classes at start, and inductor's
-on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) keeps them between starts. Outputs are the eager forward's to the last
+on-disk cache (``$TORCHINDUCTOR_CACHE_DIR``: the image sets it to the cache volume's ``/cache/inductor``; else
+inductor's ``/tmp``) keeps them between starts. Outputs are the eager forward's to the last
 bits of float arithmetic (inductor reorders reductions); greedy ids hold as they do eagerly.
 """
 
