@@ -10,8 +10,10 @@ What counts as a kernel, so that a count made on the CPU predicts the launches o
 - a Triton kernel launch (``triton_*.run(...)``, CUDA): one each;
 - a C++ kernel (``cpp_fused_*``, the CPU): one per loop nest inside it. The C++ backend puts nests of different
   shapes that it could not fuse into one function, one after another; Triton launches a kernel for each, so a
-  nest is what a GPU pays for. ``functions`` keeps the C++ functions' own count (what a GPU would launch if
-  inductor's combo kernels merged the independent nests).
+  nest is what a GPU pays for. One exception: a nest that reduces a whole row to one value (a one-token step's
+  RMSNorm: the C++ backend loops over the row twice, the sum, then the scaling) counts with the nest after it, as
+  Triton's persistent reduction does both in one kernel. ``functions`` keeps the C++ functions' own count (what a
+  GPU would launch if inductor's combo kernels merged the independent nests).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _CPP_CALL = re.compile(r"^\s+(cpp_fused_\w+)\(", re.M)
 _TRITON_CALL = re.compile(r"^\s+(triton_\w+)\.run\(", re.M)
 _LIBRARY_CALL = re.compile(r"^\s+.*?\b(extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.M)
 _NEST = "for(int64_t x0="  # each loop nest's outermost loop
+_SCALAR_STORE = re.compile(r"\bout_ptr\d+\[static_cast<int64_t>\(0L\)\] = ")
+_ANY_STORE = re.compile(r"\.store\(|\b(?:in_)?out_ptr\d+\[[^\]]*\] = ")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,14 @@ def _call_body(code: str) -> str:
     return code[start:] if end < 0 else code[start:end]
 
 
+def _nests(source: str) -> int:
+    """Loop nests of one C++ kernel, a whole-row reduction counted with the nest after it (module contract)."""
+    parts = source.split(_NEST)[1:]
+    scalar = sum(1 for part in parts[:-1]
+                 if _SCALAR_STORE.search(part) and len(_ANY_STORE.findall(part)) == len(_SCALAR_STORE.findall(part)))
+    return max(1, len(parts) - scalar)
+
+
 def count_kernels(code: str) -> KernelCount:
     """The ``KernelCount`` of one module inductor wrote (module contract)."""
     sources = {name: source for name, source in _CPP_SOURCE.findall(code)}
@@ -65,7 +77,7 @@ def count_kernels(code: str) -> KernelCount:
     cpp = _CPP_CALL.findall(body)
     triton = _TRITON_CALL.findall(body)
     library = _LIBRARY_CALL.findall(body)
-    nests = sum(max(1, sources[name].count(_NEST)) for name in cpp)
+    nests = sum(_nests(sources[name]) for name in cpp)
     by_call = Counter(library)
     by_call["generated"] = nests + len(triton)
     return KernelCount(nests + len(triton) + len(library), nests + len(triton), len(cpp) + len(triton), len(library),

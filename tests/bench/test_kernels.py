@@ -1,5 +1,6 @@
-"""``bench.kernels``: a C++ kernel counts one per loop nest, a Triton launch and a library call one each; and the
-fused step of a two-layer model stays under its ceiling of kernels per forward."""
+"""``bench.kernels``: a C++ kernel counts one per loop nest (a whole-row reduction with the nest after it), a Triton
+launch and a library call one each; and the fused step of a two-layer model stays under its ceiling of kernels per
+forward."""
 
 from __future__ import annotations
 
@@ -23,9 +24,25 @@ extern "C" void kernel(float* out_ptr0)
 }
 ''')
 
+cpp_fused_row_norm_1 = async_compile.cpp_pybinding(['float*'], r'''
+extern "C" void kernel(float* out_ptr0, float* out_ptr1)
+{
+    {
+        float tmp_acc0 = 0;
+        for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(48L); x0+=static_cast<int64_t>(16L)) {}
+        out_ptr0[static_cast<int64_t>(0L)] = static_cast<float>(tmp_acc0);
+    }
+    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(48L); x0+=static_cast<int64_t>(16L))
+    {
+        tmp10.store(out_ptr1 + static_cast<int64_t>(x0));
+    }
+}
+''')
+
 def call(args):
     buf0 = empty_strided_cpu((8, 8), (8, 1), torch.float32)
     cpp_fused_norm_0(buf0)
+    cpp_fused_row_norm_1(buf3, buf4)
     extern_kernels.mm(buf0, arg1_1, out=buf1)
     buf2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(buf0, buf0, buf0)
     cpp_fused_norm_0(buf1)
@@ -39,10 +56,10 @@ def call(args):
 """
 
 
-def test_a_cpp_kernel_counts_its_loop_nests():
+def test_a_cpp_kernel_counts_its_loop_nests_and_a_row_reduction_with_the_nest_after_it():
     count = count_kernels(CPP_MODULE)
-    assert (count.kernels, count.fused, count.functions, count.library) == (6, 4, 2, 2)
-    assert count.by_call["extern_kernels.mm"] == 1 and count.by_call["generated"] == 4
+    assert (count.kernels, count.fused, count.functions, count.library) == (7, 5, 3, 2)
+    assert count.by_call["extern_kernels.mm"] == 1 and count.by_call["generated"] == 5
 
 
 def test_a_triton_launch_counts_one():
