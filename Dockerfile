@@ -62,7 +62,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     LOOKAHEAD_CACHE=/cache \
-    HF_HOME=/cache/huggingface
+    HF_HOME=/cache/huggingface \
+    TORCHINDUCTOR_CACHE_DIR=/cache/inductor
 RUN groupadd --gid "${APP_UID}" lookahead \
  && useradd --uid "${APP_UID}" --gid "${APP_UID}" --create-home --home-dir /home/lookahead --shell /usr/sbin/nologin lookahead \
  && mkdir -p /cache \

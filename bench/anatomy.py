@@ -17,8 +17,11 @@ eager mode on the CPU). It prints, per path and stream:
   pool, proposers' feedback, the stream's ``Step``) and ``other`` (the engine's own bookkeeping: the bucket, the
   results). The device's work is the forward (``lean.forward``, or the static forward's launch: its mask is built
   inside it, as on a GPU) and the KV moves (a gather and a scatter: ``commit_device_ms``).
-- ``kernels_per_forward`` (also ``aten_ops_forward``): ATen ops dispatched by one forward (``count_aten_ops``) at
-  the decode's median step: ATen ops, not yet the kernels an inductor-compiled graph would launch (it fuses many).
+- ``aten_ops_forward``: ATen ops dispatched by one forward (``count_aten_ops``) at the decode's median step: the
+  kernels a captured plain forward (``"graphs"``) launches. ``kernels_per_forward``: on the static path, the kernels
+  of the fused step (``"fused"``: the forward compiled by inductor) at that step, counted as ``bench.kernels`` does
+  (with ``fused_kernels``, its library calls and generated kernels apart); elsewhere, or with ``--no-kernels``,
+  the ATen ops.
 - ``reads_per_step``: device-to-host reads into Python per step (``item``, ``tolist``, ``bool()`` ...; median, and
   ``reads_per_step_max``); ``syncs_in_step``: those plus blocking host-to-device copies (``SyncCounter``);
   ``syncs_in_static``: those inside the forward. Counted in a second, identical decode, so that the counter's own
@@ -47,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.kernels import fused_kernels
 from bench.report import write_json
 from bench.settings import batch_policy
 from decoding.batch import BatchEngine, BatchPolicy, forward_batch
@@ -356,8 +360,9 @@ def graphs_per_bucket(model: LlamaForCausalLM, lookahead: LookaheadConfig, polic
     return per_bucket
 
 
-def run(preset: str, graphs: bool = True) -> dict:
-    """Every measure of the module contract for ``preset``."""
+def run(preset: str, graphs: bool = True, kernels: bool = True) -> dict:
+    """Every measure of the module contract for ``preset``; ``kernels``: count the fused step's kernels (two
+    compiles of the 30-layer model: minutes on a small CPU)."""
     lookahead, policy = preset_lookahead(preset)
     policy = dataclasses.replace(policy, max_step_tokens=max(policy.max_step_tokens, 256))
     report: dict = {"preset": preset, "settings": dataclasses.asdict(lookahead)}
@@ -370,6 +375,9 @@ def run(preset: str, graphs: bool = True) -> dict:
             measured = measure_decode(model, config, policy, static, rested=rested)
             ops, inside = forward_ops(model, static, measured["median_step_tokens"])
             measured.update(aten_ops_forward=ops, kernels_per_forward=ops, syncs_in_static=inside)
+            if kernels and path == "static":
+                count = fused_kernels(tiny_deep_llama(), measured["median_step_tokens"])
+                measured.update(kernels_per_forward=count.kernels, fused_kernels=dataclasses.asdict(count))
             report[path][name] = measured
     if graphs:
         counted = graphs_per_bucket(tiny_deep_llama(), lookahead, policy)
@@ -382,7 +390,7 @@ def run(preset: str, graphs: bool = True) -> dict:
 
 def table(report: dict) -> str:
     """The report as a markdown table, one row per path and stream."""
-    lines = ["| path | stream | step tokens | host ms | phases (ms) | forward ms | ATen ops | reads | syncs in step | "
+    lines = ["| path | stream | step tokens | host ms | phases (ms) | forward ms | kernels | reads | syncs in step | "
              "syncs in forward |", "|---|---|---|---|---|---|---|---|---|---|"]
     for path in ("eager", "static"):
         for name in STREAMS:
@@ -391,6 +399,12 @@ def table(report: dict) -> str:
             lines.append(f"| {path} | {name} | {row['median_step_tokens']} | {row['step_host_ms']:.3f} | {phases} | "
                          f"{row['forward_ms']:.2f} | {row['kernels_per_forward']} | {row['reads_per_step']} | "
                          f"{row['syncs_in_step']} | {row['syncs_in_static']} |")
+    for name in ("greedy", "lookahead"):
+        count = report["static"][name].get("fused_kernels")
+        if count is not None:
+            lines.append("")
+            lines.append(f"fused step, {name}: {count['kernels']} kernels a forward ({count['fused']} generated, "
+                         f"{count['library']} library calls; ATen ops {report['static'][name]['aten_ops_forward']})")
     graphs = report["static"]["lookahead"].get("graphs_per_bucket")
     if graphs is not None:
         lines.append("")
@@ -404,10 +418,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", choices=("cpu", "cuda"), default="cuda",
                         help="whose lookahead settings and batch policy to take (default: cuda)")
     parser.add_argument("--json", help="write the report here")
-    parser.add_argument("--no-graphs", action="store_true", help="skip the compile count (the slowest part)")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the graphs-per-bucket count")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip the fused step's kernel count (two inductor compiles, the slowest part)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    report = run(args.preset, graphs=not args.no_graphs)
+    report = run(args.preset, graphs=not args.no_graphs, kernels=not args.no_kernels)
     settings = report["settings"]
     print(f"preset {args.preset}: W={settings['window_size']} N={settings['ngram_size']} "
           f"G={settings['guess_set_size']}, {DEPTH}-layer width-48 LLaMA, CPU thread time per step")

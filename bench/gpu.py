@@ -20,8 +20,9 @@ warm machine (it stays warm ~30 s after a call, so call 2 goes at once):
 
 - call 1, ``scripts/gpu-check 1``, carry ``.gpu-model-1`` (``gguf.part-0``: half the GGUF; ``whl/``: the wheels
   of what the image lacks, ``bench.gpu_wheels``): installs the wheels into /tmp/site, copies the half to
-  /tmp/lookahead-gpu, then runs ``tests`` (``pytest -m "not real_model" tests/decoding/test_cuda.py``, 130 s) and
-  ``step_cost`` (``python -m bench.gpu_step_cost`` on random weights of the default model's shape, 80 s).
+  /tmp/lookahead-gpu, then runs ``tests`` (``pytest -m "not real_model" tests/decoding/test_cuda.py``, 130 s),
+  ``step_cost`` (``python -m bench.gpu_step_cost`` on random weights of the default model's shape, 80 s) and
+  ``fused_step_cost`` (the same with ``--fused``: the fused step, its compiles included, 90 s).
 - call 2, ``scripts/gpu-check 2``, carry ``.gpu-carry`` (``gguf.part-1``: the other half; ``datasets/``: the
   prompt sets): joins the halves into the model cache, then runs, with /tmp/site, ``model_tests`` (``pytest -m
   real_model tests/decoding/test_cuda.py``, 75 s), ``heldout`` (``python -m bench heldout --preset cuda --device

@@ -69,10 +69,11 @@ def run_model_tests(context: PartContext) -> None:
     context.run(pytest_command(context, "real_model"))
 
 
-def run_step_cost(context: PartContext) -> None:
-    """``bench.gpu_step_cost`` into step-cost.json; its rows, so far, into the report whatever happens."""
-    path = context.output.file("step-cost.json")
-    command = [context.python, "-m", "bench.gpu_step_cost", "--out", str(path)]
+def run_step_cost(context: PartContext, fused: bool = False) -> None:
+    """``bench.gpu_step_cost`` into step-cost.json (``--fused``: fused-step-cost.json); its rows, so far, into the
+    report whatever happens."""
+    path = context.output.file("fused-step-cost.json" if fused else "step-cost.json")
+    command = [context.python, "-m", "bench.gpu_step_cost", "--out", str(path), *(["--fused"] if fused else [])]
     if model_missing() is not None:
         command.append("--random-weights")
     try:
@@ -186,6 +187,8 @@ def run_load(context: PartContext) -> None:
 PARTS = (
     Part("tests", 1, 130, run_tests, summary="CUDA tests on tiny models"),
     Part("step_cost", 1, 80, run_step_cost, summary="step cost, random weights of the default shape"),
+    Part("fused_step_cost", 1, 90, functools.partial(run_step_cost, fused=True),
+         summary="the fused step's cost and compiles, random weights of the default shape"),
     Part("model_tests", 2, 75, run_model_tests, model_missing, "CUDA tests on the default model"),
     Part("heldout", 2, 105, run_heldout, model_missing, "greedy and lookahead on the held-out sets"),
     Part("server", 2, 75, run_server, both_missing, "server start-up and its first request"),
@@ -254,6 +257,13 @@ def part_lines(name: str, section: dict) -> list[str]:
                         [(row["batch"], row["k"], row.get("forward_packed_ms"), row["static_eager_ms"],
                           row["static_graphs_ms"], row["static_graphs_whole_step_ms"])
                          for row in results["rows"] if "k" in row])
+    if name == "fused_step_cost" and results.get("rows"):
+        lines += [f"model: {results.get('model')}; complete: {results.get('complete')}", ""]
+        lines += ["The fused step (ms, CUDA events, median; a row's first build compiles its class):", ""]
+        lines += _table(("batch", "k", "first build s", "fused graph", "whole fused step"),
+                        [(row["batch"], row["k"], row["fused_build_s"], row["static_fused_ms"],
+                          row["static_fused_whole_step_ms"]) for row in results["rows"] if "k" in row])
+        lines += [f"- {key}: {value}" for row in results["rows"] if "k" not in row for key, value in row.items()]
     for set_name in HELDOUT_SETS:
         if set_name in results:
             lines += [f"{set_name}:", ""]

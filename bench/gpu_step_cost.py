@@ -5,8 +5,10 @@ Contract: ``python -m bench.gpu_step_cost --out FILE [--random-weights]`` times 
 float32 (or, with ``--random-weights`` or when it does not load, random weights of its exact shape: the same
 kernels, the same times): today's eager ``forward_packed`` (batch 1), the static step run eagerly, and its CUDA
 graph replayed (CUDA events, median of ``REPEATS`` runs), and the whole static step as the engine runs it through
-graphs (host work included). FILE is rewritten after every row as ``{"model", "rows", "complete"}``, so a run cut
-off by its time budget keeps the rows it measured; the last row has the graph captures. Exit status 2 without CUDA.
+graphs (host work included). With ``--fused``, the fused step instead (``"fused"``: the forward compiled
+by inductor, captured) for ``FUSED_ROWS``: replayed, whole, and the seconds of each row's first build (a new
+class compiles there). FILE is rewritten after every row as ``{"model", "rows", "complete"}``, so a run cut
+off by its time budget keeps the rows it measured; the captures follow the rows. Exit status 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ STEP_KS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 STEP_BATCHES = (1, 4, 8)
 CONTEXT = 300
 REPEATS = 50
+FUSED_ROWS = ((1, 1), (1, 2), (1, 8), (1, 32), (1, 64), (1, 128), (8, 1))  # (batch, k): five compiles in all
 
 
 def default_model_shape() -> torch.nn.Module:
@@ -114,11 +117,48 @@ def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
     emit({"captures": graphs.captures, "capture_seconds": round(graphs.capture_seconds, 2), "mode_after": graphs.mode})
 
 
+def fused_step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
+    """The fused step's rows (``FUSED_ROWS``): each (batch, k) replayed and whole, with the seconds its first
+    build took (a new class of buckets compiles there), then the step's compiles, captures and mode."""
+    import time
+
+    from decoding.batch import forward_batch
+    from decoding.forward.kv_cache import KVPool
+    from decoding.forward.slices import Slice
+    from decoding.forward.static import StaticStep
+
+    runner = StaticStep(model, KVPool(model, max(STEP_BATCHES), 1024, scratch_tokens=256), "fused")
+    prompt = [(17 * index) % 1000 + 5 for index in range(CONTEXT)]
+    with torch.inference_mode():
+        caches = [runner.pool.acquire(1024) for _ in range(max(STEP_BATCHES))]
+        for cache in caches:
+            forward_batch(model, [Slice(prompt, torch.arange(CONTEXT), None, torch.arange(1), cache)], runner)
+        for batch, k in FUSED_ROWS:
+            slices = [Slice(list(range(5, 5 + k)), torch.arange(CONTEXT, CONTEXT + k), None, torch.arange(k), cache,
+                            tuple(range(-1, k - 1))) for cache in caches[:batch]]
+            started = time.perf_counter()
+            compiled = runner.prepare(slices)
+            torch.cuda.synchronize()
+            row = {"batch": batch, "k": k, "fused_build_s": round(time.perf_counter() - started, 2),
+                   "static_fused_ms": round(cuda_median_ms(lambda c=compiled: runner.launch(c)), 3)}
+
+            def whole_step(slices=slices):
+                runner.collect(slices, *runner.launch(runner.prepare(slices)))
+                for slice_ in slices:
+                    slice_.cache.commit(CONTEXT, [])
+
+            row["static_fused_whole_step_ms"] = round(cuda_median_ms(whole_step), 3)
+            emit(row)
+    emit({"fused_compiles": runner.fused.compiles if runner.fused else None, "fused_captures": runner.captures,
+          "fused_capture_seconds": round(runner.capture_seconds, 2), "fused_mode_after": runner.mode})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure and write FILE after every row; 2 without a CUDA device."""
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_step_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON file, rewritten after every row")
     parser.add_argument("--random-weights", action="store_true", help="time random weights of the default shape")
+    parser.add_argument("--fused", action="store_true", help="time the fused step (inductor's forward, captured)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: the step cost needs one", file=sys.stderr)
@@ -131,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(json.dumps(payload, indent=1))
         print(json.dumps(row), flush=True)
 
-    step_cost(model, emit)
+    (fused_step_cost if args.fused else step_cost)(model, emit)
     payload["complete"] = True
     args.out.write_text(json.dumps(payload, indent=1))
     return 0

@@ -51,7 +51,7 @@ from transformers import PreTrainedModel
 from decoding.errors import InvalidParameterError
 from decoding.forward.packed import forward_packed
 from decoding.forward.slices import Slice
-from decoding.forward.static import TOKEN_BUCKETS, StaticStats, StaticStep, bucket_shape
+from decoding.forward.static import CAPTURED, TOKEN_BUCKETS, StaticStats, StaticStep, bucket_shape
 from decoding.grammar import GrammarCompiler
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.payoff import PayoffGuard, WallCurve
@@ -446,7 +446,7 @@ class BatchEngine:
         seconds = self._clock() - started
         self.last_forward = "eager"
         if self.static is not None and self.static.runs > runs:
-            self.last_forward = "graph" if self.static.mode == "graphs" else "static"
+            self.last_forward = "graph" if self.static.mode in CAPTURED else "static"
         reported: list[tuple[Hashable, Step | BaseException]] = []
         for request_id, result in zip(request_ids, results, strict=True):
             if result is None:

@@ -301,8 +301,9 @@ class Decoder:
 
     def static_step(self, policy: BatchPolicy) -> StaticStep | None:
         """The static step ``policy`` asks for, over a KV pool of ``policy.static_sequences`` rows of the model's
-        context length (plus the largest lookahead step), with its common buckets built (in ``"graphs"`` mode:
-        captured) now; None, with a warning, for a model it cannot run. ``"graphs"`` off CUDA runs ``"eager"``."""
+        context length (plus the largest lookahead step), with its common buckets built (in ``"graphs"`` and
+        ``"fused"`` modes: captured, the latter's one-sequence classes compiled) now; None, with a warning, for a
+        model it cannot run. Off CUDA those two modes rehearse the capture (``decoding.forward.static``)."""
         static = build_static_step(self.loaded.model, policy.static_step, policy.static_sequences)
         if static is None:
             return None

@@ -174,10 +174,11 @@ class BatchSettings(BaseModel):
 
     max_step_tokens: int = Field(128, ge=1, description="input tokens of one forward, all requests together")
     prefill_chunk: int = Field(128, ge=1, description="prompt tokens per forward while other requests decode")
-    static_step: Literal["off", "eager", "compile", "graphs"] = Field(
-        "off", description="run steps that fit a bucket through the static step (decoding/static.py): graphs "
-        "captures each bucket as a CUDA graph (CUDA only), compile uses torch.compile, eager the same ops as is; "
-        "off: every step eager",
+    static_step: Literal["off", "eager", "compile", "graphs", "fused"] = Field(
+        "off", description="run steps that fit a bucket through the static step (decoding/forward/static.py): "
+        "fused captures the forward compiled by inductor (a few fused kernels a layer) as CUDA graphs, graphs "
+        "captures the plain forward, compile uses torch.compile per bucket, eager the same ops as is; off: every "
+        "step eager",
     )
     step_cost: list[tuple[int, float]] | None = Field(
         None, description="[[tokens, relative cost], ...] of one forward, as measured by `python -m bench tune`; "

@@ -13,6 +13,7 @@ MODULES = [
     "decoding.batch",
     "decoding.forward.choice",
     "decoding.forward.static_forward",
+    "decoding.forward.static_fused",
     "decoding.forward.static_inputs",
     "decoding.payoff",
     "decoding.proposers.ngram_memory",

@@ -22,10 +22,13 @@ The forward itself is ``decoding.forward.static_forward``: plain torch over fixe
 
 Modes: ``"eager"`` calls ``static_forward``; ``"compile"`` wraps one copy of it per bucket in ``torch.compile``
 (one code object per bucket: one graph each, and no bucket evicts another from Dynamo's cache); ``"graphs"``
-(CUDA) captures each bucket as a ``torch.cuda.CUDAGraph`` sharing one memory pool and replays it. ``"graphs"`` off
-CUDA rehearses the capture: the forward takes CUDA's code path (``prepare_weights(path="cuda")``: grouped heads
-folded, attention outputs with CUDA's strides), each bucket is run on the capture's warm-up inputs into the shared
-output buffers, and a replay is a plain call; only the CUDA graph API is left out.
+(CUDA) captures each bucket as a ``torch.cuda.CUDAGraph`` sharing one memory pool and replays it; ``"fused"``
+captures the forward compiled by inductor instead (``decoding.forward.static_fused``: a few fused kernels a layer,
+at most eight compiles for every bucket; should a compile or its capture fail, the step captures the plain forward
+from then on, as ``"graphs"``). ``"graphs"`` and ``"fused"`` off CUDA rehearse the capture: the forward takes
+CUDA's code path (``prepare_weights(path="cuda")``: grouped heads folded, attention outputs with CUDA's strides),
+each bucket is run on the capture's warm-up inputs into the shared output buffers, and a replay is a plain call;
+only the CUDA graph API is left out.
 
 Every index a step's kernels use is checked on the host before they run (``check_slices``, on the step's ints;
 ``check_inputs`` on a whole buffer): a bad index is a
@@ -56,6 +59,7 @@ from decoding.forward.static_forward import (
     static_forward,
     supports,
 )
+from decoding.forward.static_fused import FusedForwards
 from decoding.forward.static_inputs import (
     Bucket,
     StaticInputError,
@@ -67,7 +71,7 @@ from decoding.forward.static_inputs import (
 from decoding.params import MAX_STEP_TOKENS, MAX_TOP_TOKENS
 from decoding.weights.loading import context_length
 
-__all__ = ["Bucket", "StaticInputError", "StaticStats", "StaticStep", "attended_lengths", "bucket_shape",
+__all__ = ["CAPTURED", "Bucket", "StaticInputError", "StaticStats", "StaticStep", "attended_lengths", "bucket_shape",
            "build_static_step", "check_inputs", "input_bounds", "warm_buckets"]
 
 log = logging.getLogger(__name__)
@@ -76,7 +80,8 @@ SEQUENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)  # the CUDA preset's steps reach ~340
 MIN_ATTENDED = 64  # attended lengths: MIN_ATTENDED doubled until a pool row's capacity
 MAX_BUCKET_TOKENS = 1024  # sequences x tokens of the largest bucket
-MODES = ("eager", "compile", "graphs")
+MODES = ("eager", "compile", "graphs", "fused")
+CAPTURED = ("graphs", "fused")  # the modes that capture CUDA graphs (rehearsed off CUDA)
 
 
 @dataclass(frozen=True)
@@ -129,8 +134,8 @@ def build_static_step(model: PreTrainedModel, mode: str, sequences: int) -> Stat
     if not supports(model):
         log.warning("static step %s: %s is not a model it runs; every step runs eagerly", mode, type(model).__name__)
         return None
-    if mode == "graphs" and model.device.type != "cuda":
-        log.warning("static step graphs needs CUDA: rehearsing the capture on %s (CUDA's code path, no graphs)",
+    if mode in CAPTURED and model.device.type != "cuda":
+        log.warning("static step %s needs CUDA: rehearsing the capture on %s (CUDA's code path, no graphs)", mode,
                     model.device)
     pool = KVPool(model, sequences, context_length(model) + MAX_STEP_TOKENS, scratch_tokens=TOKEN_BUCKETS[-1])
     return StaticStep(model, pool, mode)
@@ -174,11 +179,13 @@ class _Compiled:
 class StaticStep:
     """Runs steps whose slices fit a bucket through ``static_forward`` (module contract).
 
-    ``mode``: one of ``MODES``; ``"graphs"`` needs CUDA. ``backend`` is ``torch.compile``'s in ``"compile"`` mode.
+    ``mode``: one of ``MODES``; ``"graphs"`` and ``"fused"`` need CUDA (rehearsed off it). ``backend`` is
+    ``torch.compile``'s in ``"compile"`` and ``"fused"`` modes; ``fused`` holds the latter's compiled forwards.
     ``runs`` counts the steps it ran, ``eager`` the steps its caller ran eagerly because they fit no bucket
     (``decoding.batch.forward_batch`` counts them), ``replays`` and ``captures`` the graph replays and captures
-    (``capture_seconds`` their total time; a rehearsal counts its own), ``capture_failures`` the captures that
-    failed on a device still usable (the step then runs eagerly, logged once). ``rehearsal``: ``"graphs"`` off CUDA.
+    (``capture_seconds`` their total time, compiles included; a rehearsal counts its own), ``capture_failures`` the
+    captures that failed on a device still usable (the step then runs eagerly, or after a failed ``"fused"``
+    capture as ``"graphs"``; logged). ``rehearsal``: ``"graphs"`` or ``"fused"`` off CUDA.
     ``top_k``: the top ids every forward computes per read row (at most the vocabulary), for slices that want them
     (``Slice.top_k``; a slice wanting more reads them off its logits itself).
     """
@@ -193,9 +200,9 @@ class StaticStep:
             raise ValueError(f"the static step cannot run a {type(model).__name__}")
         self.model, self.pool, self.mode, self.backend = model, pool, mode, backend
         self.device = pool.storage.device
-        self.rehearsal = mode == "graphs" and self.device.type != "cuda"
+        self.rehearsal = mode in CAPTURED and self.device.type != "cuda"
         pool.staged = pool.staged or self.rehearsal  # a rehearsal stages the pool's moves as CUDA does
-        self.weights = prepare_weights(model, "cuda" if mode == "graphs" else None)
+        self.weights = prepare_weights(model, "cuda" if mode in CAPTURED else None)
         self.max_bucket_tokens = max_bucket_tokens
         self.vocab = self.weights.embed.shape[0]
         self.top_k = min(top_k, self.vocab)
@@ -206,10 +213,11 @@ class StaticStep:
         self._graph_pool = None
         self._output_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._attended_views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.fused = FusedForwards(self.weights, self.top_k, backend) if mode == "fused" else None
 
     def stats(self) -> StaticStats:
         """The step's ``StaticStats`` now."""
-        mode = f"{self.mode} (rehearsed)" if self.rehearsal and self.mode == "graphs" else self.mode
+        mode = f"{self.mode} (rehearsed)" if self.rehearsal and self.mode in CAPTURED else self.mode
         return StaticStats(mode, len(self._buckets), self.captures, self.capture_failures,
                            round(self.capture_seconds, 3))
 
@@ -273,7 +281,7 @@ class StaticStep:
         return results, predicted
 
     def _compiled(self, bucket: Bucket) -> _Compiled:
-        """The bucket's buffers and callable, built (and in ``"graphs"`` mode captured) on first use."""
+        """The bucket's buffers and callable, built (and in ``"graphs"`` or ``"fused"`` mode captured) on first use."""
         compiled = self._buckets.get(bucket)
         if compiled is not None:
             return compiled
@@ -285,20 +293,30 @@ class StaticStep:
             function = static_forward
         call = functools.partial(function, self.weights, caches, compiled.inputs, bucket.sequences, bucket.tokens,
                                  top_k=self.top_k)
-        if self.mode != "graphs":
+        if self.mode not in CAPTURED:
             compiled.run = self._kernels(call)
         elif self.rehearsal:
-            compiled.run = self._rehearse(functools.partial(call, self._outputs(bucket)), compiled)
+            compiled.run = self._rehearse(self._captured_call(call, bucket, compiled), compiled)
         else:
             try:
-                compiled.run = self._capture(functools.partial(call, self._outputs(bucket)), compiled)
+                compiled.run = self._capture(self._captured_call(call, bucket, compiled), compiled)
             except StaticInputError:
                 raise
             except Exception:
                 self._fall_back(bucket)
-                compiled.run = self._kernels(call)
+                compiled.run = (self._capture(self._captured_call(call, bucket, compiled), compiled)
+                                if self.mode == "graphs" else self._kernels(call))
         self._buckets[bucket] = compiled
         return compiled
+
+    def _captured_call(
+        self, call: Callable[..., tuple[torch.Tensor, torch.Tensor]], bucket: Bucket, compiled: _Compiled
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """What a capture records for ``bucket``: ``call`` into the shared output buffers, or in ``"fused"`` mode
+        the bucket's compiled forward (``decoding.forward.static_fused``)."""
+        if self.fused is None:
+            return functools.partial(call, self._outputs(bucket))
+        return self.fused.call(bucket, self._views(bucket.attended), compiled.inputs, self._outputs(bucket))
 
     def _fall_back(self, bucket: Bucket) -> None:
         """After a failed capture of ``bucket``: run eagerly from now on (logged, counted) when the device still
@@ -309,8 +327,13 @@ class StaticStep:
             torch.zeros(1, device=self.device).add_(1).item()
         except Exception as error:
             raise RuntimeError(f"CUDA graph capture of {bucket} failed and left {self.device} unusable") from error
-        log.exception("CUDA graph capture of %s failed; the static step runs eagerly from now on", bucket)
         self.capture_failures += 1
+        if self.mode == "fused":  # the compiled forward failed: capture the plain one
+            log.exception("the fused step of %s failed; the static step captures its plain forward from now on",
+                          bucket)
+            self.mode, self.fused = "graphs", None
+            return
+        log.exception("CUDA graph capture of %s failed; the static step runs eagerly from now on", bucket)
         self.mode = "eager"
 
     def _kernels(self, call: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Callable:

@@ -61,7 +61,7 @@ class StaticWeights:
     kv_heads: int
     head_dim: int
     scaling: float
-    fold_groups: bool  # fold grouped query heads into the query length (CUDA's memory-efficient kernel)
+    fold_groups: bool  # fold grouped query heads into the query length (CUDA's memory-efficient kernel), token-major
     cuda_layout: bool  # attention outputs laid out as CUDA's kernels return them (a rehearsal's, off CUDA)
     unrotated: torch.Tensor  # [1, 2, 1, d]: cos 1, sin 0 (the v heads' "rotation"), on the device
     kv_columns: torch.Tensor  # arange(2 kv) on the device: the pool's key and value heads
@@ -96,8 +96,18 @@ def _share(linear: nn.Linear, weight_t: torch.Tensor) -> None:
     linear.weight = nn.Parameter(weight_t.t(), requires_grad=False)
 
 
-def _prepare_layer(layer: nn.Module, head_dim: int) -> _Layer:
-    """Fuse one layer's projections (see ``_Layer``); its ``nn.Linear`` weights become views of the result."""
+def _fold_rows(out_t: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``out_t`` ``[heads * d, hidden]`` with its rows in the order a folded attention's output lies in memory on
+    CUDA: query head ``h = kv * group + g`` of token t sits at ``[t, g, kv]`` (``static_forward``'s folding), so
+    the rows go ``(g, kv, d)`` where the model has them ``(kv, g, d)``. A copy (the model's own stays)."""
+    heads = out_t.shape[0] // head_dim
+    grouped = out_t.reshape(kv_heads, heads // kv_heads, head_dim, out_t.shape[1])
+    return grouped.transpose(0, 1).reshape(out_t.shape).contiguous()
+
+
+def _prepare_layer(layer: nn.Module, head_dim: int, fold_kv_heads: int = 0) -> _Layer:
+    """Fuse one layer's projections (see ``_Layer``); its ``nn.Linear`` weights become views of the result.
+    ``fold_kv_heads``: the model's key/value heads when grouped heads are folded (``_fold_rows``), else 0."""
     attention, mlp = layer.self_attn, layer.mlp
     q_t, k_t, v_t = (projection.weight.detach().t() for projection in (attention.q_proj, attention.k_proj,
                                                                          attention.v_proj))
@@ -117,7 +127,10 @@ def _prepare_layer(layer: nn.Module, head_dim: int) -> _Layer:
     inner = mlp.gate_proj.out_features
     _share(mlp.gate_proj, gate_up[:, :inner])
     _share(mlp.up_proj, gate_up[:, inner:])
-    return _Layer(layer.input_layernorm.weight.detach(), qkv, bias, attention.o_proj.weight.detach().t(),
+    out = attention.o_proj.weight.detach().t()
+    if fold_kv_heads:
+        out = _fold_rows(out, fold_kv_heads, head_dim)
+    return _Layer(layer.input_layernorm.weight.detach(), qkv, bias, out,
                   layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.weight.detach().t())
 
 
@@ -128,14 +141,17 @@ def prepare_weights(model: PreTrainedModel, path: str | None = None) -> StaticWe
     ``path`` is the device type whose code path the forward takes (default: the model's). ``"cuda"`` on a CPU
     model rehearses CUDA's: grouped query heads folded into the query length, and attention outputs with the
     strides CUDA's flash and memory-efficient kernels give them (``[B, H, T, d]`` over ``[B, T, H, d]`` memory),
-    so that a shape or stride assumption of the CUDA path fails on the CPU first."""
+    so that a shape or stride assumption of the CUDA path fails on the CPU first. Folded, the output projection's
+    rows are a permuted copy (``_fold_rows``): the attention's output then feeds it as a view, with no copy."""
     path = path or model.device.type
     config = model.config.get_text_config(decoder=True)
     decoder = model.model
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = decoder.layers[0].self_attn.head_dim
-    layers = tuple(_prepare_layer(layer, head_dim) for layer in decoder.layers[: config.num_hidden_layers])
+    fold_groups = path == "cuda" and heads > kv_heads
+    layers = tuple(_prepare_layer(layer, head_dim, kv_heads if fold_groups else 0)
+                   for layer in decoder.layers[: config.num_hidden_layers])
     rotary = decoder.rotary_emb
     return StaticWeights(
         embed=decoder.embed_tokens.weight.detach(),
@@ -149,7 +165,7 @@ def prepare_weights(model: PreTrainedModel, path: str | None = None) -> StaticWe
         kv_heads=kv_heads,
         head_dim=head_dim,
         scaling=float(decoder.layers[0].self_attn.scaling),
-        fold_groups=path == "cuda" and heads > kv_heads,
+        fold_groups=fold_groups,
         cuda_layout=path == "cuda" and model.device.type != "cuda",
         unrotated=torch.tensor([1.0, 0.0], dtype=model.dtype, device=model.device).view(1, 2, 1, 1).expand(
             1, 2, 1, head_dim).contiguous(),
@@ -182,23 +198,36 @@ def _rotation(weights: StaticWeights, positions: torch.Tensor, dtype: torch.dtyp
     return torch.cat((rotated, weights.unrotated.expand(count, 2, weights.kv_heads, weights.head_dim)), dim=2)
 
 
-def _ancestors(parents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def squarings(tokens: int) -> int:
+    """How many squarings ``_ancestors`` needs for a step of ``tokens`` tokens: a chain's longest path is
+    ``tokens - 1`` links, and each squaring doubles the links a path may take.
+
+    >>> [squarings(tokens) for tokens in (1, 2, 3, 8, 9, 512)]
+    [0, 1, 1, 3, 3, 9]
+    """
+    return math.ceil(math.log2(tokens - 1)) if tokens > 2 else tokens - 1
+
+
+def _ancestors(parents: torch.Tensor, dtype: torch.dtype, depth: int | None = None) -> torch.Tensor:
     """``[B, T, T]`` 0/1: entry ``[b, i, j]`` is 1 when step token ``j`` is ``i`` or an ancestor of ``i``
-    (``parents[b, i]``: i's parent, -1 for none). Pointer doubling by squaring: ceil(log2(T - 1)) products."""
+    (``parents[b, i]``: i's parent, -1 for none). Pointer doubling by squaring: ``depth`` products, at least
+    ``squarings(T)`` (its default; more change nothing), so that a forward traced with T symbolic needs no T."""
     count = parents.shape[1]
     columns = torch.arange(count, device=parents.device)
     linked = (parents.unsqueeze(-1) == columns) | torch.eye(count, dtype=torch.bool, device=parents.device)
     reach = linked.to(dtype)
-    for _ in range(math.ceil(math.log2(count - 1)) if count > 2 else count - 1):
+    for _ in range(squarings(count) if depth is None else depth):
         reach = torch.bmm(reach, reach).clamp_max_(1)
     return reach
 
 
-def _attention_mask(parents: torch.Tensor, lengths: torch.Tensor, attended: int, dtype: torch.dtype) -> torch.Tensor:
+def _attention_mask(
+    parents: torch.Tensor, lengths: torch.Tensor, attended: int, dtype: torch.dtype, depth: int | None = None
+) -> torch.Tensor:
     """The additive ``[B, 1, T, attended]`` mask: cache slot s is seen by every token when ``s < length``, and
     by token i when ``s = length + j`` for j an ancestor of i (or i itself); every other slot is masked."""
     count = parents.shape[1]
-    reach = _ancestors(parents, dtype)  # [B, T, T]
+    reach = _ancestors(parents, dtype, depth)  # [B, T, T]
     relative = torch.arange(attended, device=parents.device) - lengths.unsqueeze(1)  # [B, L]: slot - length
     in_step = reach.gather(2, relative.clamp(0, count - 1).unsqueeze(1).expand(-1, count, -1))  # [B, T, L]
     prefix = relative < 0
@@ -209,7 +238,7 @@ def _attention_mask(parents: torch.Tensor, lengths: torch.Tensor, attended: int,
 
 def static_forward(
     weights: StaticWeights, caches: Sequence[torch.Tensor], inputs: torch.Tensor, sequences: int, tokens: int,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None, top_k: int = 0,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None, top_k: int = 0, depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One static step. ``caches[l]``: layer l's pool view ``[rows, 2 kv, attended, d]``; ``inputs``: the int64
     buffer (module contract) for ``sequences`` x ``tokens``. Returns the logits ``[B, T, vocab]`` of the rows
@@ -222,10 +251,10 @@ def static_forward(
     dtype = weights.embed.dtype
     hidden = F.embedding(token_ids, weights.embed)  # [n, hidden]
     rotation = _rotation(weights, positions, dtype)
-    mask = _attention_mask(parents.view(sequences, tokens), lengths, caches[0].shape[2], dtype)
+    mask = _attention_mask(parents.view(sequences, tokens), lengths, caches[0].shape[2], dtype, depth)
     group = weights.heads // weights.kv_heads
-    if weights.fold_groups:
-        mask = mask.repeat(1, 1, group, 1)
+    if weights.fold_groups:  # query rows (token, group): each token's row repeated for its group's heads
+        mask = mask.unsqueeze(3).expand(-1, -1, -1, group, -1).reshape(sequences, 1, tokens * group, -1)
     write_rows = rows.unsqueeze(1).expand(sequences, tokens).reshape(count, 1)  # [n, 1]
     write_slots = (lengths.unsqueeze(1) + torch.arange(tokens, device=lengths.device)).view(count, 1)  # [n, 1]
     destination = (write_rows, weights.kv_columns, write_slots)  # [n, 1], [2 kv], [n, 1]
@@ -274,13 +303,13 @@ def _attention_block(
     query, new = states.split((heads, 2 * kv_heads), dim=1)
     cache.index_put_(destination, new)  # token i's keys and values at (its row, every KV head, its slot)
     keys, values = cache.index_select(0, rows).split(kv_heads, dim=1)  # [B, kv, L, d] each
-    tokens = count // sequences
-    query = query.view(sequences, tokens, heads, dim).transpose(1, 2)  # [B, heads, T, d]
-    if weights.fold_groups:
-        folded = query.reshape(sequences, kv_heads, (heads // kv_heads) * tokens, dim)
-        output = _attend(weights, folded, keys, values, mask, gqa=False)
-        output = output.reshape(sequences, heads, tokens, dim)  # CUDA's output is not contiguous: no view
+    tokens, group = count // sequences, heads // kv_heads
+    if weights.fold_groups:  # [B, kv, T * group, d]: query head kv * group + g of token t at row t * group + g
+        folded = query.view(sequences, tokens, kv_heads, group, dim).transpose(1, 2)
+        output = _attend(weights, folded.reshape(sequences, kv_heads, tokens * group, dim), keys, values, mask,
+                         gqa=False)  # CUDA's memory: [B, T * group, kv, d], the order of ``layer.out``'s rows
     else:
+        query = query.view(sequences, tokens, heads, dim).transpose(1, 2)  # [B, heads, T, d]
         output = _attend(weights, query, keys, values, mask, gqa=kv_heads != heads)
     return torch.addmm(hidden, output.transpose(1, 2).reshape(count, heads * dim), layer.out)
 

@@ -32,7 +32,7 @@ def test_the_op_counter_counts_dispatched_ops():
 
 @pytest.fixture(scope="module")
 def report():
-    return anatomy.run("cuda", graphs=False)
+    return anatomy.run("cuda", graphs=False, kernels=False)
 
 
 def test_the_report_has_each_measure_for_greedy_and_lookahead(report, tmp_path):

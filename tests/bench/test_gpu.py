@@ -33,10 +33,11 @@ def test_without_cuda_the_check_refuses(tmp_path, capsys):
 
 def test_each_device_call_selects_its_parts_and_names_the_others():
     first, left_out = select_parts(gpu_parts.PARTS, call=1)
-    assert first == ["tests", "step_cost"]
+    assert first == ["tests", "step_cost", "fused_step_cost"]
     assert left_out["heldout"] == "runs in device call 2, not this call 1"
     second, left_out = select_parts(gpu_parts.PARTS, call=2)
-    assert second == ["model_tests", "heldout", "server", "load"] and set(left_out) == {"tests", "step_cost"}
+    assert second == ["model_tests", "heldout", "server", "load"]
+    assert set(left_out) == {"tests", "step_cost", "fused_step_cost"}
 
 
 def test_parts_by_name_and_skip():
@@ -159,8 +160,8 @@ def test_every_part_together_names_at_most_8_files(tmp_path):
     for part in gpu_parts.PARTS:
         if part.name != "server":  # it names no file (its results go to gpu.json); it spawns a real server
             part.run(NoRun(output, time.monotonic() + 60))
-    assert output._names == ["gpu.json", "gpu.md", "step-cost.json", "heldout-humaneval.json", "heldout-chat.json",
-                             "heldout-mtbench.json", "load.json"]
+    assert output._names == ["gpu.json", "gpu.md", "step-cost.json", "fused-step-cost.json", "heldout-humaneval.json",
+                             "heldout-chat.json", "heldout-mtbench.json", "load.json"]
 
 
 # --- the report ------------------------------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""``bench.kernels``: a C++ kernel counts one per loop nest (a whole-row reduction with the nest after it), a Triton
+launch and a library call one each; and the fused step of a two-layer model stays under its ceiling of kernels per
+forward."""
+
+from __future__ import annotations
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.kernels import count_kernels, fused_kernels
+
+CPP_MODULE = """
+cpp_fused_norm_0 = async_compile.cpp_pybinding(['float*'], r'''
+extern "C" void kernel(float* out_ptr0)
+{
+    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(8L); x0+=static_cast<int64_t>(1L))
+    {
+        for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(8L); x1+=static_cast<int64_t>(1L)) {}
+    }
+    #pragma omp parallel
+    {
+        #pragma omp for
+        for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(4L); x0+=static_cast<int64_t>(1L)) {}
+    }
+}
+''')
+
+cpp_fused_row_norm_1 = async_compile.cpp_pybinding(['float*'], r'''
+extern "C" void kernel(float* out_ptr0, float* out_ptr1)
+{
+    {
+        float tmp_acc0 = 0;
+        for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(48L); x0+=static_cast<int64_t>(16L)) {}
+        out_ptr0[static_cast<int64_t>(0L)] = static_cast<float>(tmp_acc0);
+    }
+    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(48L); x0+=static_cast<int64_t>(16L))
+    {
+        tmp10.store(out_ptr1 + static_cast<int64_t>(x0));
+    }
+}
+''')
+
+def call(args):
+    buf0 = empty_strided_cpu((8, 8), (8, 1), torch.float32)
+    cpp_fused_norm_0(buf0)
+    cpp_fused_row_norm_1(buf3, buf4)
+    extern_kernels.mm(buf0, arg1_1, out=buf1)
+    buf2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(buf0, buf0, buf0)
+    cpp_fused_norm_0(buf1)
+"""
+
+TRITON_MODULE = """
+def call(args):
+    triton_red_fused_mean_0.run(arg0_1, buf0, 8, 576, stream=stream0)
+    extern_kernels.mm(buf0, arg1_1, out=buf1)
+    triton_poi_fused_silu_1.run(buf1, buf2, 4608, stream=stream0)
+"""
+
+
+def test_a_cpp_kernel_counts_its_loop_nests_and_a_row_reduction_with_the_nest_after_it():
+    count = count_kernels(CPP_MODULE)
+    assert (count.kernels, count.fused, count.functions, count.library) == (7, 5, 3, 2)
+    assert count.by_call["extern_kernels.mm"] == 1 and count.by_call["generated"] == 5
+
+
+def test_a_triton_launch_counts_one():
+    count = count_kernels(TRITON_MODULE)
+    assert (count.kernels, count.fused, count.functions, count.library) == (3, 2, 2, 1)
+
+
+def test_the_fused_steps_kernels_per_forward_stay_under_the_ceiling():
+    """Two layers of the default model's head layout (3:1 grouped heads, folded as on CUDA), an 8-token step:
+    today 12 a layer (4 library calls for the products, attention, and 7 generated: the key/value write, the
+    rotated queries, the keys' and the values' gathers, two norms, the gate) and ~18 around them."""
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=3, num_key_value_heads=1)).eval()
+    count = fused_kernels(model, 8)
+    assert count.by_call["extern_kernels.mm"] + count.by_call["extern_kernels.addmm"] == 2 * 4 + 1  # and the head
+    assert count.kernels <= 2 * 12 + 18, count
