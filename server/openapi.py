@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from server.config import ServerConfig, lookahead_bounds
-from server.protocol import SETTINGS_KEY
+from server.request_base import SETTINGS_KEY
 
 DESCRIPTION = (
     "OpenAI-compatible completions decoded with lookahead decoding. Extensions: the request field `lookahead` "

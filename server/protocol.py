@@ -1,8 +1,9 @@
 """Pydantic mirror of the OpenAI API requests the server supports, plus its extensions (their answers:
 ``server.completion_objects``).
 
-Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields. Each rule of
-the API is written once, here, and is both checked and stated in the JSON schema the OpenAPI document takes from
+Contract: request models are strict (``"8"`` where an int belongs fails) and ignore unknown fields
+(``server.request_base.StrictModel``). Each rule of the API is written once, here (the chat messages in
+``server.messages``), and is both checked and stated in the JSON schema the OpenAPI document takes from
 these models: the field types the models share (``FunctionName``, ``Temperature``, ``Seed``, ``StopSequences``,
 ``TokenId``, ...) carry their bounds (``Field(ge=..., pattern=...)``, checked by pydantic); a rule the endpoint
 checks in code, in its place among the request's checks and with its own message (non-empty prompts, no
@@ -25,10 +26,7 @@ alternatives. Predicted outputs: chat's and completions' ``prediction`` (``Predi
 item; ``CompletionRequest.prompt_list``); with several prompts and ``n`` each prompt has ``n`` choices,
 ``index = prompt_index * n + j``. With ``echo`` a choice's text (and legacy logprobs) start with its prompt's,
 the first prompt token's logprob and top alternatives null (``CompletionLogprobs``).
-A chat message (``ChatMessage``) is a union by ``role``: ``SystemMessage``, ``DeveloperMessage`` (treated as
-system), ``UserMessage``, ``AssistantMessage`` (content may be null; ``tool_calls``) and ``ToolMessage``
-(``tool_call_id`` required); a message of another role is a 400 naming ``messages[i].role``; ``chat_message``
-builds one. ``HealthStatus`` is ``GET /health``'s answer.
+Chat messages: ``server.messages``. ``HealthStatus`` is ``GET /health``'s answer.
 """
 
 from __future__ import annotations
@@ -39,9 +37,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     create_model,
     field_validator,
     model_validator,
@@ -51,22 +47,17 @@ from pydantic_core import PydanticCustomError
 
 from decoding.params import MAX_TOP_LOGPROBS
 from server.config import REQUEST_LOOKAHEAD
+from server.messages import (
+    AssistantMessage,
+    ChatMessage,
+    FunctionCall,
+    TextContentPart,
+    ToolCall,
+    ToolMessage,
+)
+from server.request_base import StrictModel, configured, described
 
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and json_schema) names
-MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "refusal")  # OpenAI's other content parts
-SETTINGS_KEY = "x-settings"  # schema keyword -> the server setting that gives its value (``configured``)
-
-
-def described(**keywords: Any) -> Any:
-    """The JSON schema keywords of a rule the endpoint checks in code, in its place among the request's checks and
-    with its own message (``suffix``: ``described(maxLength=0)``, refused by ``server.completions``)."""
-    return Field(json_schema_extra=keywords)
-
-
-def configured(**settings: str) -> Any:
-    """JSON schema keywords whose values are server settings (``n``: ``configured(maximum="max_n")``), filled in by
-    ``server.openapi``; the endpoint checks them in code."""
-    return Field(json_schema_extra={SETTINGS_KEY: settings})
 
 
 def _non_empty_stops(stop: str | list[str]) -> str | list[str]:
@@ -120,136 +111,6 @@ TOOL_CHOICE_NEEDS_TOOLS = when(  # tools.resolve
 )
 TOP_LOGPROBS_NEED_LOGPROBS = when({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}})  # chat.check
 ZERO_MAX_TOKENS_NEEDS_ECHO = when({"max_tokens": {"const": 0}}, {"echo": {"const": True}})  # completions.check
-
-
-class StrictModel(BaseModel):
-    """Base of request models: strict types, unknown fields ignored, no NaN or infinity."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class TextContentPart(StrictModel):
-    """A content part: only ``text`` parts are accepted; OpenAI's image, audio and file parts are refused by name
-    (400 ``messages[i].content[j].type``), never dropped."""
-
-    type: Annotated[str, described(const="text")]
-    text: str
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        if value == "text" or not isinstance(value, str):
-            return value  # a non-string fails the strict str check
-        if value in MEDIA_PART_TYPES:
-            raise PydanticCustomError("unsupported_content", "{kind} content parts are not supported: the served "
-                                      "model reads text only; send 'text' parts", {"kind": value})
-        raise PydanticCustomError("unknown_content", "unknown content part type '{kind}'; expected 'text'",
-                                  {"kind": value})
-
-
-class FunctionCall(StrictModel):
-    """A call's function: its ``name`` and ``arguments``, a JSON object serialised as a string (as OpenAI sends
-    them back; the string is not checked here: ``server.tools`` renders an unparsable one as it is)."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(StrictModel):
-    """One tool call of an assistant message in the history (a call the model made earlier)."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-MessageContent = str | list[TextContentPart]
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class _Message(StrictModel):
-    """What every chat message has: ``content`` (a string or text parts) and an optional ``name``. ``tool_calls``
-    and ``tool_call_id`` read None on the roles that cannot carry them (sent anyway: a 400 in ``server.tools``)."""
-
-    content: MessageContent
-    name: str | None = None
-    tool_calls: SkipJsonSchema[list[ToolCall] | None] = None
-    tool_call_id: SkipJsonSchema[str | None] = None
-
-    def text(self) -> str:
-        """The content as one string (text parts joined without separator, as OpenAI does)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class SystemMessage(_Message):
-    role: Literal["system"]
-
-
-class DeveloperMessage(_Message):
-    """Treated as ``system``."""
-
-    role: Literal["developer"]
-
-
-class UserMessage(_Message):
-    role: Literal["user"]
-
-
-class AssistantMessage(_Message):
-    """An earlier reply: ``content`` may be null when it made ``tool_calls``."""
-
-    role: Literal["assistant"]
-    content: MessageContent | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ToolMessage(_Message):
-    """A tool's result: ``tool_call_id`` is the id of the call it answers."""
-
-    role: Literal["tool"]
-    tool_call_id: str = Field(min_length=1)
-
-
-class Message(StrictModel):
-    """Where a message of no known role goes, so that the error names ``role`` (never valid here)."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-
-
-def _role_tag(value: Any) -> str:
-    """The union member a message validates as: its role's, else ``Message``'s (tags are no field names, so
-    an error's ``param`` reads ``messages[0].content``)."""
-    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
-    return f"{role} message" if role in ROLES else "unknown role"
-
-
-ChatMessage = Annotated[  # one message, typed by its role
-    Annotated[SystemMessage, Tag("system message")]
-    | Annotated[DeveloperMessage, Tag("developer message")]
-    | Annotated[UserMessage, Tag("user message")]
-    | Annotated[AssistantMessage, Tag("assistant message")]
-    | Annotated[ToolMessage, Tag("tool message")]
-    | SkipJsonSchema[Annotated[Message, Tag("unknown role")]],
-    Discriminator(_role_tag),
-]
-MESSAGE_TYPES = {"system": SystemMessage, "developer": DeveloperMessage, "user": UserMessage,
-                 "assistant": AssistantMessage, "tool": ToolMessage}
-
-
-AnyMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
-
-
-def chat_message(role: str, **fields: Any) -> AnyMessage:
-    """A chat message of ``role`` (validated as a request's would be).
-
-    >>> chat_message("tool", content="42", tool_call_id="c1").tool_call_id
-    'c1'
-    """
-    return MESSAGE_TYPES[role].model_validate({"role": role, **fields})
 
 
 class Prediction(StrictModel):

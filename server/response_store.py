@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.errors import NotFoundError
-from server.protocol import ChatMessage
+from server.messages import ChatMessage
 
 
 @dataclass(frozen=True)

@@ -35,19 +35,16 @@ from server import chat, serving, tool_calls, tools
 from server.body import parse_body
 from server.completion_objects import DeltaToolCall, StepInfo
 from server.errors import APIError, BadRequestError, to_api_error
+from server.messages import ChatMessage, FunctionCall, ToolCall, chat_message
 from server.plans import Output, Summary
 from server.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
-    FunctionCall,
     FunctionDefinition,
     JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
     Tool,
-    ToolCall,
-    chat_message,
 )
 from server.rendering import decoding_of, usage_of
 from server.response_store import ResponseStore

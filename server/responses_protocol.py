@@ -39,11 +39,11 @@ from server.protocol import (
     Probability,
     Seed,
     ServedModel,
-    StrictModel,
     Temperature,
     protocol_field_names,
     when,
 )
+from server.request_base import StrictModel
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 TEXT_PART_TYPES = ("input_text", "output_text")

@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 from decoding.params import JSON_WHITESPACE, LLAMA_CPP_NUMBERS, Grammar, NumberBounds
 from server.errors import BadRequestError
-from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition
+from server.messages import ChatMessage
+from server.protocol import ChatCompletionRequest, FunctionDefinition
 from server.schemas import closed_schema
 
 MAX_PARALLEL_CALLS = 8  # a tiny model asked for "one or more" calls may otherwise repeat calls until max_tokens

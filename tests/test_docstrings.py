@@ -30,6 +30,8 @@ MODULES = [
     "server.flags",
     "server.ray_app",
     "server.ray_metrics",
+    "server.messages",
+    "server.protocol",
     "server.responses",
     "server.responses_protocol",
     "server.serving",

@@ -13,7 +13,8 @@ import pytest
 from server.app import create_app
 from server.config import ServerConfig
 from server.errors import BadRequestError, ErrorResponse
-from server.protocol import SETTINGS_KEY, ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.request_base import SETTINGS_KEY
 from server.responses import parse_request
 
 GENERATION_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest"}

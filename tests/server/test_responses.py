@@ -13,7 +13,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from server.errors import APIError
-from server.protocol import NamedToolChoice, chat_message
+from server.messages import chat_message
+from server.protocol import NamedToolChoice
 from server.response_store import ResponseStore
 from server.responses import chat_request, input_messages, parse_request
 from tests.server.conftest import make_config

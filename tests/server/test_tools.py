@@ -13,7 +13,8 @@ import pytest
 from server import tool_calls, tools
 from server.completion_objects import DeltaToolCall
 from server.errors import BadRequestError
-from server.protocol import ChatCompletionRequest, chat_message
+from server.messages import chat_message
+from server.protocol import ChatCompletionRequest
 from server.text import TextCodec
 from tests.server.conftest import make_config
 from tests.server.helpers import chat_body, running_app, sse_events
