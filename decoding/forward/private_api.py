@@ -132,6 +132,13 @@ def _own_op(name: str) -> Callable[[], bool]:
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
+        "torch._dynamo.mark_dynamic",
+        "decoding.forward.static_fused",
+        "holds a fused class's attended length, sequences and tokens symbolic, so one compile serves every bucket of "
+        "the class (tests/decoding/forward/test_static_fused.py: no recompile over a batched decode)",
+        exists("torch._dynamo.mark_dynamic"),
+    ),
+    PrivateApi(
         "torch._dynamo.maybe_mark_dynamic",
         "decoding.forward.compiled",
         "marks a graph input's token count dynamic so one graph serves every step size (python -m bench compile, "
