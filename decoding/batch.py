@@ -85,6 +85,7 @@ class BatchPolicy:
       the fallback.
     - ``prefix_cache_tokens``: tokens of finished decodes' KV the engine keeps for later prompts that start the
       same way (``decoding.step.prefix_cache``; 0: off).
+    - ``payoff_guard``: whether the engine keeps a payoff guard where it would (``payoff_guard``); False: never.
     """
 
     max_step_tokens: int = 128
@@ -94,6 +95,7 @@ class BatchPolicy:
     static_sequences: int = 16
     measure_step_cost: bool = False
     prefix_cache_tokens: int = 0
+    payoff_guard: bool = True
 
     def cost(self, tokens: int) -> float:
         """The curve's relative cost of a forward over ``tokens`` input tokens."""
@@ -203,16 +205,18 @@ def payoff_guard(policy: BatchPolicy) -> PayoffGuard | None:
     """The payoff guard of an engine under ``policy`` (``decoding.payoff``): on with a static step or a measured
     curve, which both presets' policies have (CUDA: a wide window runs every step, priced by no gate; CPU: the lazy
     window and ``break_even`` gate each verifying step on its expected gain, the guard checks what it realised), off
-    otherwise; with ``measure_step_cost``, its price is measured online too (``WallCurve``), bucketed as the static
-    step pads a lone stream (without one, by powers of two).
+    otherwise or with ``policy.payoff_guard`` false; with ``measure_step_cost``, its price is measured online too
+    (``WallCurve``), bucketed as the static step pads a lone stream (without one, by powers of two).
 
     >>> payoff_guard(BatchPolicy()) is None, payoff_guard(BatchPolicy(static_step="graphs")).wall is None
     (True, True)
+    >>> payoff_guard(BatchPolicy(static_step="graphs", payoff_guard=False)) is None
+    True
     >>> guard = payoff_guard(BatchPolicy(static_step="graphs", measure_step_cost=True))
     >>> guard.wall is not None, guard.bucket(300), payoff_guard(BatchPolicy(measure_step_cost=True)).bucket(300)
     (True, 384, 512)
     """
-    if policy.static_step == "off" and not policy.measure_step_cost:
+    if not policy.payoff_guard or (policy.static_step == "off" and not policy.measure_step_cost):
         return None
     if policy.static_step != "off":
         def bucket(tokens: int) -> int:

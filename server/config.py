@@ -189,6 +189,11 @@ class BatchSettings(BaseModel):
         "(wall clock, its host work included) and price drafts on that curve instead of step_cost "
         "(decoding/calibration.py; the lookahead_step_cost metric and the start's log show it)",
     )
+    payoff_guard: bool = Field(
+        True, description="a request whose guesses commit fewer tokens than plain steps would at their price takes "
+        "plain one-token steps a while, then tries again (decoding/payoff.py; on with static_step or "
+        "measure_step_cost); false: every request keeps its lookahead",
+    )
     prefix_cache_tokens: int = Field(
         4096, ge=0, le=10_000_000,
         description="prefix cache: tokens of finished requests' KV kept (least recently used first out) so that a "
@@ -326,7 +331,8 @@ def batch_policy(config: ServerConfig) -> BatchPolicy:
     settings = config.batch
     curve = tuple(tuple(point) for point in settings.step_cost) if settings.step_cost else BatchPolicy().step_cost
     return BatchPolicy(settings.max_step_tokens, settings.prefill_chunk, curve, settings.static_step,
-                       config.max_running, settings.measure_step_cost, settings.prefix_cache_tokens)
+                       config.max_running, settings.measure_step_cost, settings.prefix_cache_tokens,
+                       settings.payoff_guard)
 
 
 # ---- Walking the definition: its leaves, a field's extras, a flag-able annotation ------------------------------
