@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -26,6 +27,7 @@ STEP_KS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 STEP_BATCHES = (1, 4, 8)
 CONTEXT = 300
 REPEATS = 50
+PROMPT = [(17 * index) % 1000 + 5 for index in range(CONTEXT)]  # the cached tokens each timed step attends to
 FUSED_ROWS = ((1, 1), (1, 2), (1, 8), (1, 32), (1, 64), (1, 128), (8, 1))  # (batch, k): five compiles in all
 
 
@@ -78,13 +80,12 @@ def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
 
     runners = {mode: StaticStep(model, KVPool(model, max(STEP_BATCHES), 1024, scratch_tokens=256), mode)
                for mode in ("eager", "graphs")}
-    prompt = [(17 * index) % 1000 + 5 for index in range(CONTEXT)]
     with torch.inference_mode():
         caches = {}
         for mode, runner in runners.items():
             caches[mode] = [runner.pool.acquire(1024) for _ in range(max(STEP_BATCHES))]
             for cache in caches[mode]:
-                forward_batch(model, [Slice(prompt, torch.arange(CONTEXT), None, torch.arange(1), cache)], runner)
+                forward_batch(model, [Slice(PROMPT, torch.arange(CONTEXT), None, torch.arange(1), cache)], runner)
         for batch in STEP_BATCHES:
             for k in STEP_KS:
                 row = {"batch": batch, "k": k}
@@ -104,7 +105,7 @@ def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
                 row["static_graphs_whole_step_ms"] = round(cuda_median_ms(whole_step), 3)
                 if batch == 1:
                     cache = new_cache(model, CONTEXT + 256)
-                    forward_packed(model, [Slice(prompt, torch.arange(CONTEXT), None, torch.arange(1), cache)])
+                    forward_packed(model, [Slice(PROMPT, torch.arange(CONTEXT), None, torch.arange(1), cache)])
 
                     def eager_step(cache=cache, k=k):
                         forward_packed(model, [Slice(list(range(5, 5 + k)), torch.arange(CONTEXT, CONTEXT + k), None,
@@ -120,19 +121,16 @@ def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
 def fused_step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
     """The fused step's rows (``FUSED_ROWS``): each (batch, k) replayed and whole, with the seconds its first
     build took (a new class of buckets compiles there), then the step's compiles, captures and mode."""
-    import time
-
     from decoding.batch import forward_batch
     from decoding.forward.kv_cache import KVPool
     from decoding.forward.slices import Slice
     from decoding.forward.static import StaticStep
 
     runner = StaticStep(model, KVPool(model, max(STEP_BATCHES), 1024, scratch_tokens=256), "fused")
-    prompt = [(17 * index) % 1000 + 5 for index in range(CONTEXT)]
     with torch.inference_mode():
         caches = [runner.pool.acquire(1024) for _ in range(max(STEP_BATCHES))]
         for cache in caches:
-            forward_batch(model, [Slice(prompt, torch.arange(CONTEXT), None, torch.arange(1), cache)], runner)
+            forward_batch(model, [Slice(PROMPT, torch.arange(CONTEXT), None, torch.arange(1), cache)], runner)
         for batch, k in FUSED_ROWS:
             slices = [Slice(list(range(5, 5 + k)), torch.arange(CONTEXT, CONTEXT + k), None, torch.arange(k), cache,
                             tuple(range(-1, k - 1))) for cache in caches[:batch]]

@@ -50,10 +50,6 @@ class KernelCount:
     library: int
     by_call: dict[str, int]
 
-    def per_layer(self, layers: int, outside: int = 0) -> float:
-        """Kernels per layer, ``outside`` of them (embedding, mask, head) set apart."""
-        return (self.kernels - outside) / layers
-
 
 def _call_body(code: str) -> str:
     """The wrapper's ``call`` function: the launches, in order."""
