@@ -45,7 +45,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("key", [*FILE_KEYS, FLAG_KEY])
+@pytest.mark.parametrize("key", [*FILE_KEYS, FLAG_KEY], ids=["file-alpha", "file-bravo", "flag"])
 def test_every_configured_key_opens_every_route(keyed, key):
     with httpx.Client(base_url=keyed.base_url, timeout=60) as client:
         for method, path, body in ROUTES:
