@@ -5,6 +5,9 @@ STAMP   := $(VENV)/.installed
 # torch is pinned to the CPU build that lies on this machine's disk; elsewhere pip picks the matching build.
 TORCH   ?= torch==2.13.0
 ARGS    ?=
+# pytest-xdist workers: the suite waits on servers, Ray and subprocesses much of its time, so two workers on two
+# cores take ~17 minutes where one took ~29 (each test keeps its one torch thread: tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: setup model tools serve test lint bench clean
 
@@ -33,7 +36,7 @@ serve: model
 	$(VENV)/bin/lookahead-server $(ARGS)
 
 test: model tools
-	$(PYTHON) -m pytest -q $(ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check decoding server tests scripts bench

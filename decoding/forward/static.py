@@ -298,16 +298,23 @@ class StaticStep:
         elif self.rehearsal:
             compiled.run = self._rehearse(self._captured_call(call, bucket, compiled), compiled)
         else:
+            compiled.run = self._captured(call, bucket, compiled)
+        self._buckets[bucket] = compiled
+        return compiled
+
+    def _captured(
+        self, call: Callable[..., tuple[torch.Tensor, torch.Tensor]], bucket: Bucket, compiled: _Compiled
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """``bucket``'s capture in this mode; each failed one steps down a mode (``_fall_back``: ``"fused"`` to
+        ``"graphs"`` to ``"eager"``) and tries again, so that a step always runs while the device works."""
+        while self.mode in CAPTURED:
             try:
-                compiled.run = self._capture(self._captured_call(call, bucket, compiled), compiled)
+                return self._capture(self._captured_call(call, bucket, compiled), compiled)
             except StaticInputError:
                 raise
             except Exception:
                 self._fall_back(bucket)
-                compiled.run = (self._capture(self._captured_call(call, bucket, compiled), compiled)
-                                if self.mode == "graphs" else self._kernels(call))
-        self._buckets[bucket] = compiled
-        return compiled
+        return self._kernels(call)
 
     def _captured_call(
         self, call: Callable[..., tuple[torch.Tensor, torch.Tensor]], bucket: Bucket, compiled: _Compiled

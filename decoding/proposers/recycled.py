@@ -11,7 +11,10 @@ of two shapes (``LookaheadConfig.recycled_tree``): 0, the fixed one, ``recycled`
 depth 2, one below, down to N-1 tokens, best ranks first; n > 0, best first: a node's score is the product, down its
 path, of the measured chance that a successor of that rank is the next token given that its parent was
 (``RankOdds``, learned from every step's outcome, starting from ``PRIOR``), and the n best-scoring nodes, at most
-``TREE_DEPTH`` deep, make the tree, its leaves offered in the order they were taken. It joins the window's step,
+``TREE_DEPTH`` deep, make the tree, its leaves offered in the order they were taken. A score depends on the ranks
+down a path alone, so the tree's shape (``RankShape``: each node's rank and parent) is chosen as if every token had
+all its successors, again each ``RESHAPE`` steps the odds learn from, and each step walks it through the table: a
+node whose parent's token has no successor of its rank is left out, with its subtree. It joins the window's step,
 gated by its own running mean against the tree's price (``decoding.proposers.base.break_even``). Its drafts are
 guesses like any other: greedy output does not change.
 """
@@ -30,6 +33,7 @@ BRANCH = 2  # the fixed shape's children per node at depth 2 (depth 1 takes all 
 TREE_DEPTH = 8  # a best-first tree's deepest node, in tokens after ``last``
 PRIOR = (0.5, 0.15, 0.08, 0.05, 0.04, 0.03, 0.025, 0.02)  # starting odds of a rank (then 0.01 each), PRIOR_WEIGHT steps
 PRIOR_WEIGHT = 8.0
+RESHAPE = 16  # a best-first tree's shape is chosen again after this many steps taught the odds
 
 
 class RankOdds:
@@ -70,6 +74,8 @@ class RecycledProposer:
         self.odds = RankOdds(self.top_k)
         self.offered: dict[Draft, int] = {}  # this step's tree: each node's path and its rank among its siblings
         self._tree: BestFirst | None = None  # this step's best-first tree, when it offered one
+        self._shape: RankShape | None = None  # the best-first tree's shape, chosen on the odds ``_taught`` steps ago
+        self._taught = 0
 
     @property
     def expected(self) -> float:
@@ -91,8 +97,12 @@ class RecycledProposer:
             return ()
         drafts: list[Draft] = []
         if self.config.recycled_tree:
-            tree = best_first(self.table, context.last, [self.odds[rank] for rank in range(self.top_k)],
-                              self.config.recycled_tree)
+            if self._shape is None or self._taught >= RESHAPE:
+                self._shape = RankShape.best([self.odds[rank] for rank in range(self.top_k)], self.config.recycled_tree)
+                self._taught = 0
+            tree = self._shape.walk(self.table, context.last)
+            if not tree.paths:
+                return ()
             drafts = tree.leaves[:budget]
             size = len(tree.paths) if len(drafts) == len(tree.leaves) else tree_size(drafts)  # every node is a
             self.offered, self._tree = dict(zip(tree.paths, tree.ranks, strict=True)), tree  # prefix of a leaf
@@ -124,6 +134,7 @@ class RecycledProposer:
         tree's nodes whose parent was accepted (when the tree was verified); fold the reach into the gate."""
         if self._tree is not None and outcome.reach is not None:
             self._learn(self._tree, outcome.accepted)
+            self._taught += 1
         self.offered, self._tree = {}, None
         self.table.update(outcome.successors)
         if outcome.reach is not None:
@@ -131,15 +142,18 @@ class RecycledProposer:
 
     def _learn(self, tree: BestFirst, accepted: Sequence[int]) -> None:
         """Count every node whose parent (or ``last``) lies on the ``accepted`` path as one try of its rank, a hit
-        when it lies on that path too (parents come before children in ``tree``)."""
-        on_path: list[bool] = []
-        for path, rank, parent in zip(tree.paths, tree.ranks, tree.parents, strict=True):
-            hit = False
-            if parent < 0 or on_path[parent]:
-                depth = len(path) - 1
-                hit = depth < len(accepted) and accepted[depth] == path[-1]
-                self.odds.seen(rank, hit)
-            on_path.append(hit)
+        when it lies on that path too: down the path from ``last``, each node's children (siblings hold distinct
+        tokens, so at most one of them is on it)."""
+        children, parent, depth = tree.children(), -1, 0
+        while parent in children:
+            token = accepted[depth] if depth < len(accepted) else None
+            parent, below = -2, children[parent]
+            for node in below:
+                hit = tree.paths[node][-1] == token
+                self.odds.seen(tree.ranks[node], hit)
+                if hit:
+                    parent = node
+            depth += 1
 
 
 @dataclass(frozen=True)
@@ -152,9 +166,88 @@ class BestFirst:
     ranks: list[int]
     parents: list[int]
     leaves: list[Draft]
+    below: dict[int, list[int]] | None = None  # ``children()``, when the tree's maker kept them
+
+    def children(self) -> dict[int, list[int]]:
+        """Each node's children (-1: ``last``'s), in order; nodes without children are left out."""
+        if self.below is not None:
+            return self.below
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(node)
+        return children
 
 
-def best_first(table: dict[int, Sequence[int]], last: int, odds: Sequence[float], nodes: int) -> BestFirst:
+@dataclass(frozen=True)
+class RankShape:
+    """A best-first tree's shape: its nodes in the order taken, each one's rank among its siblings and parent (index
+    of its parent node, -1: a child of ``last``), as if every token had all its successors.
+
+    >>> shape = RankShape.best([0.5, 0.2], nodes=4)
+    >>> shape.ranks, shape.parents
+    ((0, 0, 1, 0), (-1, 0, -1, 1))
+    >>> shape.walk({1: (2, 3), 2: (4, 5), 3: (6,)}, 1).paths  # token 4 has no successor: node 3 is left out
+    [(2,), (2, 4), (3,)]
+    """
+
+    ranks: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    @classmethod
+    def best(cls, odds: Sequence[float], nodes: int) -> RankShape:
+        """The shape of ``best_first``'s tree of ``nodes`` nodes over a table where every token has ``len(odds)``
+        successors."""
+        tree = best_first(_Complete(len(odds)), 0, odds, nodes)
+        return cls(tuple(tree.ranks), tuple(tree.parents))
+
+    def walk(self, table: dict[int, Sequence[int]], last: int) -> BestFirst:
+        """This shape's tree under ``last`` through ``table``: each node the successor of its rank of its parent's
+        token (``last``'s for a child of ``last``); a node whose parent's token has no such successor, and its
+        subtree, are left out (the kept nodes renumbered in order). About 3x faster than ``best_first``."""
+        paths: list[Draft] = []
+        ranks: list[int] = []
+        parents: list[int] = []
+        kept: list[int] = []  # the shape's node i is tree node kept[i], -1: left out
+        below: dict[int, list[int]] = {}
+        get = table.get
+        for rank, parent in zip(self.ranks, self.parents, strict=True):
+            if parent < 0:
+                path, at = (), -1
+            else:
+                at = kept[parent]
+                if at < 0:
+                    kept.append(-1)
+                    continue
+                path = paths[at]
+            successors = get(path[-1] if path else last, ())
+            if rank >= len(successors):
+                kept.append(-1)
+                continue
+            node = len(paths)
+            kept.append(node)
+            paths.append((*path, successors[rank]))
+            ranks.append(rank)
+            parents.append(at)
+            siblings = below.get(at)
+            if siblings is None:
+                below[at] = [node]
+            else:
+                siblings.append(node)
+        return BestFirst(paths, ranks, parents, [path for index, path in enumerate(paths) if index not in below],
+                         below)
+
+
+class _Complete:
+    """A successor table where every token has ``top_k`` successors, each a token of its own (ints, never equal)."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+
+    def get(self, token: int, default: Sequence[int] = ()) -> Sequence[int]:
+        return range(token * self.top_k + 1, (token + 1) * self.top_k + 1)
+
+
+def best_first(table: dict[int, Sequence[int]] | _Complete, last: int, odds: Sequence[float], nodes: int) -> BestFirst:
     """The ``nodes`` best-scoring nodes under ``last``, at most ``TREE_DEPTH`` deep: a node's score is its parent's
     times ``odds[rank]`` (``last``'s is 1), its children the first ``len(odds)`` successors ``table`` holds for
     its token.

@@ -1,10 +1,11 @@
 """A lookahead step's drafts: asked of the proposers at their price, cut by the grammar, merged in order.
 
-Contract: ``gather(proposers, context, ...)`` asks each proposer in order for drafts, telling it first, through
+Contract: ``gather(proposers, context, ..., into)`` asks each proposer in order for drafts, telling it first, through
 ``Context.price``, what more input tokens cost at that point of the step (``step_price`` on the step-cost curve
 ``cost``; free without one), cuts every draft before the first token the request's grammar forbids, and merges them
-into a ``Shape``: the drafts a step verifies, best first, each with its source, every proposer's drafts as offered
-(to credit those merged into another's) and the best running mean among the proposers whose drafts it holds.
+into ``into`` (a ``Gathered``, which a step's gathers share: one token tree grown draft by draft), whose ``shape``
+is the step's ``Shape``: the drafts a step verifies, best first, each with its source, every proposer's drafts as
+offered (to credit those merged into another's) and the best running mean among the proposers whose drafts it holds.
 Standalone sources (``limit`` None, each at most ``copy_candidates``) skip a draft covered by one kept before; the
 others keep at most ``limit`` drafts in all (among those that count toward G) and skip exact repeats (and, under a
 grammar, covered ones). Every proposer is asked, even with no room left: a gate counts its calls.
@@ -48,31 +49,46 @@ class Shape:
         return Shape(window, self.candidates[:count], self.sources[:count], self.offered, self.gain,
                      self.tree.first(count))
 
-    def joined(self, other: Shape, window: bool) -> Shape:
-        """This shape's drafts, then ``other``'s, in one step (with the window when ``window`` says so)."""
-        return Shape(window, self.candidates + other.candidates, self.sources + other.sources,
-                     self.offered + other.offered, max(self.gain, other.gain), self.tree.merged(other.tree))
+
+class Gathered:
+    """A step's drafts as ``gather`` keeps them, over one or more calls: their token tree (``kept``: the drafts and
+    every prefix of them), each one's source, every proposer's drafts as offered, and the best gain among the
+    proposers whose drafts it holds (from the gain it started with)."""
+
+    def __init__(self, gain: float = 0.0) -> None:
+        self.kept = TreeBuilder()
+        self.sources: list[str] = []
+        self.offered: list[tuple[str, tuple[Draft, ...]]] = []
+        self.gain = gain
+
+    def __len__(self) -> int:
+        """The drafts kept so far."""
+        return len(self.sources)
+
+    def shape(self, window: bool) -> Shape:
+        """The drafts kept so far as a step's ``Shape`` (the gathering is done: its tree is the builder's)."""
+        return Shape(window, tuple(self.kept.candidates), tuple(self.sources), tuple(self.offered), self.gain,
+                     self.kept.tree())
 
 
 def gather(proposers: Sequence[Proposer], context: Context, constraint: Constraint | None, copy_candidates: int,
-           limit: int | None, cost: Callable[[int], float] | None, base: int, gain: float) -> Shape:
-    """The ``proposers``' drafts, merged (module contract), each proposer told the price of more tokens on a step
-    that already holds ``base`` tokens plus the drafts kept before it and expects the best gain among ``gain`` and
-    their proposers'. The shape's ``window`` is False: the step decides it; its tree is grown as drafts are kept."""
-    kept = TreeBuilder()  # the drafts kept, and every prefix of them
-    sources: list[str] = []
-    offered: list[tuple[str, tuple[Draft, ...]]] = []
+           limit: int | None, cost: Callable[[int], float] | None, base: int, into: Gathered) -> Gathered:
+    """The ``proposers``' drafts, merged (module contract) after those ``into`` holds (one token tree), each
+    proposer told the price of more tokens on a step that holds ``base`` tokens plus the drafts kept before it and
+    expects the best gain kept so far. ``limit`` counts this call's drafts alone; exact repeats are skipped within
+    one call (a draft covered by one kept before it is skipped across calls too when the check is strict)."""
+    kept = into.kept
     exact: set[Draft] = set()
-    counted = 0  # kept drafts that count toward ``limit``
+    counted = 0  # drafts kept by this call that count toward ``limit``
     strict = limit is None or constraint is not None
     for proposer in proposers:
         within = limit is not None and proposer.in_guess_set
         room = copy_candidates if limit is None else limit - counted if within else MAX_STEP_TOKENS
-        context.price = free if cost is None else step_price(cost, base + len(kept), gain)
+        context.price = free if cost is None else step_price(cost, base + len(kept), into.gain)
         drafts = tuple(cut(proposer.propose(context, room), constraint))
         if not drafts:
             continue
-        offered.append((proposer.name, drafts))
+        into.offered.append((proposer.name, drafts))
         taken = False
         for draft in drafts:
             if within and counted == limit:
@@ -82,12 +98,12 @@ def gather(proposers: Sequence[Proposer], context: Context, constraint: Constrai
             counted += within
             kept.add(draft)
             exact.add(draft)
-            sources.append(proposer.name)
+            into.sources.append(proposer.name)
             taken = True
         if taken:
-            gain = max(gain, proposer.expected)
+            into.gain = max(into.gain, proposer.expected)
     context.price = free
-    return Shape(False, tuple(kept.candidates), tuple(sources), tuple(offered), gain, kept.tree())
+    return into
 
 
 def step_price(cost: Callable[[int], float], base: int, gain: float) -> Price:

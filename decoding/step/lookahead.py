@@ -28,7 +28,7 @@ from decoding.params import LookaheadConfig, SamplingParams
 from decoding.proposers import COPY, MEMORY, POOL, PREDICTION, Context, Draft, JacobiProposer, Outcome, Proposer
 from decoding.proposers.base import common_prefix
 from decoding.proposers.window import step_layout, window_chains, window_logit_row
-from decoding.step.drafts import Shape, gather
+from decoding.step.drafts import Gathered, Shape, gather
 from decoding.step.logits import adjust_logits, needs_adjusting
 from decoding.step.sampling import SampledRows, row_chooser
 from decoding.step.steps import (
@@ -70,19 +70,20 @@ class LookaheadStep:
         tokens that takes."""
         config = self.config
         base = 1 if config.lazy_window else 1 + self.jacobi.window_tokens  # a step that is not lazy runs the window
-        copies = self._gather(True, None, cost, base, 0.0)
-        if copies.candidates and config.lazy_window:
-            self._wanted = copies
+        drafts = self._gather(True, None, cost, base, Gathered())
+        copied = len(drafts)
+        if copied and config.lazy_window:
+            copies = self._wanted = drafts.shape(False)
             return Proposal(1 + len(copies.tree), copies.gain, copies.gain < config.break_even, smallest=2)
-        found = self._gather(False, config.guess_set_size, cost, base + len(copies.tree), copies.gain)
-        window = bool(found.candidates) or self.jacobi.wants_window
-        shape = self._wanted = copies.joined(found, window)
+        self._gather(False, config.guess_set_size, cost, base, drafts)
+        window = len(drafts) > copied or self.jacobi.wants_window
+        shape = self._wanted = drafts.shape(window)
         if not window and not shape.candidates:
             return Proposal(1)
         tokens = (self.jacobi.window_tokens if window else 1) + len(shape.tree)
         if not shape.candidates:
             return Proposal(tokens)
-        smallest = 2 if copies.candidates else 1 + config.levels
+        smallest = 2 if copied else 1 + config.levels
         return Proposal(tokens, shape.gain, shape.gain < config.break_even, smallest=smallest)
 
     def plan(self, budget: int) -> tuple[Slice, Finisher]:
@@ -110,11 +111,12 @@ class LookaheadStep:
                                                            row_tokens)
 
     def _gather(self, standalone: bool, limit: int | None, cost: Callable[[int], float] | None, base: int,
-                gain: float) -> Shape:
-        """The drafts of the standalone proposers or of the others (``decoding.step.drafts.gather``)."""
+                into: Gathered) -> Gathered:
+        """The drafts of the standalone proposers or of the others, after those ``into`` holds
+        (``decoding.step.drafts.gather``)."""
         proposers = [proposer for proposer in self.proposers if proposer.standalone == standalone]
         return gather(proposers, self.context, self.sequence.constraint, self.config.copy_candidates, limit, cost,
-                      base, gain)
+                      base, into)
 
     def _fit(self, shape: Shape, budget: int) -> Shape:
         """Drop candidates (last first), then the window, until the step holds at most ``budget`` tokens; when
@@ -301,16 +303,35 @@ def _reach(offered: Sequence[tuple[str, Sequence[Draft]]], verified: Sequence[Dr
     {'copy': (2, 2), 'pool': (2, 0), 'memory': (1, 1)}
     """
     runs: dict[str, list[Sequence[int]]] = {}
+    own: dict[str, set[int]] = {}  # the ids of each source's verified drafts: offered again, they need no lookup
     for draft, source in zip(verified, sources, strict=True):
         runs.setdefault(source, []).append(draft)
+        own.setdefault(source, set()).add(id(draft))
     if prefixes is None:
         prefixes = {tuple(draft[:end]) for draft in verified for end in range(1, len(draft) + 1)}
     for source, drafts in offered:
-        runs.setdefault(source, []).extend(draft for draft in drafts if draft in prefixes)
-    first = accepted[0] if accepted else None  # a draft that misses it reaches 0 (most do)
-    return {source: (max(map(len, drafts)),
-                     max((common_prefix(draft, accepted) for draft in drafts if draft[0] == first), default=0))
-            for source, drafts in runs.items() if drafts}
+        verified_ids = own.get(source, ())
+        merged = [draft for draft in drafts if id(draft) not in verified_ids and draft in prefixes]
+        if merged:
+            runs.setdefault(source, []).extend(merged)
+    return {source: (max(map(len, drafts)), _deepest(drafts, accepted)) for source, drafts in runs.items() if drafts}
+
+
+def _deepest(drafts: Sequence[Draft], accepted: Sequence[int]) -> int:
+    """The most leading tokens any of ``drafts`` shares with ``accepted`` (a draft no longer than the best so far,
+    or missing its first token, as most do, is not compared).
+
+    >>> _deepest([(1, 2), (1, 3, 4), (5,)], [1, 3, 7])
+    2
+    """
+    best, most = 0, len(accepted)
+    first = accepted[0] if accepted else None
+    for draft in drafts:
+        if len(draft) > best and draft[0] == first:
+            best = max(best, common_prefix(draft, accepted))
+            if best == most:
+                break
+    return best
 
 
 def _exclusive(reach: dict[str, tuple[int, int]], accepted: int) -> dict[str, int]:

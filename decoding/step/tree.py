@@ -10,8 +10,8 @@ candidate through it, ``index`` maps each node's prefix (the tokens from ``last`
 token k at that node's logit row (``decoding.step.verify.verify_tree`` walks the tree itself).
 
 A step grows its tree as its drafts are gathered (``TreeBuilder``: the same trie, one candidate at a time, whose
-``index`` also answers whether a draft is a prefix of one kept before) and joins the trees of its two gathers
-(``TokenTree.merged``) or keeps a tree's first candidates (``first``) without walking their tokens again.
+``index`` also answers whether a draft is a prefix of one kept before; one builder for both of a step's gathers) and
+keeps a tree's first candidates (``first``) without walking their tokens again.
 """
 
 from __future__ import annotations
@@ -103,34 +103,6 @@ class TokenTree:
         size = self.prefix_sizes()[count - 1] if count > 0 else 0
         return TokenTree(self.tokens[:size], self.parents[:size], self.depths[:size], self.candidates[:count],
                          self.owners[:size], {prefix: node for prefix, node in self.index.items() if node < size})
-
-    def merged(self, other: TokenTree) -> TokenTree:
-        """The tree of this one's candidates followed by ``other``'s (what ``build`` of both gives), from the two
-        tries: ``other``'s nodes not already here are added in ``other``'s order, no token walked again.
-
-        >>> first, second = TokenTree.build([(5, 6)]), TokenTree.build([(5, 7), (8,)])
-        >>> first.merged(second) == TokenTree.build([(5, 6), (5, 7), (8,)])
-        True
-        """
-        if not other.candidates:
-            return self
-        if not self.candidates:
-            return other
-        index, tokens, parents, depths = dict(self.index), list(self.tokens), list(self.parents), list(self.depths)
-        owners, first = list(self.owners), len(self.candidates)
-        renumbered: list[int] = []  # other's node i is node renumbered[i] here
-        for prefix, node in other.index.items():
-            here = index.get(prefix)
-            if here is None:
-                here = index[prefix] = len(tokens)
-                parent = other.parents[node]
-                tokens.append(other.tokens[node])
-                parents.append(renumbered[parent] if parent >= 0 else -1)
-                depths.append(other.depths[node])
-                owners.append(first + other.owners[node])
-            renumbered.append(here)
-        return TokenTree(tuple(tokens), tuple(parents), tuple(depths), self.candidates + other.candidates,
-                         tuple(owners), index)
 
     @property
     def depth(self) -> int:

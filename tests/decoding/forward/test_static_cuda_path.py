@@ -292,3 +292,25 @@ def test_eight_wide_lookahead_streams_stay_in_the_buckets():
         while alone.has_work:
             tokens.extend(token for _, step in alone.step() for token in step.token_ids)
         assert tokens == outputs[index]
+
+
+def test_a_failed_fused_capture_steps_down_to_graphs_then_to_eager(monkeypatch):
+    """Each capture that fails on a working device steps the mode down (fused, graphs, eager) and the bucket still
+    gets a forward: greedy ids equal the eager step's."""
+    model = tiny_llama()
+    step = StaticStep(model, KVPool(model, 1, 64, scratch_tokens=64), "fused", backend="eager")
+    step.rehearsal = False  # take the capture's own path, as on CUDA
+    tried = []
+
+    def failing(call, compiled):
+        tried.append(step.mode)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(step, "_capture", failing)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    eager = StaticStep(tiny_llama(), KVPool(tiny_llama(), 1, 64, scratch_tokens=64), "eager")
+    with torch.inference_mode():
+        ids = [static.run([Slice([1, 2, 3], torch.arange(3), None, torch.arange(3), static.pool.acquire(60))])[1][0]
+               for static in (step, eager)]
+    assert tried == ["fused", "graphs"] and (step.mode, step.capture_failures) == ("eager", 2)
+    assert list(ids[0]) == list(ids[1])

@@ -376,3 +376,47 @@ def test_the_best_first_tree_takes_the_nodes_of_a_heap_of_every_child_in_its_ord
         assert list(zip(tree.paths, tree.ranks, strict=True)) == list(expected.items())
         inner = {path[:-1] for path in expected}
         assert tree.leaves == [path for path in expected if path not in inner]
+
+
+
+def test_the_rank_odds_learn_from_every_node_whose_parent_the_text_took():
+    """Walking down the accepted path counts the same tries and hits as checking every node of the tree: a node is
+    a try of its rank when its parent (or ``last``) lies on the path, a hit when it lies there too."""
+    import random
+
+    from decoding.proposers.recycled import RankShape
+    rng = random.Random(3)
+    for _ in range(200):
+        vocab, k = rng.choice([3, 6, 40]), rng.randint(1, 8)
+        table = {token: tuple(rng.sample(range(vocab), min(rng.randint(1, k), vocab))) for token in range(vocab)
+                 if rng.random() < 0.9}
+        tree = RankShape.best([rng.random() for _ in range(k)], rng.choice([4, 32, 128])).walk(table, 0)
+        accepted = tree.paths[rng.randrange(len(tree.paths))] if tree.paths and rng.random() < 0.8 else (
+            tuple(rng.randrange(vocab) for _ in range(rng.randint(0, 4))))
+        source = RecycledProposer(LookaheadConfig(1, 4, 2, recycled=k, recycled_tree=8), table)
+        before = (list(source.odds.tries), list(source.odds.hits))
+        source._learn(tree, accepted)
+        tries, hits, on_path = list(before[0]), list(before[1]), []
+        for path, rank, parent in zip(tree.paths, tree.ranks, tree.parents, strict=True):
+            hit = False
+            if parent < 0 or on_path[parent]:
+                hit = len(path) <= len(accepted) and accepted[len(path) - 1] == path[-1]
+                tries[rank] += 1
+                hits[rank] += hit
+            on_path.append(hit)
+        assert (source.odds.tries, source.odds.hits) == (tries, hits)
+
+
+def test_a_walked_rank_shape_is_the_best_first_tree_where_every_token_has_its_successors():
+    """Over a table where every token has all its successors, walking the shape gives ``best_first``'s tree."""
+    import random
+
+    from decoding.proposers.recycled import RankShape, best_first
+    rng = random.Random(5)
+    for _ in range(100):
+        k = rng.randint(1, 8)
+        table = {token: tuple(rng.sample(range(60), k)) for token in range(60)}
+        odds, nodes = [rng.random() for _ in range(k)], rng.choice([1, 8, 128])
+        walked, expected = RankShape.best(odds, nodes).walk(table, 0), best_first(table, 0, odds, nodes)
+        assert (walked.paths, walked.ranks, walked.parents, walked.leaves) == (
+            expected.paths, expected.ranks, expected.parents, expected.leaves)
