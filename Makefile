@@ -36,7 +36,7 @@ serve: model
 	$(VENV)/bin/lookahead-server $(ARGS)
 
 test: model tools
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check decoding server tests scripts bench
