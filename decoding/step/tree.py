@@ -143,17 +143,18 @@ class TreeBuilder:
         index, known, parent = self.index, 0, -1
         if candidate in index:
             return
-        if len(candidate) > 1:  # most often all but its last token is there (a tree's leaves, a longer copy)
+        size = len(candidate)
+        if size > 1:  # most often all but its last token is there (a tree's leaves, a longer copy)
             node = index.get(candidate[:-1])
             if node is not None:
-                parent, known = node, len(candidate) - 1
-        while known < len(candidate):
+                parent, known = node, size - 1
+        while known < size - 1:  # the whole candidate is not there (checked above)
             node = index.get(candidate[: known + 1])
             if node is None:
                 break
             parent, known = node, known + 1
-        for end in range(known + 1, len(candidate) + 1):
-            node = index[candidate[:end]] = len(self.tokens)
+        for end in range(known + 1, size + 1):
+            node = index[candidate if end == size else candidate[:end]] = len(self.tokens)
             self.tokens.append(candidate[end - 1])
             self.parents.append(parent)
             self.depths.append(end)
