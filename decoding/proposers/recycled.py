@@ -144,7 +144,7 @@ class RecycledProposer:
         """Count every node whose parent (or ``last``) lies on the ``accepted`` path as one try of its rank, a hit
         when it lies on that path too: down the path from ``last``, each node's children (siblings hold distinct
         tokens, so at most one of them is on it)."""
-        children, parent, depth = tree.children(), -1, 0
+        children, parent, depth = tree.children, -1, 0
         while parent in children:
             token = accepted[depth] if depth < len(accepted) else None
             parent, below = -2, children[parent]
@@ -160,22 +160,14 @@ class RecycledProposer:
 class BestFirst:
     """A best-first tree: its nodes in the order taken, each one's ``paths`` (tokens after ``last``), ``ranks``
     (among its siblings) and ``parents`` (index of its parent node, -1: a child of ``last``); ``leaves``: the
-    paths of the nodes none of whose children was taken, in that order."""
+    paths of the nodes none of whose children was taken, in that order; ``children``: each node's children (-1:
+    ``last``'s), in order, nodes without children left out."""
 
     paths: list[Draft]
     ranks: list[int]
     parents: list[int]
     leaves: list[Draft]
-    below: dict[int, list[int]] | None = None  # ``children()``, when the tree's maker kept them
-
-    def children(self) -> dict[int, list[int]]:
-        """Each node's children (-1: ``last``'s), in order; nodes without children are left out."""
-        if self.below is not None:
-            return self.below
-        children: dict[int, list[int]] = {}
-        for node, parent in enumerate(self.parents):
-            children.setdefault(parent, []).append(node)
-        return children
+    children: dict[int, list[int]]
 
 
 @dataclass(frozen=True)
@@ -208,7 +200,7 @@ class RankShape:
         ranks: list[int] = []
         parents: list[int] = []
         kept: list[int] = []  # the shape's node i is tree node kept[i], -1: left out
-        below: dict[int, list[int]] = {}
+        children: dict[int, list[int]] = {}
         get = table.get
         for rank, parent in zip(self.ranks, self.parents, strict=True):
             if parent < 0:
@@ -228,13 +220,13 @@ class RankShape:
             paths.append((*path, successors[rank]))
             ranks.append(rank)
             parents.append(at)
-            siblings = below.get(at)
+            siblings = children.get(at)
             if siblings is None:
-                below[at] = [node]
+                children[at] = [node]
             else:
                 siblings.append(node)
-        return BestFirst(paths, ranks, parents, [path for index, path in enumerate(paths) if index not in below],
-                         below)
+        return BestFirst(paths, ranks, parents, [path for index, path in enumerate(paths) if index not in children],
+                         children)
 
 
 class _Complete:
@@ -290,8 +282,11 @@ def best_first(table: dict[int, Sequence[int]] | _Complete, last: int, odds: Seq
         ranks.append(rank)
         parents.append(parent)
         index, score = len(paths) - 1, -negative
-    inner = set(parents)
-    return BestFirst(paths, ranks, parents, [path for index, path in enumerate(paths) if index not in inner])
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    return BestFirst(paths, ranks, parents, [path for index, path in enumerate(paths) if index not in children],
+                     children)
 
 
 def _rank_order(odds: Sequence[float]) -> list[int] | None:

@@ -53,13 +53,13 @@ class Shape:
 class Gathered:
     """A step's drafts as ``gather`` keeps them, over one or more calls: their token tree (``kept``: the drafts and
     every prefix of them), each one's source, every proposer's drafts as offered, and the best gain among the
-    proposers whose drafts it holds (from the gain it started with)."""
+    proposers whose drafts it holds."""
 
-    def __init__(self, gain: float = 0.0) -> None:
+    def __init__(self) -> None:
         self.kept = TreeBuilder()
         self.sources: list[str] = []
         self.offered: list[tuple[str, tuple[Draft, ...]]] = []
-        self.gain = gain
+        self.gain = 0.0
 
     def __len__(self) -> int:
         """The drafts kept so far."""
