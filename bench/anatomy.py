@@ -53,6 +53,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.kernels import fused_kernels
 from bench.report import write_json
 from bench.settings import batch_policy
+from bench.worker_anatomy import default_decode, measure_worker
 from decoding.batch import BatchEngine, BatchPolicy, forward_batch
 from decoding.forward import lean
 from decoding.forward.kv_cache import KVPool
@@ -379,6 +380,7 @@ def run(preset: str, graphs: bool = True, kernels: bool = True) -> dict:
                 count = fused_kernels(tiny_deep_llama(), measured["median_step_tokens"])
                 measured.update(kernels_per_forward=count.kernels, fused_kernels=dataclasses.asdict(count))
             report[path][name] = measured
+    report["server"] = server_rows(lookahead, policy)
     if graphs:
         counted = graphs_per_bucket(tiny_deep_llama(), lookahead, policy)
         for name in ("greedy", "lookahead"):
@@ -386,6 +388,20 @@ def run(preset: str, graphs: bool = True, kernels: bool = True) -> dict:
     for name in STREAMS:
         report[name] = report["static"][name]
     return report
+
+
+def server_rows(lookahead: LookaheadConfig, policy: BatchPolicy) -> dict:
+    """``bench.worker_anatomy``'s measures of the server's worker around the static path's greedy and lookahead
+    steps, its loop serial and overlapped."""
+    decode = default_decode()
+    rows: dict = {}
+    for name, config in (("greedy", None), ("lookahead", lookahead)):
+        model = tiny_deep_llama()
+        static = StaticStep(model, KVPool(model, 2, 1024, scratch_tokens=256))
+        rows[name] = {loop: measure_worker(model, config, policy, static, loop == "overlapped", decode,
+                                           anatomy_prompt(model.config.vocab_size), DECODE_TOKENS)
+                      for loop in ("serial", "overlapped")}
+    return rows
 
 
 def table(report: dict) -> str:
@@ -405,6 +421,14 @@ def table(report: dict) -> str:
             lines.append("")
             lines.append(f"fused step, {name}: {count['kernels']} kernels a forward ({count['fused']} generated, "
                          f"{count['library']} library calls; ATen ops {report['static'][name]['aten_ops_forward']})")
+    server = report.get("server")
+    if server:
+        lines += ["", "| server's worker, static path | loop | worker ms a step | delivered in flight | critical ms |",
+                  "|---|---|---|---|---|"]
+        for name, loops in server.items():
+            for loop, row in loops.items():
+                lines.append(f"| {name} | {loop} | {row['worker_ms']:.3f} | {row['delivered_in_flight_ms']:.3f} | "
+                             f"{row['critical_ms']:.3f} |")
     graphs = report["static"]["lookahead"].get("graphs_per_bucket")
     if graphs is not None:
         lines.append("")

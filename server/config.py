@@ -194,6 +194,11 @@ class BatchSettings(BaseModel):
         "plain one-token steps a while, then tries again (decoding/payoff.py; on with static_step or "
         "measure_step_cost); false: every request keeps its lookahead",
     )
+    overlap_steps: bool | None = Field(
+        None, description="deliver each step's results (text, metrics, streams) while the device runs the next "
+        "step (server/worker.py): on a GPU that host work leaves the step's critical path; on a CPU, whose forward "
+        "runs on the host, it only delays each token by a step. null: on where the device is CUDA",
+    )
     prefix_cache_tokens: int = Field(
         4096, ge=0, le=10_000_000,
         description="prefix cache: tokens of finished requests' KV kept (least recently used first out) so that a "

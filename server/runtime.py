@@ -74,7 +74,8 @@ class Runtime:
         self.keys = KeyChecker(load_api_keys(config))
         self.chat_template = read_chat_template(config.chat_template) if config.chat_template else None
         self.metrics = Metrics()
-        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config))
+        self.worker = Worker(config.max_running, self.metrics, configure_worker_thread(config),
+                             overlap=config.batch.overlap_steps)
         self.scheduler = Scheduler(self.worker, config.max_queue, self.metrics)
         self.decoder = decoder
         self.load_decoder = load_decoder or load_default_decoder
@@ -113,6 +114,8 @@ class Runtime:
                 settings.memory_corpus,
             )
             self.worker.attach(self.engine)
+            logger.info("steps %s", "overlapped: each step's results are delivered while the next one runs"
+                        if self.worker.overlapping else "serial: each step's results are delivered before the next")
             codec = TextCodec(self.decoder.tokenizer, self.chat_template)
             loaded = Loaded(self.config, self.decoder, codec, self.scheduler)
             self._publish_config(loaded)

@@ -20,6 +20,14 @@ Work other than jobs that must touch the engine (the shared memory's corpus: ``a
 ``memory_usage``) goes through ``call(function)``: the worker runs ``function(engine)`` on its thread between two
 iterations, never during a step, and the returned ``concurrent.futures.Future`` carries its result or exception
 (a call pending when the worker stops fails with ``WorkerStopped``).
+Overlapped steps (``overlap``; by default where the engine is ``asynchronous``: a GPU's): each iteration launches the
+engine's step (``launch``: planned, its forward queued on the device), delivers the previous step's results while
+the device runs it (text, metrics, each job's output: host work a serial loop adds to every step), then reads it
+(``complete``) and keeps its results for the next iteration, or for the iteration after the engine's last step. Nothing
+touches the engine while a step is in flight: a job that a delivery finishes (a stop string) leaves the engine once
+the step is read, its extra step's tokens dropped. A job's tokens reach its client one step later than serially, which
+on a GPU is the plan and launch of a step (well under a millisecond), and on a CPU, whose forward runs inside
+``launch``, a whole step: there steps overlap only when asked.
 Counts flow as one ``decoding.StepCounts`` record per step into the job's totals, its outputs and the metrics.
 Each job reports through its own ``post`` callable: ``Output`` items, the last one carrying ``finish_reason``
 and a ``Summary``, or one exception that ends it. An exception reported for one job ends that job only (a
@@ -93,6 +101,10 @@ class EngineLike(Protocol):
 
     def step(self) -> list[tuple[Hashable, Step | BaseException]]: ...
 
+    # optional, for overlapped steps: ``launch() -> handle`` (plan the step and start its forward) and
+    # ``complete(handle)`` (read it: ``step``'s results), nothing else called in between; ``asynchronous`` (True
+    # where the device runs a launched step while the host goes on: overlapping pays there)
+
     def cancel(self, request_id: Hashable) -> None: ...
 
     def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None: ...
@@ -152,8 +164,15 @@ class Worker:
         metrics: Metrics | None = None,
         thread_setup: Callable[[], None] | None = None,
         engine: EngineLike | None = None,
+        overlap: bool | None = None,
     ) -> None:
         self.max_running = max_running
+        self.overlap = overlap  # None: overlap where the engine is asynchronous (``attach``)
+        self.overlapping = False
+        self._pending: list[tuple[Job, Step | BaseException]] = []  # the last step's results, not yet delivered
+        self._pending_path = "eager"  # how the last step's forward ran (its metrics go with its delivery)
+        self._in_flight = False  # between the engine's ``launch`` and ``complete``
+        self._cancel_after: list[Job] = []  # jobs finished while a step was in flight: out of the engine after it
         self.metrics = metrics
         self.engine = engine
         self._thread_setup = thread_setup
@@ -163,6 +182,8 @@ class Worker:
         self._calls: deque[tuple[Callable[[EngineLike], Any], Future]] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        if engine is not None:
+            self.attach(engine)
 
     @property
     def waiting(self) -> int:
@@ -192,8 +213,12 @@ class Worker:
         return bool(self._waiting) or self.running > 0
 
     def attach(self, engine: EngineLike) -> None:
-        """Drive ``engine`` from now on (call before submitting jobs)."""
+        """Drive ``engine`` from now on (call before submitting jobs). Steps overlap (module contract) when
+        ``overlap`` says so, or, with ``overlap`` None, when the engine is asynchronous; only an engine with
+        ``launch`` and ``complete`` overlaps."""
         self.engine = engine
+        overlap = bool(getattr(engine, "asynchronous", False)) if self.overlap is None else self.overlap
+        self.overlapping = overlap and hasattr(engine, "launch") and hasattr(engine, "complete")
 
     def publish_static(self) -> StaticStats | None:
         """The engine's static-step stats (``decoding.forward.static.StaticStats``) into the metrics, when it has a
@@ -266,6 +291,13 @@ class Worker:
         for job in jobs:
             self.cancel(job, error)
 
+    def _leave_engine(self, job: Job) -> None:
+        """Take ``job`` out of the engine (freeing its cache); a failure is logged, never raised."""
+        try:
+            self.engine.cancel(job)
+        except Exception:
+            logger.exception("removing a request from the engine failed")
+
     def _publish_queue(self) -> None:
         if self.metrics is not None:
             self.metrics.set_queue(self.running, len(self._waiting))
@@ -310,12 +342,14 @@ class Worker:
 
     def _admit(self) -> None:
         """Move waiting jobs into free running slots (caller holds the lock)."""
-        while self._waiting and len(self._running) < self.max_running:
-            self._running.append(self._waiting.popleft())
-        self._publish_queue()
+        if self._waiting and len(self._running) < self.max_running:
+            while self._waiting and len(self._running) < self.max_running:
+                self._running.append(self._waiting.popleft())
+            self._publish_queue()
 
     def _iterate(self, jobs: list[Job]) -> None:
-        """End cancelled jobs, add new ones to the engine, then one engine step for all of them."""
+        """End cancelled jobs, add new ones to the engine, then one engine step for all of them (or, once the
+        engine has nothing left to run, deliver the last overlapped step)."""
         for job in jobs:
             if job.cancel_requested:
                 self._finish(job, "abort", error=job.cancel_error or RequestCancelled("cancelled"))
@@ -323,11 +357,15 @@ class Worker:
                 self._begin(job)
         running = [job for job in jobs if not job.done]
         if not running or self.engine is None:
+            self._pending = []
             return
         if self.engine.has_work:
             self._step(running)
+        else:
+            self._deliver_pending()
+        pending = {job for job, _ in self._pending}
         for job in running:
-            if not job.done and job not in self.engine:
+            if not job.done and job not in self.engine and job not in pending:
                 self._finish(job, "error", error=GenerationEnded("the engine dropped a request without a finish"))
 
     def _begin(self, job: Job) -> None:
@@ -344,19 +382,69 @@ class Worker:
             self._finish(job, "error", error=exc)
 
     def _step(self, jobs: list[Job]) -> None:
-        """One engine step; each job consumes its own step or ends with its own error."""
+        """One engine step; each job consumes its own step or ends with its own error. Overlapping, the step is
+        launched first, the previous step's results are delivered while the device runs it, and its own results
+        wait for the next step (or for ``_iterate``, when nothing is left to run)."""
+        if not self.overlapping:
+            results = self._engine_call(jobs, self.engine.step)
+            if results is not None:
+                self._record(results, self._forward_path())
+                self._deliver(results)
+            return
+        launched = self._engine_call(jobs, self.engine.launch)
+        if launched is None:
+            return
+        self._in_flight = True
         try:
-            results = self.engine.step()
-        except Exception as exc:  # the engine itself failed: every job in it ends
+            self._deliver_pending()  # the last step's text, metrics and streams, behind this step's device work
+            results = self._engine_call(jobs, lambda: self.engine.complete(launched))
+        finally:
+            self._in_flight = False
+            cancels, self._cancel_after = self._cancel_after, []
+            for job in cancels:
+                self._leave_engine(job)
+        if results is not None:
+            self._pending, self._pending_path = results, self._forward_path()
+
+    def _engine_call(self, jobs: list[Job], call: Callable[[], Result]) -> Result | None:
+        """``call()`` (a step of the engine's), or None when it raised: the engine itself failed, so every job in
+        it ends (their undelivered results with them)."""
+        try:
+            return call()
+        except Exception as exc:
             logger.exception("generation failed")
+            self._pending = []
             for job in jobs:
                 self._finish(job, "error", error=exc)
+            return None
+
+    def _forward_path(self) -> str:
+        """How the engine's last step's forward ran (engines without a static step: eager)."""
+        return getattr(self.engine, "last_forward", None) or "eager"
+
+    def _record(self, results: list[tuple[Job, Step | BaseException]], path: str) -> None:
+        """Count a step's forward (run as ``path`` says), the static step's and the prefix cache's state (read,
+        never changed: harmless while a step is in flight) in the metrics."""
+        if self.metrics is None:
             return
         stepped = [result for _, result in results if isinstance(result, Step)]
-        if self.metrics is not None and stepped:
-            path = getattr(self.engine, "last_forward", None) or "eager"  # engines without a static step: eager
+        if stepped:
             self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped), path)
             self.publish_static()
+        prefix = getattr(self.engine, "prefix_cache_stats", None)  # engines without a prefix cache have none
+        stats = prefix() if prefix is not None else None
+        if stats is not None:
+            self.metrics.set_prefix_cache(stats)
+
+    def _deliver_pending(self) -> None:
+        """Record and deliver the last overlapped step's results, if any."""
+        pending, self._pending = self._pending, []
+        if pending:
+            self._record(pending, self._pending_path)
+            self._deliver(pending)
+
+    def _deliver(self, results: list[tuple[Job, Step | BaseException]]) -> None:
+        """Each job consumes its step (text, counts, its output) or ends with its error."""
         for job, result in results:
             if job.done:
                 continue
@@ -369,10 +457,6 @@ class Worker:
             except Exception as exc:
                 logger.exception("generation failed")
                 self._finish(job, "error", error=exc)
-        prefix = getattr(self.engine, "prefix_cache_stats", None)  # engines without a prefix cache have none
-        stats = prefix() if prefix is not None and self.metrics is not None else None
-        if stats is not None:
-            self.metrics.set_prefix_cache(stats)
 
     def _consume(self, job: Job, step: Step) -> None:
         """Turn one step into text, count it, post it; finish the job on its last step."""
@@ -415,10 +499,10 @@ class Worker:
             job.done = True
             self._publish_queue()
         if job.started is not None and self.engine is not None:
-            try:
-                self.engine.cancel(job)
-            except Exception:
-                logger.exception("removing a request from the engine failed")
+            if self._in_flight:
+                self._cancel_after.append(job)  # the engine's step holds it: out once the step is read
+            else:
+                self._leave_engine(job)
         if job.metrics is not None:  # counted before the client can see its response
             job.metrics.request_finished(reason, job.totals, time.perf_counter() - job.arrived)
         job.post(output if output is not None else error or RequestCancelled(reason))

@@ -10,7 +10,7 @@ import pytest
 MODULES = [
     "bench.oracle",
     "bench.tune",
-    "decoding.batch",
+    "decoding.batch_policy",
     "decoding.forward.choice",
     "decoding.forward.static_forward",
     "decoding.forward.static_fused",

@@ -7,14 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from decoding.batch import BatchEngine, BatchPolicy, allocate, step_batch
+from decoding.batch import BatchEngine, BatchPolicy, step_batch
 from decoding.errors import InvalidParameterError
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.payoff import PayoffGuard
 from decoding.proposers.ngram_memory import NGramMemory
 from decoding.step.stream import (
     DecodeStream,
-    Proposal,
     StepCounts,
     StepStats,
     generate_autoregressive,
@@ -176,49 +175,6 @@ def test_a_stream_the_guard_rests_takes_plain_steps_without_proposing_and_keeps_
     assert len(stream.plan(1).tokens) == 1  # the window's step shrinks to a plain one
 
 
-def test_allocation_grants_lookahead_only_where_it_pays():
-    flat = BatchPolicy(max_step_tokens=64, step_cost=((1, 1.0), (64, 1.0)))
-    steep = BatchPolicy(max_step_tokens=64, step_cost=((1, 1.0), (64, 64.0)))
-    proposals = [Proposal(10, gain=2.0), Proposal(10, gain=0.1), Proposal(1)]
-    assert allocate(proposals, flat) == [10, 10, 1]
-    assert allocate(proposals, steep) == [1, 1, 1]
-    assert allocate([Proposal(10, gain=0.0, probe=True), Proposal(1)], steep) == [10, 1]
-    assert allocate([Proposal(40, gain=3.0), Proposal(40, gain=2.0)], flat) == [40, 1]  # the budget is shared
-    shared = [Proposal(40, gain=3.0, smallest=5), Proposal(40, gain=2.0, smallest=5)]
-    assert allocate(shared, flat) == [40, 5]  # what is left still buys the second stream one candidate
-    costly = BatchPolicy(max_step_tokens=64, step_cost=((1, 1.0), (2, 1.3), (16, 2.0), (64, 5.0)))
-    assert allocate([Proposal(16, gain=1.0, smallest=5), Proposal(1), Proposal(1)], costly) == [5, 1, 1]
-
-
-def test_allocation_chunks_prefill_and_keeps_decoders_running():
-    policy = BatchPolicy(max_step_tokens=64, prefill_chunk=16)
-    assert allocate([Proposal(100, prefill=True), Proposal(1), Proposal(30, prefill=True)], policy) == [16, 1, 0]
-    assert allocate([Proposal(10, prefill=True), Proposal(30, prefill=True)], policy) == [10, 6]
-    assert allocate([Proposal(20, prefill=True), Proposal(30, prefill=True), Proposal(1)], policy) == [16, 0, 1]
-    assert allocate([Proposal(500, prefill=True)], policy) == [500]  # alone: no one to stall
-
-
-def test_with_a_static_step_no_step_leaves_the_buckets():
-    """The CUDA preset's graphs price steps on the curve of their replays: a step fitting no bucket would run
-    eagerly (4-5x a replay on an H200). At 8 streams a lookahead step of ~340 tokens did (HumanEval at 8
-    concurrent streams ran at 0.18x one stream's throughput, 2026-11-28): no more."""
-    graphs = BatchPolicy(max_step_tokens=1024, prefill_chunk=512, static_step="graphs",
-                         step_cost=((1, 1.0), (1024, 1.0)))
-    wide = [Proposal(340, gain=5.0, smallest=20)] + [Proposal(1)] * 7
-    assert allocate(wide, graphs) == [20] + [1] * 7  # 8 x 384 fits no bucket; 8 x 32 does
-    assert allocate(wide, BatchPolicy(max_step_tokens=1024, step_cost=((1, 1.0), (1024, 1.0)))) == [340] + [1] * 7
-    assert allocate([Proposal(340, gain=5.0, smallest=200)] + [Proposal(1)] * 7, graphs) == [1] * 8
-    assert allocate([Proposal(340, gain=5.0), Proposal(1)], graphs) == [340, 1]  # 2 x 384 does fit
-    prefill = allocate([Proposal(2000, prefill=True)] + [Proposal(1)] * 7, graphs)
-    assert prefill == [128] + [1] * 7 and graphs.fits(prefill)
-    assert allocate([Proposal(2000, prefill=True)], graphs) == [2000]  # alone: the whole prompt, eagerly
-
-
-def test_step_cost_curve_interpolates_and_extrapolates():
-    policy = BatchPolicy(step_cost=((1, 1.0), (9, 2.0), (17, 4.0)))
-    assert policy.cost(1) == 1.0 and policy.cost(5) == 1.5 and policy.cost(13) == 3.0 and policy.cost(25) == 6.0
-
-
 def run_engine(engine: BatchEngine, requests: dict[str, tuple], join_at: dict[str, int]) -> dict[str, list[int]]:
     """Add each request (``(prompt, config)``) at its iteration and step until none runs; its tokens by id."""
     outputs: dict[str, list[int]] = {name: [] for name in requests}
@@ -378,3 +334,26 @@ def test_greedy_output_is_unchanged_by_the_shared_memory(tiny_model):
     for _ in range(2):
         assert run_engine(engine, requests, {name: index for index, name in enumerate(requests)}) == alone
     assert engine.memory.documents > 0
+
+
+def test_an_engine_step_is_a_launch_then_its_complete_and_nothing_touches_the_batch_in_between(tiny_model):
+    """``step() == complete(launch())`` token for token (two engines, one stepped each way); while a step is in
+    flight, adding, cancelling, launching or stepping again raises, and the flight's results are the step's."""
+    engines = [BatchEngine(tiny_model, BatchPolicy()), BatchEngine(tiny_model, BatchPolicy())]
+    for engine in engines:
+        for index, (prompt, config) in enumerate(zip(PROMPTS[:3], CONFIGS[:3], strict=True)):
+            engine.add(index, prompt, StopCriteria(12), lookahead=config)
+    stepped, launched = ({index: [] for index in range(3)} for _ in range(2))
+    while engines[0].has_work:
+        for request_id, step in engines[0].step():
+            stepped[request_id] += step.token_ids
+        flight = engines[1].launch()
+        for refused in (lambda: engines[1].add(9, [1, 2], StopCriteria(4)), lambda: engines[1].cancel(0),
+                        engines[1].launch, engines[1].step):
+            with pytest.raises(RuntimeError, match="in flight"):
+                refused()
+        for request_id, step in engines[1].complete(flight):
+            launched[request_id] += step.token_ids
+    assert not engines[1].has_work and launched == stepped and all(len(tokens) == 12 for tokens in stepped.values())
+    with pytest.raises(RuntimeError, match="in flight"):
+        engines[1].complete(flight)  # read once

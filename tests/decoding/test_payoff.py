@@ -251,7 +251,7 @@ def test_the_engine_prices_steps_on_their_wall_time_when_it_measures_the_curve(m
     step's tokens (16 tokens take (0.004 + 16 * 0.002) / (0.004 + 0.002) = 6 plain steps' time) the stream rests
     again after its measuring rest; with a flat one it never does."""
     clock = FakeClock(0.004, per_token)
-    monkeypatch.setattr(batch, "forward_batch", clock.forward(batch.forward_batch))
+    monkeypatch.setattr(batch, "start_forward", clock.forward(batch.start_forward))
     engine = BatchEngine(model, BatchPolicy(step_cost=FLAT, measure_step_cost=True), clock=clock)
     tokens, sizes = decode(engine)
     assert tokens == [greedy]

@@ -1,9 +1,10 @@
 """The server as a GPU user starts it (``--config configs/cuda.yaml``: W=16 N=5 G=32, the recycled tree, the
-static step in ``graphs`` mode), on the CPU: every bucket the start builds is rehearsed (the capture's inputs,
-CUDA's code path and output strides), then a chat completion, a stream, a forced tool call and ``n = 2`` are served
-through it with the official ``openai`` SDK, each greedy answer identical to the plain autoregressive loop's, and
-the start's work (the shapes built, the step-cost curve measured) shows in ``/metrics``. The KV pool has 4 rows
-here (``--max-running 4``) instead of 32: the same shapes, an eighth of the memory."""
+static step in ``graphs`` mode, steps overlapped with their delivery), on the CPU: every bucket the start builds is
+rehearsed (the capture's inputs, CUDA's code path and output strides), then a chat completion, a stream, a forced
+tool call and ``n = 2`` are served through it with the official ``openai`` SDK, each greedy answer identical to the
+plain autoregressive loop's, and the start's work (the shapes built, the step-cost curve measured) shows in
+``/metrics``. The KV pool has 4 rows here (``--max-running 4``) instead of 32: the same shapes, an eighth of the
+memory."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def ask(question: str, lookahead: bool = True, **fields) -> dict:
 
 
 def test_the_start_rehearsed_every_bucket_and_serves_through_them(client, cuda_preset_server):
+    assert "steps overlapped" in cuda_preset_server.log()  # the preset's overlap_steps: true, on this CPU too
     samples = scrape(cuda_preset_server.base_url)
     assert samples["lookahead_static_buckets"] >= WARM_BUCKETS
     assert samples["lookahead_static_capture_failures"] == 0

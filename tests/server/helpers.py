@@ -158,14 +158,31 @@ class ScriptedDecoder:
             self.closed.append(text)
 
 
+Results = list[tuple[Hashable, Step | BaseException]]
+
+
 class ScriptedEngine:
     """``decoding.BatchEngine``'s interface over scripted steps: each ``step`` advances every request once, in
-    the order they were added; a request whose step finishes or raises leaves by itself; ``cancel`` closes it."""
+    the order they were added; a request whose step finishes or raises leaves by itself; ``cancel`` closes it.
+    ``launch`` / ``complete`` split a step as the real engine's do (its results made at ``launch``), and, as
+    there, ``add`` and ``cancel`` raise between them."""
 
     def __init__(self, decoder: ScriptedDecoder) -> None:
         self.decoder = decoder
         self._requests: dict[Hashable, Iterator[Step]] = {}
         self.memory = NGramMemory(decoder.memory_tokens) if decoder.memory_tokens else None
+        self.in_flight: Results | None = None
+        self.asynchronous = False
+
+    def launch(self) -> Results:
+        assert self.in_flight is None, "launch() while a step is in flight"
+        self.in_flight = self.step()
+        return self.in_flight
+
+    def complete(self, launched: Results) -> Results:
+        assert launched is self.in_flight, "complete() of a step not in flight"
+        self.in_flight = None
+        return launched
 
     @property
     def has_work(self) -> bool:
@@ -178,6 +195,8 @@ class ScriptedEngine:
         self, request_id: Hashable, prompt_ids: Sequence[int], stop: Any, sampling: Any, lookahead: Any,
         prediction: Any = None, cache_prompt: bool = True,
     ) -> None:
+        if self.in_flight is not None:
+            raise RuntimeError("add() while a step is in flight")
         self.decoder.validate(prompt_ids, stop, sampling, lookahead)
         self.decoder.lookaheads.append(lookahead)
         self._requests[request_id] = self.decoder.steps_for(prompt_ids, stop.max_tokens)
@@ -197,6 +216,8 @@ class ScriptedEngine:
         return results
 
     def cancel(self, request_id: Hashable) -> None:
+        if self.in_flight is not None:
+            raise RuntimeError("cancel() while a step is in flight")
         steps = self._requests.pop(request_id, None)
         if steps is not None:
             steps.close()
