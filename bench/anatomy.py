@@ -17,6 +17,10 @@ eager mode on the CPU). It prints, per path and stream:
   pool, proposers' feedback, the stream's ``Step``) and ``other`` (the engine's own bookkeeping: the bucket, the
   results). The device's work is the forward (``lean.forward``, or the static forward's launch: its mask is built
   inside it, as on a GPU) and the KV moves (a gather and a scatter: ``commit_device_ms``).
+- ``step_host_ms_replayed`` (static path): the same host work with the device's work replayed
+  (``replayed_host_ms``): the decode again, each forward answered by the first decode's recorded outputs, so that no
+  forward runs on the CPU between two steps' host work, as on a GPU's host. On this CPU the forward's memory traffic
+  evicts the host's working set from the caches between steps: ``step_host_ms`` pays that, a GPU's host does not.
 - ``aten_ops_forward``: ATen ops dispatched by one forward (``count_aten_ops``) at the decode's median step: the
   kernels a captured plain forward (``"graphs"``) launches. ``kernels_per_forward``: on the static path, the kernels
   of the fused step (``"fused"``: the forward compiled by inductor) at that step, counted as ``bench.kernels`` does
@@ -29,7 +33,11 @@ eager mode on the CPU). It prints, per path and stream:
 - ``graphs_per_bucket``: graphs ``torch.compile(fullgraph=True, dynamic=False)`` made for each bucket over a whole
   decode, recompiles made errors (static path only).
 
-The JSON has ``{"preset": ..., "eager": {"greedy": {...}, "lookahead": {...}, "rested": {...}}, "static": {...}}``;
+- ``server``: the server's worker around the static path's greedy and lookahead steps (``bench.worker_anatomy``), its
+  loop serial and overlapped (``batch.overlap_steps``).
+
+The JSON has ``{"preset": ..., "eager": {"greedy": {...}, "lookahead": {...}, "rested": {...}}, "static": {...},
+"server": {...}}``;
 the top-level ``"greedy"``, ``"lookahead"`` and ``"rested"`` are the static path's. The greedy and lookahead streams
 run without the payoff guard (each row is one kind of step).
 """
@@ -46,10 +54,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.counters import OpCounter, SyncCounter, count_aten_ops
 from bench.kernels import fused_kernels
 from bench.report import write_json
 from bench.settings import batch_policy
@@ -68,72 +75,12 @@ PROMPT_TOKENS = 96
 DECODE_TOKENS = 128
 GRAPH_DECODE_TOKENS = 24  # the compile count's decode: each new bucket costs a compile
 STREAMS = ("greedy", "lookahead", "rested")
-_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
-                    torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__})
-
-
 def tiny_deep_llama(seed: int = 0, vocab: int = 1024) -> LlamaForCausalLM:
     """A random (seeded) LLaMA with the default model's 30 layers, 3:1 grouped heads and a width of 48."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=DEPTH,
                          num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=2048)
     return LlamaForCausalLM(config).eval()
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the ATen ops dispatched while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def count_aten_ops(run: Callable[[], object]) -> int:
-    """ATen ops ``run()`` dispatches (views and in-place ops included; a GPU launches a kernel for most)."""
-    with _OpCounter() as counter:
-        run()
-    return sum(counter.ops.values())
-
-
-class SyncCounter(TorchFunctionMode):
-    """Counts what would block the host on a GPU while active: reading a tensor into Python (``item``,
-    ``tolist``, ``cpu``, ``bool()``/``int()``/``float()`` ...), and blocking copies to ``device`` (``.to``,
-    ``copy_`` or a factory given ``device=``, without ``non_blocking``). ``device`` is the model's: on the CPU
-    the copies it names cost nothing, but they are the ones a GPU would wait on. ``calls`` lists them."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        super().__init__()
-        self.device = torch.device(device)
-        self.calls: list[str] = []
-        self.reads = 0  # of which reads into Python (device-to-host)
-
-    @property
-    def count(self) -> int:
-        return len(self.calls)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        read = func in _READS
-        if read or self._blocking_copy(func, args, kwargs):
-            self.calls.append(getattr(func, "__name__", str(func)))
-            self.reads += read
-        return func(*args, **kwargs)
-
-    def _blocking_copy(self, func, args: tuple, kwargs: dict) -> bool:
-        if kwargs.get("non_blocking") or (func is torch.Tensor.copy_ and len(args) > 2 and args[2]):
-            return False
-        if func is torch.Tensor.to:
-            targets = [arg for arg in (*args[1:], kwargs.get("device")) if isinstance(arg, (str, torch.device))]
-            return any(torch.device(target).type == self.device.type for target in targets)
-        if func is torch.Tensor.copy_:
-            return args[0].device != args[1].device
-        device = kwargs.get("device")
-        return device is not None and func in (torch.tensor, torch.as_tensor) and \
-            torch.device(device).type == self.device.type
 
 
 def preset_lookahead(preset: str) -> tuple[LookaheadConfig, BatchPolicy]:
@@ -274,6 +221,53 @@ def measure_decode(
     }
 
 
+def replayed_host_ms(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
+                     static: StaticStep, max_tokens: int = DECODE_TOKENS, rested: bool = False) -> float:
+    """Host milliseconds per engine step (CPU thread time, median, prefill excluded) of a decode whose device work is
+    replayed: the decode runs once through ``static`` with its forwards' outputs recorded, then again with each
+    forward answered by its recording, so that no forward runs on the CPU between two steps' host work. A GPU's host
+    never runs the forward: its caches stay warm across steps, where on the CPU the forward's memory traffic evicts
+    the host's working set from the caches (the first decode's ``step_host_ms`` pays that). The replay must commit
+    the recorded decode's tokens (checked); the pool's KV moves (device work) are excluded, as in ``measure_decode``."""
+    launch, pool = static.launch, static.pool
+    recorded: list[tuple[torch.Tensor, ...]] = []
+
+    def record(compiled):
+        outputs = launch(compiled)
+        recorded.append(tuple(output.clone() for output in outputs))
+        return outputs
+
+    with torch.inference_mode(), _patched([(static, "launch", record)]):
+        expected = _decoded(_decode(model, lookahead, policy, static, max_tokens, rested))
+    answers = iter(recorded)
+    clock = _Clock()
+    device = [(static, "launch", clock.wrap("device", lambda compiled: next(answers))),
+              (pool, "apply_moves", clock.wrap("device", pool.apply_moves))]
+    per_step: list[float] = []
+    tokens: list[int] = []
+    with torch.inference_mode(), _patched(device):
+        engine = _decode(model, lookahead, policy, static, max_tokens, rested)
+        while engine.has_work:
+            clock.reset()
+            started = time.thread_time()
+            step = _engine_step(engine)
+            total = time.thread_time() - started
+            tokens += step.token_ids
+            if not step.stats.prefill:
+                per_step.append(total - clock.phases["device"])
+    if tokens != expected:
+        raise RuntimeError("the replayed decode did not commit the recorded decode's tokens")
+    return round(1000 * statistics.median(per_step), 3)
+
+
+def _decoded(engine: BatchEngine) -> list[int]:
+    """Every token ``engine``'s one decode commits, stepped to its end."""
+    tokens: list[int] = []
+    while engine.has_work:
+        tokens += _engine_step(engine).token_ids
+    return tokens
+
+
 def _count_syncs(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
                  static: StaticStep | None, max_tokens: int, rested: bool = False) -> tuple[list[int], list[int]]:
     """Per decode step (prefill excluded): the blocking copies and reads (``SyncCounter``), and the reads alone."""
@@ -316,7 +310,7 @@ def forward_ops(model: LlamaForCausalLM, static: StaticStep | None, tokens: int)
         original = lean.forward
 
         def counted(*args, **kwargs):
-            with _OpCounter() as ops_counter, counter:
+            with OpCounter() as ops_counter, counter:
                 result = original(*args, **kwargs)
             counts.append(sum(ops_counter.ops.values()))
             return result
@@ -374,6 +368,8 @@ def run(preset: str, graphs: bool = True, kernels: bool = True) -> dict:
         for name, config, rested in (("greedy", None, False), ("lookahead", lookahead, False),
                                      ("rested", lookahead, True)):
             measured = measure_decode(model, config, policy, static, rested=rested)
+            if static is not None:
+                measured["step_host_ms_replayed"] = replayed_host_ms(model, config, policy, static, rested=rested)
             ops, inside = forward_ops(model, static, measured["median_step_tokens"])
             measured.update(aten_ops_forward=ops, kernels_per_forward=ops, syncs_in_static=inside)
             if kernels and path == "static":
@@ -406,15 +402,17 @@ def server_rows(lookahead: LookaheadConfig, policy: BatchPolicy) -> dict:
 
 def table(report: dict) -> str:
     """The report as a markdown table, one row per path and stream."""
-    lines = ["| path | stream | step tokens | host ms | phases (ms) | forward ms | kernels | reads | syncs in step | "
-             "syncs in forward |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| path | stream | step tokens | host ms | host ms, device replayed | phases (ms) | forward ms | "
+             "kernels | reads | syncs in step | syncs in forward |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in ("eager", "static"):
         for name in STREAMS:
             row = report[path][name]
             phases = ", ".join(f"{phase} {value:.3f}" for phase, value in row["phases_ms"].items())
-            lines.append(f"| {path} | {name} | {row['median_step_tokens']} | {row['step_host_ms']:.3f} | {phases} | "
-                         f"{row['forward_ms']:.2f} | {row['kernels_per_forward']} | {row['reads_per_step']} | "
-                         f"{row['syncs_in_step']} | {row['syncs_in_static']} |")
+            replayed = row.get("step_host_ms_replayed")
+            lines.append(f"| {path} | {name} | {row['median_step_tokens']} | {row['step_host_ms']:.3f} | "
+                         f"{'-' if replayed is None else f'{replayed:.3f}'} | {phases} | {row['forward_ms']:.2f} | "
+                         f"{row['kernels_per_forward']} | {row['reads_per_step']} | {row['syncs_in_step']} | "
+                         f"{row['syncs_in_static']} |")
     for name in ("greedy", "lookahead"):
         count = report["static"][name].get("fused_kernels")
         if count is not None:

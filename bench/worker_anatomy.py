@@ -95,7 +95,9 @@ def measure_worker(
         asyncio.run(run())
     finally:
         worker.stop()
-    steps = list(zip(worker.outside, worker.in_flight, strict=True))[1:]  # the prefill's step left out
+    # the intervals that deliver a decode step: serially, the one after each step but the prefill's; overlapped, the
+    # one inside each step after the second (the first has nothing to deliver, the second delivers the prefill's)
+    steps = list(zip(worker.outside, worker.in_flight, strict=True))[2 if worker.overlapping else 1 :]
     outside = [1000 * seconds for seconds, _ in steps]
     delivered = [1000 * seconds for _, seconds in steps]
     return {"worker_ms": round(statistics.median(outside), 3),

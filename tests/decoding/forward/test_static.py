@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.anatomy import SyncCounter, count_aten_ops, tiny_deep_llama
+from bench.anatomy import tiny_deep_llama
+from bench.counters import SyncCounter, count_aten_ops
 from decoding.batch import BatchEngine, BatchPolicy, step_batch
 from decoding.forward.choice import greedy_ids, top_ids
 from decoding.forward.kv_cache import KVPool, new_cache
