@@ -287,13 +287,15 @@ def measure_prompts(
         eos = Decoder(loaded).eos_token_ids()
         settings = {**json_settings(resolved, env), "lookahead": asdict(config), "eos_token_ids": sorted(eos),
                     "baseline": None if baseline is None else {"commit": baseline.commit, **baseline.ready}}
-        progress = print_progress(len(prompts) * len(methods))
+        rounds = getattr(args, "rounds", 1)
+        progress = print_progress(len(prompts) * len(methods) * rounds)
         if output:
             progress = saving_progress(output, settings, progress)
         forget = reset_memory or (memory.clear if memory is not None else None)  # the warm-up's outputs must go
         if baseline is not None:
             forget = _then(forget, baseline.reset)
-        runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress, forget)
+        runs = run_benchmark(loaded.model, prompts, runners, args.max_tokens, eos, args.warmup, progress, forget,
+                             rounds)
     finally:
         if baseline is not None:
             baseline.close()

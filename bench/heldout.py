@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_lookahead_flags(parser)
     add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=1, help=f"untimed {WARMUP_TOKENS}-token decodes per method")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed runs per prompt and method, interleaved; the run of median time is kept (1)")
     parser.add_argument("--output", metavar="PATH", help="write config, runs, rows and summary as JSON")
     return parser
 
@@ -162,6 +164,9 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Resolv
         args.memory_tokens = SERVER_MEMORY_TOKENS
     if args.max_tokens < 1 or min(args.warmup, args.limit, args.memory_tokens) < 0 or args.prompt_lookup_tokens < 1:
         parser.error("--max-tokens and --prompt-lookup-tokens must be >= 1, --warmup, --limit and --memory-tokens >= 0")
+    if args.rounds < 1 or (args.rounds > 1 and args.memory_tokens):
+        parser.error("--rounds must be >= 1, and 1 with a shared memory (a later round would copy an earlier one's "
+                     "output)")
     try:
         check_baseline(args, parse_heldout_methods(args.methods))
         resolved = resolve(args, args.preset)

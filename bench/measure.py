@@ -328,11 +328,15 @@ def run_benchmark(
     warmup: int = 1,
     progress: Callable[[RunRecord], None] | None = None,
     after_warmup: Callable[[], None] | None = None,
+    rounds: int = 1,
 ) -> list[RunRecord]:
     """Run every method on every ``(id, token ids)`` prompt, interleaved; return the records in run order.
 
     Before timing, each method decodes ``warmup`` times ``WARMUP_TOKENS`` tokens of the first prompt; then
-    ``after_warmup`` is called (e.g. to forget what a shared memory learnt from them).
+    ``after_warmup`` is called (e.g. to forget what a shared memory learnt from them). With ``rounds`` > 1 each
+    prompt runs every method that many times, the methods' order rotating each round, and each method's run of median
+    time is kept (one record per prompt and method, as with one round): a VM whose speed wanders within minutes then
+    moves one method's time less than one run's does.
     """
     stop = StopCriteria(max_tokens, frozenset(stop_token_ids))
     if prompts and warmup > 0:
@@ -344,11 +348,16 @@ def run_benchmark(
         after_warmup()
     records = []
     for index, (prompt_id, prompt_ids) in enumerate(prompts):
+        timed: dict[str, list[RunRecord]] = {method: [] for method in runners}
+        for round_ in range(rounds):
+            for method in rotation(list(runners), index + round_):
+                record = time_run(model, prompt_id, method, runners[method], prompt_ids, stop)
+                timed[method].append(record)
+                if progress is not None:
+                    progress(record)
         for method in rotation(list(runners), index):
-            record = time_run(model, prompt_id, method, runners[method], prompt_ids, stop)
-            records.append(record)
-            if progress is not None:
-                progress(record)
+            runs = sorted(timed[method], key=lambda run: run.seconds)
+            records.append(runs[(len(runs) - 1) // 2])
     return records
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bench import measure, records, report
@@ -57,6 +59,29 @@ def test_run_benchmark_interleaves_methods_and_matches_greedy(model) -> None:
     assert all(run.seconds > 0 for run in runs)
     repetitive = grouped["lookahead"]["a"]  # the pool guesses right on this model: fewer forwards than tokens
     assert repetitive.steps < repetitive.new_tokens and repetitive.offered > 0 and repetitive.accepted > 0
+
+
+def test_rounds_keep_each_methods_median_run_per_prompt(model, monkeypatch) -> None:
+    """Three rounds per prompt, the methods' order rotating each round; one record per prompt and method, the one of
+    median time (the clock's seconds are each run's index here, so the median is the middle round's)."""
+    runs_made: list[tuple[str, str]] = []
+    real = measure.time_run
+
+    def counted(model, prompt_id, method, runner, prompt_ids, stop):
+        record = real(model, prompt_id, method, runner, prompt_ids, stop)
+        runs_made.append((prompt_id, method))
+        return dataclasses.replace(record, seconds=float(len(runs_made)))
+
+    monkeypatch.setattr(measure, "time_run", counted)
+    runners = measure.make_runners(["greedy", "lookahead"], LookaheadConfig(2, 3, 2), prompt_lookup_tokens=3)
+    progress: list[str] = []
+    runs = measure.run_benchmark(model, [("a", [5, 9, 11, 5]), ("b", [3, 4, 5])], runners, max_tokens=6,
+                                 warmup=0, progress=lambda run: progress.append(run.method), rounds=3)
+    assert runs_made == [("a", "greedy"), ("a", "lookahead"), ("a", "lookahead"), ("a", "greedy"), ("a", "greedy"),
+                         ("a", "lookahead"), ("b", "lookahead"), ("b", "greedy"), ("b", "greedy"),
+                         ("b", "lookahead"), ("b", "lookahead"), ("b", "greedy")]
+    assert len(progress) == 12 and [(run.id, run.method, run.seconds) for run in runs] == [
+        ("a", "greedy", 4.0), ("a", "lookahead", 3.0), ("b", "lookahead", 10.0), ("b", "greedy", 9.0)]
 
 
 def test_lookahead_shares_a_memory_that_forgets_the_warm_up(model) -> None:
