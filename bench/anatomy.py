@@ -443,8 +443,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-graphs", action="store_true", help="skip the graphs-per-bucket count")
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the fused step's kernel count (two inductor compiles, the slowest part)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: wall, host and device ms a step on the GPU, through captured graphs "
+                             "(bench.device_anatomy); the CPU's report otherwise")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.device == "cuda":
+        from bench import device_anatomy
+
+        report = device_anatomy.run_device("cuda", args.preset)
+        print(device_anatomy.table(report))
+        if args.json:
+            write_json(args.json, report)
+        return 0
     report = run(args.preset, graphs=not args.no_graphs, kernels=not args.no_kernels)
     settings = report["settings"]
     print(f"preset {args.preset}: W={settings['window_size']} N={settings['ngram_size']} "

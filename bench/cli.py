@@ -79,7 +79,7 @@ from bench.report import (
     write_json,
 )
 from bench.settings import Resolved, describe, preset_digest, resolve
-from decoding.batch import payoff_guard
+from decoding.batch import engine_guard
 from decoding.calibration import calibrated as calibrated_policy
 from decoding.calibration import curve_text
 from decoding.decoder import (
@@ -264,7 +264,7 @@ def measure_prompts(
     output: str | None,
     memory: NGramMemory | None = None,
     reset_memory: Callable[[], None] | None = None,
-    guard: GuardFactory = payoff_guard,
+    guard: GuardFactory = engine_guard,
     wall: Wall | None = None,
 ) -> tuple[list[RunRecord], dict[str, object]]:
     """Print the header, run ``methods`` on ``prompts`` interleaved (``bench.measure.run_benchmark``) with

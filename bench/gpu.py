@@ -29,10 +29,10 @@ warm machine (it stays warm ~30 s after a call, so call 2 goes at once):
   cuda --methods greedy,lookahead`` on HumanEval, chat and MT-bench, 105 s), ``server`` (``python -m server serve
   --device cuda`` spawned as ``server.spawn`` does: seconds until ``/health`` answers, then the first and a second
   streamed request's time to first text and seconds, each failing the part when its stream carries an error, 75 s)
-  and ``load`` (``scripts/loadtest.py --spawn --server-arg=--device=cuda`` at 1 and 8 streams, lookahead on,
-  HumanEval and chat, 75 s).
-
-``python -m bench anatomy`` is not a part: it has no ``--device`` flag (it times host work on a tiny CPU model).
+  ``load`` (``scripts/loadtest.py --spawn --server-arg=--device=cuda`` at 1 and 8 streams, lookahead on,
+  HumanEval and chat, 75 s) and ``anatomy`` (``python -m bench anatomy --device cuda``: a step's wall, host and
+  device ms through captured graphs on the tiny-width 30-layer model, and the server's worker around it, serial and
+  overlapped; random weights, 45 s).
 
 Goals (issue #40; ``bench.gpu_parts.goals`` checks what a report holds): the whole greedy step through graphs
 <= 1.2 ms at k=1 and <= 2.0 ms for every k <= 128 at batch 1, <= 1.6 ms at batch 8 k=1; greedy >= 700 tok/s;

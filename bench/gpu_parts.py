@@ -184,6 +184,17 @@ def run_load(context: PartContext) -> None:
         context.record("rows", [{key: row.get(key) for key in keys} for row in json.loads(path.read_text())["rows"]])
 
 
+def run_anatomy(context: PartContext) -> None:
+    """``python -m bench anatomy --device cuda`` (``bench.device_anatomy``): wall, host and device ms of a step through
+    captured graphs, tiny-width 30-layer model, and the server's worker serial and overlapped; into the report."""
+    path = Path(tempfile.mkdtemp(prefix="gpu-anatomy-")) / "anatomy.json"  # not a file of its own: 8 come back
+    run = context.run([context.python, "-m", "bench", "anatomy", "--device", "cuda", "--json", str(path)])
+    if run["status"] == 0 and path.exists():
+        report = json.loads(path.read_text())
+        context.record("static", report["static"])
+        context.record("server", report["server"])
+
+
 PARTS = (
     Part("tests", 1, 130, run_tests, summary="CUDA tests on tiny models"),
     Part("step_cost", 1, 80, run_step_cost, summary="step cost, random weights of the default shape"),
@@ -193,6 +204,7 @@ PARTS = (
     Part("heldout", 2, 105, run_heldout, model_missing, "greedy and lookahead on the held-out sets"),
     Part("server", 2, 75, run_server, both_missing, "server start-up and its first request"),
     Part("load", 2, 75, run_load, both_missing, "load test at 1 and 8 streams"),
+    Part("anatomy", 2, 45, run_anatomy, summary="wall, host and device ms a step through graphs; the worker's share"),
 )
 
 
@@ -272,6 +284,14 @@ def part_lines(name: str, section: dict) -> list[str]:
     for key in ("startup_seconds", "first_request", "second_request", "exit_status"):
         if key in results:
             lines.append(f"- {key}: {results[key]}")
+    if name == "anatomy" and results.get("static"):
+        lines += _table(("stream", "step tokens", "wall ms", "host ms", "device ms"),
+                        [(stream, row["median_step_tokens"], row["wall_ms"], row["host_ms"], row["device_ms"])
+                         for stream, row in results["static"].items()])
+        lines += ["", *_table(("worker", "loop", "worker ms", "delivered in flight", "critical ms"),
+                              [(stream, loop, row["worker_ms"], row["delivered_in_flight_ms"], row["critical_ms"])
+                               for stream, loops in results.get("server", {}).items()
+                               for loop, row in loops.items()])]
     if name == "load" and results.get("rows"):
         lines += ["", *_table(tuple(results["rows"][0]), [tuple(row.values()) for row in results["rows"]])]
     for run in results.get("runs", []):

@@ -72,7 +72,7 @@ from bench.measure import WARMUP_TOKENS, GuardFactory, Wall, parse_methods
 from bench.records import RunRecord
 from bench.report import by_method, first_difference, format_table, summarize, write_json
 from bench.settings import SERVER_MEMORY_TOKENS, Resolved, resolve
-from decoding.batch import payoff_guard
+from decoding.batch import engine_guard
 from decoding.decoder import Decoder, check_linear_options
 from decoding.errors import DecodingError
 from decoding.proposers.ngram_memory import MemoryFileError, NGramMemory, load_memory
@@ -299,7 +299,7 @@ def payoff_settings(resolved: Resolved, device: str) -> tuple[Resolved, GuardFac
         wall = server_wall(resolved, device)
     if args.payoff_guard == "off":
         return resolved, lambda policy: None, None
-    return resolved, payoff_guard, None if args.payoff_guard == "curve" else wall
+    return resolved, engine_guard, None if args.payoff_guard == "curve" else wall
 
 
 def run_heldout(

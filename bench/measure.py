@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from bench.llama_cpp import llama_cpp_runner
 from bench.records import Decoded, Runner, RunRecord, StepCost
-from decoding.batch import BatchPolicy, payoff_guard, step_batch
+from decoding.batch import BatchPolicy, engine_guard, step_batch
 from decoding.errors import InvalidParameterError
 from decoding.forward.kv_cache import SlotCache, new_cache
 from decoding.forward.packed import forward_packed
@@ -237,7 +237,7 @@ def make_runners(
     gguf_path: Path | None = None,
     threads: int = 1,
     baseline: BaselineChild | None = None,
-    guard: GuardFactory = payoff_guard,
+    guard: GuardFactory = engine_guard,
     wall: Wall | None = None,
 ) -> dict[str, Runner]:
     """Map each method name (see ``METHODS``) to its runner, in the given order. ``transformers_model``, when

@@ -30,7 +30,7 @@ a stream's window and candidates are granted when the tokens it expects to gain 
 unit of step cost. A lone stream gets whatever its own step policy asks for. Greedy output does not depend on
 the budgets.
 
-With a ``decoding.payoff.PayoffGuard`` (``step_batch``'s ``guard``; a ``BatchEngine`` keeps the one ``payoff_guard``
+With a ``decoding.payoff.PayoffGuard`` (``step_batch``'s ``guard``; a ``BatchEngine`` keeps the one ``engine_guard``
 gives its policy: on with a static step or a measured curve, both presets' policies) each lookahead stream's steps
 are checked against what they pay: a stream whose recent verifying steps commit fewer tokens than plain one-token
 steps would at their price rests, its budget 1 for a while (``decoding.payoff``). A resting stream is not asked to
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from decoding.batch_policy import CPU_STEP_COST, BatchPolicy, allocate, payoff_guard  # noqa: F401 (re-exported)
+from decoding.batch_policy import CPU_STEP_COST, BatchPolicy, allocate, engine_guard  # noqa: F401 (re-exported)
 from decoding.errors import InvalidParameterError
 from decoding.forward.packed import forward_packed
 from decoding.forward.slices import Slice
@@ -244,7 +244,7 @@ class BatchEngine:
         memory: NGramMemory | None = None,
         grammars: GrammarCompiler | None = None,
         static: StaticStep | None = None,
-        guard: Callable[[BatchPolicy], PayoffGuard | None] = payoff_guard,
+        guard: Callable[[BatchPolicy], PayoffGuard | None] = engine_guard,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model = model

@@ -4,7 +4,7 @@ Contract: ``BatchPolicy`` holds a batch's settings (token budget, prefill chunk,
 step's mode, see its fields) and prices forwards on its curve (``cost``, ``stream_cost``, ``padded_tokens``: with a
 static step, a forward costs its padded bucket). ``allocate(proposals, policy)`` shares one forward's token budget
 among the streams' proposals: every decoding stream its one token, prompts their chunks, then lookahead where the
-curve says it pays (see its docstring). ``payoff_guard(policy)`` is the ``decoding.payoff.PayoffGuard`` an engine
+curve says it pays (see its docstring). ``engine_guard(policy)`` is the ``decoding.payoff.PayoffGuard`` an engine
 keeps under ``policy`` (None where it keeps none). Pure policy: no stream, model or tensor is touched here.
 """
 
@@ -42,7 +42,7 @@ class BatchPolicy:
       the fallback.
     - ``prefix_cache_tokens``: tokens of finished decodes' KV the engine keeps for later prompts that start the
       same way (``decoding.step.prefix_cache``; 0: off).
-    - ``payoff_guard``: whether the engine keeps a payoff guard where it would (``payoff_guard``); False: never.
+    - ``payoff_guard``: whether the engine keeps a payoff guard where it would (``engine_guard``); False: never.
     """
 
     max_step_tokens: int = 128
@@ -158,19 +158,19 @@ def _fit_prefill(proposals: Sequence[Proposal], budgets: list[int], policy: Batc
             budgets[index] = widest
 
 
-def payoff_guard(policy: BatchPolicy) -> PayoffGuard | None:
+def engine_guard(policy: BatchPolicy) -> PayoffGuard | None:
     """The payoff guard of an engine under ``policy`` (``decoding.payoff``): on with a static step or a measured
     curve, which both presets' policies have (CUDA: a wide window runs every step, priced by no gate; CPU: the lazy
     window and ``break_even`` gate each verifying step on its expected gain, the guard checks what it realised), off
     otherwise or with ``policy.payoff_guard`` false; with ``measure_step_cost``, its price is measured online too
     (``WallCurve``), bucketed as the static step pads a lone stream (without one, by powers of two).
 
-    >>> payoff_guard(BatchPolicy()) is None, payoff_guard(BatchPolicy(static_step="graphs")).wall is None
+    >>> engine_guard(BatchPolicy()) is None, engine_guard(BatchPolicy(static_step="graphs")).wall is None
     (True, True)
-    >>> payoff_guard(BatchPolicy(static_step="graphs", payoff_guard=False)) is None
+    >>> engine_guard(BatchPolicy(static_step="graphs", payoff_guard=False)) is None
     True
-    >>> guard = payoff_guard(BatchPolicy(static_step="graphs", measure_step_cost=True))
-    >>> guard.wall is not None, guard.bucket(300), payoff_guard(BatchPolicy(measure_step_cost=True)).bucket(300)
+    >>> guard = engine_guard(BatchPolicy(static_step="graphs", measure_step_cost=True))
+    >>> guard.wall is not None, guard.bucket(300), engine_guard(BatchPolicy(measure_step_cost=True)).bucket(300)
     (True, 384, 512)
     """
     if not policy.payoff_guard or (policy.static_step == "off" and not policy.measure_step_cost):

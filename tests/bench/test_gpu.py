@@ -36,7 +36,7 @@ def test_each_device_call_selects_its_parts_and_names_the_others():
     assert first == ["tests", "step_cost", "fused_step_cost"]
     assert left_out["heldout"] == "runs in device call 2, not this call 1"
     second, left_out = select_parts(gpu_parts.PARTS, call=2)
-    assert second == ["model_tests", "heldout", "server", "load"]
+    assert second == ["model_tests", "heldout", "server", "load", "anatomy"]
     assert set(left_out) == {"tests", "step_cost", "fused_step_cost"}
 
 

@@ -11,7 +11,7 @@ from bench import cli, heldout
 from bench.gpu_prediction import predicted_wall, relative_curve
 from bench.measure import own_wall
 from bench.records import RunRecord
-from decoding.batch import payoff_guard
+from decoding.batch import engine_guard
 from decoding.decoder import Decoder
 from decoding.proposers.ngram_memory import NGramMemory, load_memory
 from server.config_layers import load_config
@@ -62,7 +62,7 @@ def test_arguments_default_by_dataset_and_reject_other_methods(capsys: pytest.Ca
 
 
 def test_the_payoff_guard_is_the_servers_priced_on_this_devices_steps_unless_asked_otherwise() -> None:
-    """The server's guard (``payoff_guard``) priced on each step's own seconds where the preset is the device's; on
+    """The server's guard (``engine_guard``) priced on each step's own seconds where the preset is the device's; on
     the curve alone for the CUDA preset on a CPU; on the simulated GPU's walls with ``--simulate-gpu``; or none."""
     parser = heldout.build_parser()
 
@@ -70,9 +70,9 @@ def test_the_payoff_guard_is_the_servers_priced_on_this_devices_steps_unless_ask
         return heldout.payoff_settings(heldout.parse(parser, ["--device", "cpu", *flags]), "cpu")
 
     resolved, guard, wall = settings()
-    assert guard is payoff_guard and wall is own_wall and guard(resolved.policy).wall is not None  # the CPU preset's
+    assert guard is engine_guard and wall is own_wall and guard(resolved.policy).wall is not None  # the CPU preset's
     resolved, guard, wall = settings("--preset", "cuda")
-    assert guard is payoff_guard and wall is None
+    assert guard is engine_guard and wall is None
     resolved, guard, wall = settings("--preset", "cuda", "--simulate-gpu")
     assert wall is predicted_wall and resolved.policy.step_cost == relative_curve()
     assert settings("--payoff-guard", "curve")[2] is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from decoding import batch
-from decoding.batch import BatchEngine, BatchPolicy, payoff_guard
+from decoding.batch import BatchEngine, BatchPolicy, engine_guard
 from decoding.decoder import Decoder
 from decoding.params import LookaheadConfig, StopCriteria
 from decoding.payoff import PayoffGuard, WallCurve
@@ -212,12 +212,12 @@ def test_in_the_engine_a_stream_that_pays_is_never_rested(model, greedy):
 def test_the_engine_keeps_a_guard_only_with_a_static_step_or_a_measured_curve(model):
     assert BatchEngine(model, BatchPolicy()).guard is None  # neither: no guard
     assert BatchEngine(model, BatchPolicy(measure_step_cost=True)).guard.wall is not None
-    assert payoff_guard(BatchPolicy(static_step="eager")).wall is None
+    assert engine_guard(BatchPolicy(static_step="eager")).wall is None
 
 
 @pytest.mark.parametrize("preset", ["cpu", "cuda"])
 def test_both_presets_keep_a_guard_priced_on_wall_times(preset):
-    guard = payoff_guard(batch_policy(load_config(device_preset=preset)))
+    guard = engine_guard(batch_policy(load_config(device_preset=preset)))
     assert guard is not None and guard.wall is not None
 
 

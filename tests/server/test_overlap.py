@@ -143,3 +143,40 @@ async def test_the_real_engine_overlapped_gives_the_serial_text(tiny_model, look
         assert worker.overlapping == overlap
         texts[overlap] = await run_jobs(worker, prompts, decode, lookahead, max_tokens=20, stops=("<7><9><5>",))
     assert texts[True] == texts[False] and all(texts[True])
+
+
+@pytest.mark.parametrize("failing", ["launch", "complete"])
+async def test_an_engine_failure_in_either_half_ends_every_running_request_and_the_worker_goes_on(tokenizer,
+                                                                                                  failing):
+    decoder = scripted(tokenizer, {})
+    engine = decoder.batch_engine()
+    real = getattr(engine, failing)
+    calls = [0]
+
+    def flaky(*args):
+        calls[0] += 1
+        if calls[0] == 3:  # the third step: both requests have delivered text
+            if failing == "complete":
+                real(*args)  # the step was read: nothing left in flight
+            raise RuntimeError("the device failed")
+        return real(*args)
+
+    setattr(engine, failing, flaky)
+    worker = Worker(max_running=2, engine=engine, overlap=True)
+    scheduler = Scheduler(worker, max_queue=4)
+    plans = [GenerationPlan(tokenizer.encode(name, add_special_tokens=False), StopCriteria(64), SamplingParams(), None,
+                            ()) for name in ("alpha", "bravo")]
+    handles = [scheduler.submit(plan, TextStream(tokenizer.decode)) for plan in plans]
+    worker.start()
+    try:
+        for handle in handles:
+            with pytest.raises(RuntimeError, match="the device failed"):
+                await handle.collect()
+        after = scheduler.submit(GenerationPlan(tokenizer.encode("charlie", add_special_tokens=False),
+                                                StopCriteria(64), SamplingParams(), None, ()),
+                                 TextStream(tokenizer.decode))
+        text, last = await after.collect()
+    finally:
+        worker.stop()
+    assert text == "".join(WORDS) and last.finish_reason == "length"  # the worker went on
+    assert engine.in_flight is None and not engine.has_work
