@@ -6,7 +6,7 @@ the static step in ``graphs`` mode on ``device`` (CUDA: captured graphs; the CPU
 path), each engine step one ``BatchEngine.step()``, and reports per stream, medians over the decode after its prefill:
 
 - ``wall_ms``: an engine step's wall clock (the step's one read waits for the device);
-- ``host_ms``: the same decode with the device's work replayed (``bench.anatomy.replayed_host_ms``): the host's own
+- ``host_ms``: the same decode with the device's work replayed (``bench.probe.replayed_host_ms``): the host's own
   work, the CUDA API calls of the input copy and the read included, the forward's device time not;
 - ``device_ms``: ``wall_ms - host_ms``, what the step waits for the device (its graph and the pool's KV moves);
 - ``median_step_tokens``.
@@ -23,11 +23,11 @@ import time
 
 import torch
 
-from bench.anatomy import (
+from bench.probe import (
     DECODE_TOKENS,
-    _decode,
-    _engine_step,
     anatomy_prompt,
+    engine_step,
+    open_decode,
     preset_lookahead,
     replayed_host_ms,
     tiny_deep_llama,
@@ -68,12 +68,12 @@ def _wall_ms(model: torch.nn.Module, lookahead: LookaheadConfig | None, policy: 
              max_tokens: int, rested: bool) -> tuple[float, int]:
     """Median wall milliseconds of an engine step over one decode (its prefill left out), and its median input
     tokens; one decode first, untimed, so that every bucket it meets is captured."""
-    _run(_decode(model, lookahead, policy, static, max_tokens, rested))
-    engine = _decode(model, lookahead, policy, static, max_tokens, rested)
+    _run(open_decode(model, lookahead, policy, static, max_tokens, rested))
+    engine = open_decode(model, lookahead, policy, static, max_tokens, rested)
     walls, tokens = [], []
     while engine.has_work:
         started = time.perf_counter()
-        step = _engine_step(engine)
+        step = engine_step(engine)
         seconds = time.perf_counter() - started
         if not step.stats.prefill:
             walls.append(seconds)
@@ -83,7 +83,7 @@ def _wall_ms(model: torch.nn.Module, lookahead: LookaheadConfig | None, policy: 
 
 def _run(engine) -> None:
     while engine.has_work:
-        _engine_step(engine)
+        engine_step(engine)
 
 
 def table(report: dict) -> str:

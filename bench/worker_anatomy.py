@@ -1,7 +1,8 @@
 """The server's own work around each engine step: what the worker adds to a step, serially and overlapped.
 
-Contract: ``measure_worker(model, lookahead, policy, static, overlap, decode)`` runs one request through the server's
-``server.worker.Worker`` (its scheduler, ``TextStream`` and metrics, the engine ``BatchEngine`` with ``static``) and
+Contract: ``measure_worker(model, lookahead, policy, static, overlap, decode, prompt, max_tokens)`` runs one request
+through the server's ``server.worker.Worker`` (its ``Job``, ``TextStream`` and metrics, the engine ``BatchEngine`` with
+``static``) and
 returns, per decode step (median over the request's steps after its prefill), in CPU thread milliseconds of the
 worker's thread:
 
@@ -17,8 +18,8 @@ the default model's tokenizer where it is cached (else token ids as text).
 
 from __future__ import annotations
 
-import asyncio
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -29,9 +30,8 @@ from decoding.forward.static import StaticStep
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from server.metrics import Metrics
 from server.plans import GenerationPlan
-from server.scheduler import Scheduler
 from server.text import TextStream
-from server.worker import Worker
+from server.worker import Job, Worker
 
 
 class _Timed(Worker):
@@ -79,24 +79,30 @@ def measure_worker(
     model: PreTrainedModel, lookahead: LookaheadConfig | None, policy: BatchPolicy, static: StaticStep | None,
     overlap: bool, decode: Callable[[Sequence[int]], str], prompt: Sequence[int], max_tokens: int,
 ) -> dict[str, float]:
-    """One request through a ``Worker`` (module contract): its per-step medians."""
+    """One request through a ``Worker`` (module contract): its per-step medians. The job posts its outputs to a list
+    (the server's post hands each to the event loop: a few microseconds more a step, not counted here)."""
     engine = BatchEngine(model, policy, static=static, guard=lambda policy: None)
     worker = _Timed(1, Metrics(), overlap=overlap)
     worker.attach(engine)
     worker.timed_engine(engine)
     plan = GenerationPlan(list(prompt), StopCriteria(max_tokens, frozenset()), SamplingParams(), lookahead, ())
+    outputs: list[object] = []
+    done = threading.Event()
 
-    async def run() -> None:
-        handle = Scheduler(worker, max_queue=1).submit(plan, TextStream(decode))
-        await handle.collect()
+    def post(item: object) -> None:
+        outputs.append(item)
+        if isinstance(item, BaseException) or getattr(item, "finish_reason", None) is not None:
+            done.set()
 
     worker.start()
     try:
-        asyncio.run(run())
+        worker.submit(Job(plan, TextStream(decode), post, Metrics()))
+        if not done.wait(600):
+            raise TimeoutError("the worker did not finish its request")
     finally:
         worker.stop()
-    # the intervals that deliver a decode step: serially, the one after each step but the prefill's; overlapped, the
-    # one inside each step after the second (the first has nothing to deliver, the second delivers the prefill's)
+    if isinstance(outputs[-1], BaseException):
+        raise outputs[-1]
     steps = list(zip(worker.outside, worker.in_flight, strict=True))[2 if worker.overlapping else 1 :]
     outside = [1000 * seconds for seconds, _ in steps]
     delivered = [1000 * seconds for _, seconds in steps]

@@ -20,9 +20,10 @@ Top-level modules below every room (any room may import them; they import no roo
 as plain data: ``SamplingParams``, ``StopCriteria``, ``LookaheadConfig``, ``Grammar``; no torch) and ``errors`` (the
 typed exceptions), which the server reads, and ``grammar`` (a request's grammar compiled into the ``Constraint`` that
 proposers and steps obey). Above every room: ``batch`` (``BatchEngine``, the engine: the continuous batch of decodes,
-and ``forward_batch``, where the static step or the eager forward is chosen), ``payoff`` (the engine's payoff guard:
-a decode whose verifying steps do not pay takes plain steps a while), ``calibration`` (the step-cost curve measured
-through ``forward_batch``) and ``decoder`` (``Decoder``, the facade the server uses).
+its step in two halves, ``launch`` and ``complete``, and ``start_forward``, where the static step or the eager forward
+is chosen), ``batch_policy`` (``BatchPolicy``: how one forward spends its tokens, ``allocate``), ``payoff`` (the
+engine's payoff guard: a decode whose verifying steps do not pay takes plain steps a while), ``calibration`` (the
+step-cost curve measured through ``forward_batch``) and ``decoder`` (``Decoder``, the facade the server uses).
 
 The names below are imported lazily (PEP 562), so ``decoding.params`` and ``decoding.errors``, which the
 server's configuration reads, can be imported without importing torch.
@@ -35,7 +36,7 @@ from typing import Any
 
 _EXPORTS = {
     "BatchEngine": "decoding.batch",
-    "BatchPolicy": "decoding.batch",
+    "BatchPolicy": "decoding.batch_policy",
     "step_batch": "decoding.batch",
     "Decoder": "decoding.decoder",
     "configure_threads": "decoding.decoder",

@@ -65,7 +65,6 @@ if TYPE_CHECKING:
     from decoding.proposers.ngram_memory import MemoryUsage, NGramMemory
 
 
-
 def step_batch(
     streams: Sequence[DecodeStream], policy: BatchPolicy, static: StaticStep | None = None,
     guard: PayoffGuard | None = None,

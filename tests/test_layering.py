@@ -2,14 +2,15 @@
 
 The tooling package ``bench`` sits beside them: it measures ``decoding`` and reads the server's settings
 (``server.config``, the layers that resolve them, ``server.config_layers``, and their command-line flags,
-``server.flags``) but nothing else of the server; neither ``decoding`` nor ``server`` imports it. Within each of
-the three packages no import circle closes, annotations included.
+``server.flags``), and drives the worker's loop to time it (``server.worker``), but nothing else of the server;
+neither ``decoding`` nor ``server`` imports it. Within each of the three packages no import circle closes,
+annotations included.
 
 Inside ``decoding``, imports point one way through its rooms (``decoding/__init__.py`` maps them): the top-level
 ground (``params``, ``errors``, ``grammar``) imports no room, each room (``ROOMS``, lowest first) imports only itself,
-the rooms before it and the ground, and the top-level modules above the rooms (``batch``, ``calibration``,
-``decoder``, ``payoff``, and the package's own lazy face ``decoding``) import anything below them; a module outside
-that map fails."""
+the rooms before it and the ground, and the top-level modules above the rooms (``batch``, ``batch_policy``,
+``calibration``, ``decoder``, ``payoff``, and the package's own lazy face ``decoding``) import anything below them;
+a module outside that map fails."""
 
 from __future__ import annotations
 
@@ -56,13 +57,16 @@ def test_imports_point_one_way(package, forbidden):
 # The server's settings (their definition, and the layers that resolve a device preset's values: server.config
 # was both before it was split) and their flags; and server.spawn (standard library only: it starts ``python -m
 # server`` as a process, for the GPU check's start-up timing, as it does for scripts and tests).
-BENCH_MAY_READ = {"server.config", "server.config_layers", "server.flags", "server.spawn"}
+# And the worker's loop, which ``bench.worker_anatomy`` drives in process to time the host work the server adds to a
+# step (``server.worker`` with the ``Job`` record it runs, its ``TextStream`` and ``Metrics``, and ``server.plans``).
+BENCH_MAY_READ = {"server.config", "server.config_layers", "server.flags", "server.spawn", "server.worker",
+                  "server.text", "server.metrics", "server.plans"}
 
 
 def test_bench_reads_only_the_server_settings() -> None:
     """``bench`` takes the server's defaults from ``server.config`` and ``server.config_layers`` (and ``serve``'s
-    flags from ``server.flags``), may start the server as a process (``server.spawn``), and imports no other server
-    module."""
+    flags from ``server.flags``), may start the server as a process (``server.spawn``) or drive its worker's loop
+    (``server.worker``, for ``bench.worker_anatomy``), and imports no other server module."""
     offenders = {}
     for path in (ROOT / "bench").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -130,7 +134,8 @@ def test_modules_import_each_other_without_circles(package):
 # ``decoding``'s rooms, lowest first; the top-level modules below them (GROUND) and above them (ABOVE_ROOMS).
 ROOMS = ["weights", "forward", "proposers", "step"]
 GROUND = {"decoding.params", "decoding.errors", "decoding.grammar"}
-ABOVE_ROOMS = {"decoding", "decoding.batch", "decoding.calibration", "decoding.decoder", "decoding.payoff"}
+ABOVE_ROOMS = {"decoding", "decoding.batch", "decoding.batch_policy", "decoding.calibration", "decoding.decoder",
+               "decoding.payoff"}
 PLACES = ["ground", *ROOMS, "above the rooms"]
 
 

@@ -1,0 +1,166 @@
+"""One decode of the tiny-width deep model through the server's engine, timed and replayed: what ``python -m bench
+anatomy`` and its device variant (``bench.device_anatomy``) stand on.
+
+Contract: ``tiny_deep_llama()`` is the default model's 30 LLaMA layers at a width of 48 (a forward's arithmetic is
+negligible, what is left is the work a GPU step pays on the host); ``preset_lookahead(preset)`` the preset's
+lookahead settings and batch policy; ``open_decode(...)`` an engine with one decode of ``anatomy_prompt``;
+``engine_step(engine)`` one ``BatchEngine.step()``; ``Clock`` times phases of a step (thread time, each exclusive of
+the phases it calls) through ``patched``; ``replayed_host_ms(...)`` the host work of a decode whose device work is
+replayed from a first decode's recording.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.settings import batch_policy
+from decoding.batch import BatchEngine, BatchPolicy
+from decoding.forward.static import StaticStep
+from decoding.params import LookaheadConfig, StopCriteria
+from decoding.payoff import PayoffGuard
+from decoding.step.steps import Step
+from server.config_layers import load_config
+
+DEPTH = 30  # the default model's layers
+PROMPT_TOKENS = 96
+DECODE_TOKENS = 128
+def tiny_deep_llama(seed: int = 0, vocab: int = 1024) -> LlamaForCausalLM:
+    """A random (seeded) LLaMA with the default model's 30 layers, 3:1 grouped heads and a width of 48."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=DEPTH,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=2048)
+    return LlamaForCausalLM(config).eval()
+
+
+def preset_lookahead(preset: str) -> tuple[LookaheadConfig, BatchPolicy]:
+    """The preset's lookahead settings (as the server resolves them for a request that sets none) and policy."""
+    config = load_config(device_preset=preset)
+    names = {field.name for field in dataclasses.fields(LookaheadConfig)}
+    values = {name: getattr(config.lookahead, name) for name in names if hasattr(config.lookahead, name)}
+    values["break_even"] = min(values["break_even"], max(values["ngram_size"] - 1, 0))
+    return LookaheadConfig(**values), batch_policy(config)
+
+
+def anatomy_prompt(vocab: int, length: int = PROMPT_TOKENS) -> list[int]:
+    """A prompt with the repeats real text has (so copies and the pool have something to find)."""
+    phrase = [(7 * index + 3) % vocab for index in range(12)]
+    return [(token + (index // 36)) % vocab for index, token in enumerate(phrase * (length // 12 + 1))][:length]
+
+
+class Clock:
+    """Thread time per phase of one engine step: ``wrap`` makes a callable count as a phase, exclusive of the
+    phases it calls (so that the phases add up to at most the step)."""
+
+    def __init__(self) -> None:
+        self.phases: Counter[str] = Counter()
+        self._open: list[str] = []
+
+    def wrap(self, name: str, function: Callable) -> Callable:
+        """``function``, its time counted as phase ``name`` (less the wrapped phases inside it)."""
+
+        def timed(*args, **kwargs):
+            self._open.append(name)
+            started = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent = time.thread_time() - started
+                self._open.pop()
+                self.phases[name] += spent
+                if self._open:
+                    self.phases[self._open[-1]] -= spent
+
+        return timed
+
+    def reset(self) -> None:
+        self.phases = Counter()
+
+
+@contextlib.contextmanager
+def patched(patches: Sequence[tuple[object, str, Callable]]) -> Iterator[None]:
+    """Set each ``(owner, attribute, value)`` for the block, then put the originals back."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(originals):
+            setattr(owner, name, value)
+
+
+def resting_guard(policy: BatchPolicy) -> PayoffGuard:
+    """A payoff guard that rests a decode after each verifying step for longer than any anatomy decode."""
+    return PayoffGuard(lambda tokens: float("inf"), trial=1, warmup=0, rest=1 << 20, max_rest=1 << 20)
+
+
+def open_decode(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
+            static: StaticStep | None, max_tokens: int, rested: bool = False) -> BatchEngine:
+    """An engine (as the server's: ``BatchEngine``, the static step's pool) with one decode of the anatomy prompt;
+    without a payoff guard, or (``rested``) with one that keeps it on plain steps after its first verifying step."""
+    engine = BatchEngine(model, policy, static=static, guard=resting_guard if rested else lambda policy: None)
+    engine.add(0, anatomy_prompt(model.config.vocab_size), StopCriteria(max_tokens, frozenset()), lookahead=lookahead)
+    return engine
+
+
+def engine_step(engine: BatchEngine) -> Step:
+    """One ``engine.step()``: the decode's step (raised if it failed)."""
+    ((_, step),) = engine.step()
+    if isinstance(step, BaseException):
+        raise step
+    return step
+
+
+def replayed_host_ms(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
+                     static: StaticStep, max_tokens: int = DECODE_TOKENS, rested: bool = False) -> float:
+    """Host milliseconds per engine step (CPU thread time, median, prefill excluded) of a decode whose device work is
+    replayed: the decode runs once through ``static`` with its forwards' outputs recorded, then again with each
+    forward answered by its recording, so that no forward runs on the CPU between two steps' host work. A GPU's host
+    never runs the forward: its caches stay warm across steps, where on the CPU the forward's memory traffic evicts
+    the host's working set from the caches (the first decode's ``step_host_ms`` pays that). The replay must commit
+    the recorded decode's tokens (checked); the pool's KV moves (device work) are excluded, as in ``measure_decode``."""
+    launch, pool = static.launch, static.pool
+    recorded: list[tuple[torch.Tensor, ...]] = []
+
+    def record(compiled):
+        outputs = launch(compiled)
+        recorded.append(tuple(output.clone() for output in outputs))
+        return outputs
+
+    with torch.inference_mode(), patched([(static, "launch", record)]):
+        expected = decoded(open_decode(model, lookahead, policy, static, max_tokens, rested))
+    answers = iter(recorded)
+    clock = Clock()
+    device = [(static, "launch", clock.wrap("device", lambda compiled: next(answers))),
+              (pool, "apply_moves", clock.wrap("device", pool.apply_moves))]
+    per_step: list[float] = []
+    tokens: list[int] = []
+    with torch.inference_mode(), patched(device):
+        engine = open_decode(model, lookahead, policy, static, max_tokens, rested)
+        while engine.has_work:
+            clock.reset()
+            started = time.thread_time()
+            step = engine_step(engine)
+            total = time.thread_time() - started
+            tokens += step.token_ids
+            if not step.stats.prefill:
+                per_step.append(total - clock.phases["device"])
+    if tokens != expected:
+        raise RuntimeError("the replayed decode did not commit the recorded decode's tokens")
+    return round(1000 * statistics.median(per_step), 3)
+
+
+def decoded(engine: BatchEngine) -> list[int]:
+    """Every token ``engine``'s one decode commits, stepped to its end."""
+    tokens: list[int] = []
+    while engine.has_work:
+        tokens += engine_step(engine).token_ids
+    return tokens
