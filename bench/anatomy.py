@@ -69,7 +69,7 @@ from bench.probe import (
     tiny_deep_llama,
 )
 from bench.report import write_json
-from bench.worker_anatomy import default_decode, measure_worker
+from bench.worker_anatomy import worker_rows, worker_table
 from decoding.batch import BatchPolicy, forward_batch
 from decoding.forward import lean
 from decoding.forward.kv_cache import KVPool
@@ -256,17 +256,11 @@ def run(preset: str, graphs: bool = True, kernels: bool = True) -> dict:
 
 
 def server_rows(lookahead: LookaheadConfig, policy: BatchPolicy) -> dict:
-    """``bench.worker_anatomy``'s measures of the server's worker around the static path's greedy and lookahead
-    steps, its loop serial and overlapped."""
-    decode = default_decode()
-    rows: dict = {}
-    for name, config in (("greedy", None), ("lookahead", lookahead)):
-        model = tiny_deep_llama()
-        static = StaticStep(model, KVPool(model, 2, 1024, scratch_tokens=256))
-        rows[name] = {loop: measure_worker(model, config, policy, static, loop == "overlapped", decode,
-                                           anatomy_prompt(model.config.vocab_size), DECODE_TOKENS)
-                      for loop in ("serial", "overlapped")}
-    return rows
+    """``bench.worker_anatomy.worker_rows``: the server's worker around the static path's greedy and lookahead steps,
+    its loop serial and overlapped."""
+    model = tiny_deep_llama()
+    static = StaticStep(model, KVPool(model, 2, 1024, scratch_tokens=256))
+    return worker_rows(model, static, lookahead, policy, anatomy_prompt(model.config.vocab_size), DECODE_TOKENS)
 
 
 def table(report: dict) -> str:
@@ -290,12 +284,7 @@ def table(report: dict) -> str:
                          f"{count['library']} library calls; ATen ops {report['static'][name]['aten_ops_forward']})")
     server = report.get("server")
     if server:
-        lines += ["", "| server's worker, static path | loop | worker ms a step | delivered in flight | critical ms |",
-                  "|---|---|---|---|---|"]
-        for name, loops in server.items():
-            for loop, row in loops.items():
-                lines.append(f"| {name} | {loop} | {row['worker_ms']:.3f} | {row['delivered_in_flight_ms']:.3f} | "
-                             f"{row['critical_ms']:.3f} |")
+        lines += ["", *worker_table(server, "server's worker, static path")]
     graphs = report["static"]["lookahead"].get("graphs_per_bucket")
     if graphs is not None:
         lines.append("")

@@ -26,13 +26,14 @@ import torch
 from bench.probe import (
     DECODE_TOKENS,
     anatomy_prompt,
+    decoded,
     engine_step,
     open_decode,
     preset_lookahead,
     replayed_host_ms,
     tiny_deep_llama,
 )
-from bench.worker_anatomy import default_decode, measure_worker
+from bench.worker_anatomy import worker_rows, worker_table
 from decoding.batch import BatchPolicy
 from decoding.forward.kv_cache import KVPool
 from decoding.forward.static import StaticStep
@@ -54,12 +55,8 @@ def run_device(device: str = "cuda", preset: str = "cuda", max_tokens: int = DEC
             host = replayed_host_ms(model, config, policy, static, max_tokens, rested)
             report["static"][stream] = {"wall_ms": wall, "host_ms": host, "device_ms": round(wall - host, 3),
                                         "median_step_tokens": tokens}
-    decode = default_decode()
-    report["server"] = {
-        stream: {loop: measure_worker(model, config, policy, static, loop == "overlapped", decode,
-                                      anatomy_prompt(model.config.vocab_size), max_tokens)
-                 for loop in ("serial", "overlapped")}
-        for stream, config in (("greedy", None), ("lookahead", lookahead))}
+    report["server"] = worker_rows(model, static, lookahead, policy, anatomy_prompt(model.config.vocab_size),
+                                   max_tokens)
     report["static_stats"] = dataclasses.asdict(static.stats())
     return report
 
@@ -68,7 +65,7 @@ def _wall_ms(model: torch.nn.Module, lookahead: LookaheadConfig | None, policy: 
              max_tokens: int, rested: bool) -> tuple[float, int]:
     """Median wall milliseconds of an engine step over one decode (its prefill left out), and its median input
     tokens; one decode first, untimed, so that every bucket it meets is captured."""
-    _run(open_decode(model, lookahead, policy, static, max_tokens, rested))
+    decoded(open_decode(model, lookahead, policy, static, max_tokens, rested))
     engine = open_decode(model, lookahead, policy, static, max_tokens, rested)
     walls, tokens = [], []
     while engine.has_work:
@@ -81,11 +78,6 @@ def _wall_ms(model: torch.nn.Module, lookahead: LookaheadConfig | None, policy: 
     return round(1000 * statistics.median(walls), 3), statistics.median_low(tokens)
 
 
-def _run(engine) -> None:
-    while engine.has_work:
-        engine_step(engine)
-
-
 def table(report: dict) -> str:
     """The report as markdown: one row per stream, then the worker's rows."""
     lines = [f"{report['device']}, preset {report['preset']}, static step in graphs mode", "",
@@ -93,10 +85,4 @@ def table(report: dict) -> str:
     for stream, row in report["static"].items():
         lines.append(f"| {stream} | {row['median_step_tokens']} | {row['wall_ms']:.3f} | {row['host_ms']:.3f} | "
                      f"{row['device_ms']:.3f} |")
-    lines += ["", "| server's worker | loop | worker ms a step | delivered in flight | critical ms |",
-              "|---|---|---|---|---|"]
-    for stream, loops in report["server"].items():
-        for loop, row in loops.items():
-            lines.append(f"| {stream} | {loop} | {row['worker_ms']:.3f} | {row['delivered_in_flight_ms']:.3f} | "
-                         f"{row['critical_ms']:.3f} |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *worker_table(report["server"], "server's worker")])

@@ -12,8 +12,9 @@ worker's thread:
   which a GPU hides behind the device's work;
 - ``critical_ms``: ``worker_ms`` less that: what the worker adds to a step's critical path on a GPU.
 
-``python -m bench anatomy`` reports both loops for its greedy and lookahead streams (``"server"`` in its JSON), with
-the default model's tokenizer where it is cached (else token ids as text).
+``worker_rows(model, static, lookahead, policy, prompt, max_tokens)`` measures both loops for a greedy and a lookahead
+request, with the default model's tokenizer where it is cached (else token ids as text); ``worker_table(rows)`` is
+their markdown. ``python -m bench anatomy`` reports them (``"server"`` in its JSON), on the CPU or on the device.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from transformers import PreTrainedModel
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.forward.static import StaticStep
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
+from server.jobs import Job
 from server.metrics import Metrics
 from server.plans import GenerationPlan
 from server.text import TextStream
-from server.worker import Job, Worker
+from server.worker import Worker
 
 
 class _Timed(Worker):
@@ -110,6 +112,26 @@ def measure_worker(
             "delivered_in_flight_ms": round(statistics.median(delivered), 3),
             "critical_ms": round(statistics.median(a - b for a, b in zip(outside, delivered, strict=True)), 3),
             "steps": len(steps)}
+
+
+def worker_rows(model: PreTrainedModel, static: StaticStep | None, lookahead: LookaheadConfig, policy: BatchPolicy,
+                prompt: Sequence[int], max_tokens: int) -> dict[str, dict[str, dict[str, float]]]:
+    """``measure_worker`` for a greedy and a ``lookahead`` request, each with the worker's loop serial and
+    overlapped: ``{stream: {loop: measures}}``."""
+    decode = default_decode()
+    return {stream: {loop: measure_worker(model, config, policy, static, loop == "overlapped", decode, prompt,
+                                          max_tokens) for loop in ("serial", "overlapped")}
+            for stream, config in (("greedy", None), ("lookahead", lookahead))}
+
+
+def worker_table(rows: dict[str, dict[str, dict[str, float]]], title: str) -> list[str]:
+    """``worker_rows``' measures as markdown table lines, its first header cell ``title``."""
+    lines = [f"| {title} | loop | worker ms a step | delivered in flight | critical ms |", "|---|---|---|---|---|"]
+    for stream, loops in rows.items():
+        for loop, row in loops.items():
+            lines.append(f"| {stream} | {loop} | {row['worker_ms']:.3f} | {row['delivered_in_flight_ms']:.3f} | "
+                         f"{row['critical_ms']:.3f} |")
+    return lines
 
 
 def default_decode() -> Callable[[Sequence[int]], str]:

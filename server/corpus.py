@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from decoding import MemoryUsage, corpus_documents
 from server.errors import BadRequestError, ServiceUnavailableError
+from server.jobs import EngineLike
 from server.protocol import CorpusAdded, CorpusRequest, MemoryInfo
 from server.text import TextCodec
-from server.worker import EngineLike, WorkerStopped
+from server.worker import WorkerStopped
 
 if TYPE_CHECKING:
     from server.runtime import Runtime

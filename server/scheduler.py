@@ -21,10 +21,11 @@ from dataclasses import replace
 
 from decoding import TokenLogprob
 from server.errors import QueueFullError, ServiceUnavailableError
+from server.jobs import Job
 from server.metrics import Metrics
 from server.plans import GenerationPlan, Output
 from server.text import TextStream
-from server.worker import Job, Worker
+from server.worker import Worker
 
 logger = logging.getLogger("server.scheduler")
 

@@ -61,13 +61,13 @@ from decoding import (
 from server import tools
 from server.config import LookaheadSettings, ServerConfig, decoder_lookahead, lookahead_bounds
 from server.errors import APIError, BadRequestError, InternalError, ModelNotFoundError, to_api_error
+from server.jobs import EngineLike
 from server.plans import Asked, GenerationPlan, Output, Renderer, Summary
 from server.protocol import GenerationFields, LookaheadRequest, Prediction, ResponseFormat
 from server.rendering import step_of
 from server.scheduler import Handle, Scheduler
 from server.schemas import closed_schema
 from server.text import TextCodec, TextStream
-from server.worker import EngineLike
 
 logger = logging.getLogger("server.serving")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy decoding

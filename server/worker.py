@@ -1,6 +1,6 @@
 """The one thread that runs the model: a thin loop around the decoder's continuous batch.
 
-Contract: ``Worker`` owns the device and drives one engine (``EngineLike``: ``decoding.BatchEngine`` in
+Contract: ``Worker`` owns the device and drives one engine (``server.jobs.EngineLike``: ``decoding.BatchEngine`` in
 production; the server's tests plug in a stand-in with the same interface, so they drive the same loop). Jobs
 arrive through ``submit_many`` (any thread) and wait in a FIFO until one of ``max_running`` slots is free; the
 worker then adds them to the engine (continuous batching: jobs join and leave between iterations). The worker
@@ -42,25 +42,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from decoding import (
-    LookaheadConfig,
-    MemoryUsage,
-    SamplingParams,
     Step,
     StepCounts,
-    StopCriteria,
-    TokenLogprob,
     release_free_memory,
 )
 from decoding.forward.static import StaticStats
+from server.jobs import EngineLike, Job
 from server.metrics import Metrics
-from server.plans import GenerationPlan, Output, Summary
-from server.text import TextStream
+from server.plans import Output
 
 logger = logging.getLogger("server.worker")
 
@@ -78,78 +72,6 @@ class WorkerStopped(RuntimeError):
 
 
 Result = TypeVar("Result")
-
-
-class EngineLike(Protocol):
-    """The continuous batch the worker drives (``decoding.BatchEngine``); only the worker thread calls it."""
-
-    @property
-    def has_work(self) -> bool: ...
-
-    def __contains__(self, request_id: Hashable) -> bool: ...
-
-    def add(
-        self,
-        request_id: Hashable,
-        prompt_ids: Sequence[int],
-        stop: StopCriteria,
-        sampling: SamplingParams,
-        lookahead: LookaheadConfig | None,
-        prediction: Sequence[int] | None = None,
-        cache_prompt: bool = True,
-    ) -> None: ...
-
-    def step(self) -> list[tuple[Hashable, Step | BaseException]]: ...
-
-    # optional, for overlapped steps: ``launch() -> handle`` (plan the step and start its forward) and
-    # ``complete(handle)`` (read it: ``step``'s results), nothing else called in between; ``asynchronous`` (True
-    # where the device runs a launched step while the host goes on: overlapping pays there)
-
-    def cancel(self, request_id: Hashable) -> None: ...
-
-    def add_documents(self, documents: Sequence[Sequence[int]]) -> MemoryUsage | None: ...
-
-    # optional: ``prefix_cache_stats() -> decoding.step.prefix_cache.PrefixCacheStats | None`` (read when present)
-
-    def memory_usage(self) -> MemoryUsage | None: ...
-
-
-@dataclass(eq=False)
-class Job:
-    """One request as the worker sees it. ``post`` must be safe to call from the worker thread."""
-
-    plan: GenerationPlan
-    text: TextStream
-    post: Callable[[Output | BaseException], None]
-    metrics: Metrics | None = None  # None: not counted (the warm-up request)
-    arrived: float = field(default_factory=time.perf_counter)
-    totals: StepCounts = StepCounts()
-    reported: StepCounts = StepCounts()  # the totals as of the last posted output
-    pending_logprobs: list[TokenLogprob] | None = None  # kept tokens' logprobs not yet posted (None: not asked)
-    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, gathered over the prefill, until posted
-    cancel_requested: bool = False
-    cancel_error: BaseException | None = None
-    started: float | None = None
-    last_step: float = 0.0
-    first_token_seen: bool = False
-    done: bool = False
-    cached_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache
-
-    def summary(self) -> Summary:
-        prediction, sampling = self.plan.prediction, self.plan.sampling
-        return Summary(len(self.plan.prompt_ids), self.totals, self.plan.lookahead,
-                       None if prediction is None else len(prediction), None if sampling.greedy else sampling.seed,
-                       self.cached_tokens)
-
-    def output(self, text: str, finish_reason: str | None = None, summary: Summary | None = None) -> Output:
-        """An output carrying the counts since the previous one."""
-        logprobs = None if self.pending_logprobs is None else tuple(self.pending_logprobs)
-        prompt = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
-        output = Output(text, finish_reason, summary, self.totals - self.reported, logprobs, prompt)
-        self.reported = self.totals
-        self.prompt_logprobs = None
-        self.pending_logprobs = None if self.pending_logprobs is None else []
-        return output
 
 
 class Worker:
@@ -170,7 +92,6 @@ class Worker:
         self.overlap = overlap  # None: overlap where the engine is asynchronous (``attach``)
         self.overlapping = False
         self._pending: list[tuple[Job, Step | BaseException]] = []  # the last step's results, not yet delivered
-        self._pending_path = "eager"  # how the last step's forward ran (its metrics go with its delivery)
         self._in_flight = False  # between the engine's ``launch`` and ``complete``
         self._cancel_after: list[Job] = []  # jobs finished while a step was in flight: out of the engine after it
         self.metrics = metrics
@@ -388,7 +309,7 @@ class Worker:
         if not self.overlapping:
             results = self._engine_call(jobs, self.engine.step)
             if results is not None:
-                self._record(results, self._forward_path())
+                self._record(results)
                 self._deliver(results)
             return
         launched = self._engine_call(jobs, self.engine.launch)
@@ -404,7 +325,7 @@ class Worker:
             for job in cancels:
                 self._leave_engine(job)
         if results is not None:
-            self._pending, self._pending_path = results, self._forward_path()
+            self._pending = results
 
     def _engine_call(self, jobs: list[Job], call: Callable[[], Result]) -> Result | None:
         """``call()`` (a step of the engine's), or None when it raised: the engine itself failed, so every job in
@@ -418,17 +339,15 @@ class Worker:
                 self._finish(job, "error", error=exc)
             return None
 
-    def _forward_path(self) -> str:
-        """How the engine's last step's forward ran (engines without a static step: eager)."""
-        return getattr(self.engine, "last_forward", None) or "eager"
-
-    def _record(self, results: list[tuple[Job, Step | BaseException]], path: str) -> None:
-        """Count a step's forward (run as ``path`` says), the static step's and the prefix cache's state (read,
-        never changed: harmless while a step is in flight) in the metrics."""
+    def _record(self, results: list[tuple[Job, Step | BaseException]]) -> None:
+        """Count the engine's last completed step (``results``: its forward, run as the engine's ``last_forward``
+        says, which only ``complete`` sets, so it still names that step while the next is in flight), the static
+        step's and the prefix cache's state (read, never changed: harmless in flight) in the metrics."""
         if self.metrics is None:
             return
         stepped = [result for _, result in results if isinstance(result, Step)]
         if stepped:
+            path = getattr(self.engine, "last_forward", None) or "eager"  # engines without a static step: eager
             self.metrics.forward(len(stepped), sum(step.stats.input_tokens for step in stepped), path)
             self.publish_static()
         prefix = getattr(self.engine, "prefix_cache_stats", None)  # engines without a prefix cache have none
@@ -440,7 +359,7 @@ class Worker:
         """Record and deliver the last overlapped step's results, if any."""
         pending, self._pending = self._pending, []
         if pending:
-            self._record(pending, self._pending_path)
+            self._record(pending)
             self._deliver(pending)
 
     def _deliver(self, results: list[tuple[Job, Step | BaseException]]) -> None:

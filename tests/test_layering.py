@@ -58,9 +58,10 @@ def test_imports_point_one_way(package, forbidden):
 # was both before it was split) and their flags; and server.spawn (standard library only: it starts ``python -m
 # server`` as a process, for the GPU check's start-up timing, as it does for scripts and tests).
 # And the worker's loop, which ``bench.worker_anatomy`` drives in process to time the host work the server adds to a
-# step (``server.worker`` with the ``Job`` record it runs, its ``TextStream`` and ``Metrics``, and ``server.plans``).
+# step (``server.worker`` with the ``Job`` record it runs, ``server.jobs``, its ``TextStream`` and ``Metrics``, and
+# ``server.plans``).
 BENCH_MAY_READ = {"server.config", "server.config_layers", "server.flags", "server.spawn", "server.worker",
-                  "server.text", "server.metrics", "server.plans"}
+                  "server.jobs", "server.text", "server.metrics", "server.plans"}
 
 
 def test_bench_reads_only_the_server_settings() -> None:

@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 
 from decoding import SamplingParams, StopCriteria
+from server.jobs import Job
 from server.metrics import Metrics
 from server.plans import GenerationPlan, Output
 from server.scheduler import Scheduler
 from server.text import TextStream
-from server.worker import Job, Worker, WorkerStopped
+from server.worker import Worker, WorkerStopped
 from tests.server.conftest import make_config
 from tests.server.helpers import (
     Script,
