@@ -235,6 +235,20 @@ def token_steps(tokenizer: Any, pieces: Sequence[str]) -> list[list[int]]:
     return [tokenizer.encode(piece, add_special_tokens=False) for piece in pieces]
 
 
+def disconnect_after(chunks: int, disconnect: asyncio.Event) -> Callable[[dict[str, Any]], None]:
+    """An ``asgi_post`` ``on_send`` that sets ``disconnect`` (the client leaves) once ``chunks`` non-empty body chunks
+    were sent."""
+    sent = []
+
+    def on_send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            sent.append(message["body"])
+            if len(sent) == chunks:
+                disconnect.set()
+
+    return on_send
+
+
 async def asgi_post(
     app: Any, path: str, body: dict[str, Any], disconnect: asyncio.Event,
     on_send: Callable[[dict[str, Any]], None] | None = None,

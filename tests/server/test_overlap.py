@@ -16,7 +16,16 @@ from server.scheduler import Scheduler
 from server.text import TextStream
 from server.worker import Worker
 from tests.server.conftest import make_config
-from tests.server.helpers import Script, ScriptedDecoder, asgi_post, running_app, scrape, token_steps, wait_for
+from tests.server.helpers import (
+    Script,
+    ScriptedDecoder,
+    asgi_post,
+    disconnect_after,
+    running_app,
+    scrape,
+    token_steps,
+    wait_for,
+)
 
 WORDS = [" one", " two", " three", " four", " five", " six", " seven", " eight"]
 OVERLAPPED = {"batch": {"overlap_steps": True}}
@@ -108,19 +117,11 @@ async def test_a_failure_and_a_disconnect_end_only_their_overlapped_requests(tok
                                    "leave": Script(token_steps(tokenizer, WORDS * 4), delay=0.02)})
     async with running_app(make_config(**OVERLAPPED), decoder) as (app, client):
         disconnect = asyncio.Event()
-        sent = []
-
-        def on_send(message):
-            if message["type"] == "http.response.body" and message.get("body"):
-                sent.append(message["body"])
-                if len(sent) == 3:
-                    disconnect.set()
-
         bad, good, _ = await asyncio.gather(
             client.post("/v1/completions", json={"prompt": "failme", "max_tokens": 64}),
             client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 64}),
             asgi_post(app, "/v1/completions", {"prompt": "leave", "max_tokens": 64, "stream": True}, disconnect,
-                      on_send))
+                      disconnect_after(3, disconnect)))
         await wait_for(lambda: not app.state.runtime.worker.busy, what="worker idle")
         samples = scrape(app)
     assert bad.status_code == 500 and good.json()["choices"][0]["text"] == "".join(WORDS)

@@ -27,6 +27,7 @@ from tests.server.helpers import (
     Script,
     ScriptedDecoder,
     asgi_post,
+    disconnect_after,
     gated_loader,
     running_app,
     scrape,
@@ -166,15 +167,8 @@ async def test_disconnect_mid_stream_cancels_and_counts_consistently(tokenizer):
     decoder = decoder_with(tokenizer, {"alpha": Script(token_steps(tokenizer, WORDS * 5), delay=0.02)})
     async with running_app(make_config(), decoder) as (app, _):
         disconnect = asyncio.Event()
-        chunks = []
-
-        def on_send(message):
-            if message["type"] == "http.response.body" and message.get("body"):
-                chunks.append(message["body"])
-                if len(chunks) == 3:
-                    disconnect.set()
-
-        await asgi_post(app, "/v1/completions", completion("alpha", stream=True, max_tokens=100), disconnect, on_send)
+        await asgi_post(app, "/v1/completions", completion("alpha", stream=True, max_tokens=100), disconnect,
+                        disconnect_after(3, disconnect))
         await wait_for(lambda: not app.state.runtime.worker.busy, what="worker idle")
         assert "alpha" in decoder.closed
         steps_run = len([1 for text, _ in decoder.step_log if text == "alpha"])
