@@ -13,6 +13,7 @@ MODULES = [
     "decoding.batch_policy",
     "decoding.forward.choice",
     "decoding.forward.static_forward",
+    "decoding.forward.tree_attention",
     "decoding.forward.static_fused",
     "decoding.forward.static_inputs",
     "decoding.payoff",

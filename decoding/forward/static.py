@@ -9,14 +9,15 @@ the argmax ids, and the top ``Slice.top_k`` ids of each row, computed on the dev
 with the argmax in the step's one device-to-host copy); each slice's cache grows by its token count, as in an eager
 forward. ``bucket(slices)`` says which bucket a step would run in (None: it does not fit, run it eagerly).
 
-Everything a step varies is data in one int64 input buffer (``decoding.forward.static_inputs``), packed from Python ints
-on the host and copied in one go: token ids, positions, each token's parent in the step (the mask is the ancestor
-closure of the parents, built on the device once per step), the rows to read, each sequence's cache length and pool row
-(where its tokens' keys/values go: that row, from slot length on). Keys/values are written by index (``index_put_``) and
-read with one gather per layer; attention runs over the bucket's attended length under an additive mask. Padding tokens
-of a real sequence are written in the scratch slots past its tokens; padding sequences use the pool's scratch row.
-Padding tokens see themselves (and their row's prefix), so no row is empty and no NaN arises; real tokens never see
-padding.
+Everything a step varies is data in one int64 input buffer (``decoding.forward.static_inputs``), packed from Python
+ints on the host and copied in one go: token ids, positions, each token's parent in the step (the mask is the
+ancestor closure of the parents, built on the device once per step), the rows to read, each sequence's cache length
+and pool row (where its tokens' keys/values go: that row, from slot length on). Keys/values are written by index
+(``index_put_``) and read with one gather per layer; attention runs over the bucket's attended length under an
+additive mask; or, on CUDA's path for heads the tree kernel takes, all of that is one op a layer
+(``decoding.forward.tree_attention``). Padding tokens of a real sequence are written in the scratch slots past its
+tokens; padding sequences use the pool's scratch row. Padding tokens see themselves (and their row's prefix), so no
+row is empty and no NaN arises; real tokens never see padding.
 
 The forward itself is ``decoding.forward.static_forward``: plain torch over fixed shapes, no host sync.
 

@@ -9,13 +9,16 @@ builds the attention mask on the device from each token's parent, writes the ste
 views ``caches`` by index, attends over their length, and returns the logits of the rows read and their ids: each
 row's argmax and, with ``top_k``, its best ``top_k`` ids, in one buffer (``row_ids``).
 No Python value depends on the step's data, so ``torch.compile(fullgraph=True, dynamic=False)`` traces it into one
-graph per shape and a CUDA graph can capture it. About 21 ATen ops a layer. The runner around it (buckets, the input
-buffer, capture): ``decoding.forward.static``.
+graph per shape and a CUDA graph can capture it. About 21 ATen ops a layer. On CUDA's path, where the tree kernel
+takes the model's heads (``prepare_weights``' ``tree_kernel``), a layer's rotary, key/value write, gathers, mask and
+attention are instead one op, ``decoding.forward.tree_attention`` (one Triton kernel on a GPU), over q/k/v without
+the rotate-half columns: about 11 ATen ops a layer eagerly (views included), 8 kernels compiled (``bench.kernels``),
+and no mask or ancestor closure per step. The runner around it (buckets, the input buffer, capture):
+``decoding.forward.static``.
 """
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +29,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decoding.forward import lean
+from decoding.forward.tree_attention import (
+    ancestors,
+    eligible,
+    mask_from_reach,
+    tree_attention,
+    triton_available,
+)
 
 # The input buffer's fields, in order: four of ``sequences * tokens`` ints, then two of ``sequences`` (a token's keys
 # and values go to its sequence's pool row, at the sequence's length plus the token's index: derived on the device).
@@ -65,6 +75,7 @@ class StaticWeights:
     cuda_layout: bool  # attention outputs laid out as CUDA's kernels return them (a rehearsal's, off CUDA)
     unrotated: torch.Tensor  # [1, 2, 1, d]: cos 1, sin 0 (the v heads' "rotation"), on the device
     kv_columns: torch.Tensor  # arange(2 kv) on the device: the pool's key and value heads
+    tree_kernel: bool = False  # attention through ``decoding.forward.tree_attention`` (q/k/v not doubled, not folded)
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -105,20 +116,26 @@ def _fold_rows(out_t: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tenso
     return grouped.transpose(0, 1).reshape(out_t.shape).contiguous()
 
 
-def _prepare_layer(layer: nn.Module, head_dim: int, fold_kv_heads: int = 0) -> _Layer:
+def _with_rotated(parts: tuple[torch.Tensor, ...], head_dim: int, rotated: bool) -> torch.Tensor:
+    """q, k, v (``[..., width]`` weights or biases) side by side; with ``rotated``, then q and k with the rotary's
+    rotate-half folded in (``_rotate_half_columns``) and zeros for v."""
+    q, k, v = parts
+    if rotated:
+        parts = (q, k, v, _rotate_half_columns(q, head_dim), _rotate_half_columns(k, head_dim), torch.zeros_like(v))
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def _prepare_layer(layer: nn.Module, head_dim: int, fold_kv_heads: int = 0, rotated: bool = True) -> _Layer:
     """Fuse one layer's projections (see ``_Layer``); its ``nn.Linear`` weights become views of the result.
-    ``fold_kv_heads``: the model's key/value heads when grouped heads are folded (``_fold_rows``), else 0."""
+    ``fold_kv_heads``: the model's key/value heads when grouped heads are folded (``_fold_rows``), else 0;
+    ``rotated``: the rotate-half columns folded in (without them, q/k/v only: the tree kernel rotates itself)."""
     attention, mlp = layer.self_attn, layer.mlp
-    q_t, k_t, v_t = (projection.weight.detach().t() for projection in (attention.q_proj, attention.k_proj,
-                                                                         attention.v_proj))
-    qkv = torch.cat((q_t, k_t, v_t, _rotate_half_columns(q_t, head_dim), _rotate_half_columns(k_t, head_dim),
-                     torch.zeros_like(v_t)), dim=1).contiguous()
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    q_t, k_t, v_t = (projection.weight.detach().t() for projection in projections)
+    qkv = _with_rotated((q_t, k_t, v_t), head_dim, rotated)
     bias = None
     if attention.q_proj.bias is not None:
-        q_b, k_b, v_b = (projection.bias.detach() for projection in (attention.q_proj, attention.k_proj,
-                                                                      attention.v_proj))
-        bias = torch.cat((q_b, k_b, v_b, _rotate_half_columns(q_b, head_dim), _rotate_half_columns(k_b, head_dim),
-                          torch.zeros_like(v_b)))
+        bias = _with_rotated(tuple(projection.bias.detach() for projection in projections), head_dim, rotated)
     widths = (q_t.shape[1], k_t.shape[1], v_t.shape[1])
     for projection, start, width in zip((attention.q_proj, attention.k_proj, attention.v_proj),
                                         (0, widths[0], widths[0] + widths[1]), widths, strict=True):
@@ -134,7 +151,7 @@ def _prepare_layer(layer: nn.Module, head_dim: int, fold_kv_heads: int = 0) -> _
                   layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.weight.detach().t())
 
 
-def prepare_weights(model: PreTrainedModel, path: str | None = None) -> StaticWeights:
+def prepare_weights(model: PreTrainedModel, path: str | None = None, tree_kernel: bool | None = None) -> StaticWeights:
     """``model``'s weights laid out for ``static_forward`` (``supports(model)`` must hold). The q/k/v and
     gate/up ``nn.Linear`` weights are re-pointed at views of the fused matrices: one copy of the model stays.
 
@@ -142,15 +159,22 @@ def prepare_weights(model: PreTrainedModel, path: str | None = None) -> StaticWe
     model rehearses CUDA's: grouped query heads folded into the query length, and attention outputs with the
     strides CUDA's flash and memory-efficient kernels give them (``[B, H, T, d]`` over ``[B, T, H, d]`` memory),
     so that a shape or stride assumption of the CUDA path fails on the CPU first. Folded, the output projection's
-    rows are a permuted copy (``_fold_rows``): the attention's output then feeds it as a view, with no copy."""
+    rows are a permuted copy (``_fold_rows``): the attention's output then feeds it as a view, with no copy.
+
+    ``tree_kernel`` (default: on CUDA's path, where ``decoding.forward.tree_attention`` takes the head size and, on
+    a GPU, Triton is installed; a rehearsal decides as the GPU would): each layer's attention is that one op (its
+    rotary, key/value write and attention in one kernel on a GPU), over q/k/v without the rotate-half columns and
+    without folding."""
     path = path or model.device.type
     config = model.config.get_text_config(decoder=True)
     decoder = model.model
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = decoder.layers[0].self_attn.head_dim
-    fold_groups = path == "cuda" and heads > kv_heads
-    layers = tuple(_prepare_layer(layer, head_dim, kv_heads if fold_groups else 0)
+    if tree_kernel is None:
+        tree_kernel = path == "cuda" and eligible(head_dim) and (model.device.type != "cuda" or triton_available())
+    fold_groups = path == "cuda" and heads > kv_heads and not tree_kernel
+    layers = tuple(_prepare_layer(layer, head_dim, kv_heads if fold_groups else 0, rotated=not tree_kernel)
                    for layer in decoder.layers[: config.num_hidden_layers])
     rotary = decoder.rotary_emb
     return StaticWeights(
@@ -170,6 +194,7 @@ def prepare_weights(model: PreTrainedModel, path: str | None = None) -> StaticWe
         unrotated=torch.tensor([1.0, 0.0], dtype=model.dtype, device=model.device).view(1, 2, 1, 1).expand(
             1, 2, 1, head_dim).contiguous(),
         kv_columns=torch.arange(2 * kv_heads, device=model.device),
+        tree_kernel=tree_kernel,
     )
 
 
@@ -183,42 +208,23 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 _FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")  # decoding.forward.private_api lists it
 
 
-def _rotation(weights: StaticWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[n, 2, heads + 2 kv, d]``: each token's cos (index 0) and sin (1) for q and k heads, and (1, 0) for v
-    heads, so that ``(states.view(n, 2, heads_total, d) * rotation).sum(1)`` is rotary applied to q and k."""
+def _rotary_table(weights: StaticWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, 2, d]``: each token's cos (index 0) and sin (1), the rotary's scaling folded in."""
     freqs = positions.unsqueeze(1).float() * weights.inv_freq  # [n, d/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [n, d]
     table = torch.stack((angles.cos(), angles.sin()), dim=1)  # [n, 2, d]
     if weights.rope_scale != 1.0:
         table = table * weights.rope_scale
-    if table.dtype != dtype:
-        table = table.to(dtype)
+    return table if table.dtype == dtype else table.to(dtype)
+
+
+def _rotation(weights: StaticWeights, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, 2, heads + 2 kv, d]``: each token's cos (index 0) and sin (1) for q and k heads, and (1, 0) for v
+    heads, so that ``(states.view(n, 2, heads_total, d) * rotation).sum(1)`` is rotary applied to q and k."""
+    table = _rotary_table(weights, positions, dtype)
     count = positions.shape[0]
     rotated = table.unsqueeze(2).expand(count, 2, weights.heads + weights.kv_heads, weights.head_dim)
     return torch.cat((rotated, weights.unrotated.expand(count, 2, weights.kv_heads, weights.head_dim)), dim=2)
-
-
-def squarings(tokens: int) -> int:
-    """How many squarings ``_ancestors`` needs for a step of ``tokens`` tokens: a chain's longest path is
-    ``tokens - 1`` links, and each squaring doubles the links a path may take.
-
-    >>> [squarings(tokens) for tokens in (1, 2, 3, 8, 9, 512)]
-    [0, 1, 1, 3, 3, 9]
-    """
-    return math.ceil(math.log2(tokens - 1)) if tokens > 2 else tokens - 1
-
-
-def _ancestors(parents: torch.Tensor, dtype: torch.dtype, depth: int | None = None) -> torch.Tensor:
-    """``[B, T, T]`` 0/1: entry ``[b, i, j]`` is 1 when step token ``j`` is ``i`` or an ancestor of ``i``
-    (``parents[b, i]``: i's parent, -1 for none). Pointer doubling by squaring: ``depth`` products, at least
-    ``squarings(T)`` (its default; more change nothing), so that a forward traced with T symbolic needs no T."""
-    count = parents.shape[1]
-    columns = torch.arange(count, device=parents.device)
-    linked = (parents.unsqueeze(-1) == columns) | torch.eye(count, dtype=torch.bool, device=parents.device)
-    reach = linked.to(dtype)
-    for _ in range(squarings(count) if depth is None else depth):
-        reach = torch.bmm(reach, reach).clamp_max_(1)
-    return reach
 
 
 def _attention_mask(
@@ -226,14 +232,7 @@ def _attention_mask(
 ) -> torch.Tensor:
     """The additive ``[B, 1, T, attended]`` mask: cache slot s is seen by every token when ``s < length``, and
     by token i when ``s = length + j`` for j an ancestor of i (or i itself); every other slot is masked."""
-    count = parents.shape[1]
-    reach = _ancestors(parents, dtype, depth)  # [B, T, T]
-    relative = torch.arange(attended, device=parents.device) - lengths.unsqueeze(1)  # [B, L]: slot - length
-    in_step = reach.gather(2, relative.clamp(0, count - 1).unsqueeze(1).expand(-1, count, -1))  # [B, T, L]
-    prefix = relative < 0
-    step = (relative < count) & ~prefix
-    seen = in_step * step.unsqueeze(1) + prefix.unsqueeze(1)
-    return ((seen - 1) * torch.finfo(dtype).max).unsqueeze(1)
+    return mask_from_reach(ancestors(parents, dtype, depth), lengths, attended, dtype)
 
 
 def static_forward(
@@ -250,6 +249,14 @@ def static_forward(
     token_ids, positions, parents, read_rows, lengths, rows = inputs.split(sizes)
     dtype = weights.embed.dtype
     hidden = F.embedding(token_ids, weights.embed)  # [n, hidden]
+    if weights.tree_kernel:
+        table = _rotary_table(weights, positions, dtype)
+        for layer, cache in zip(weights.layers, caches, strict=True):
+            states = _qkv(layer, _rms_norm(hidden, layer.input_norm, weights.eps))
+            attended = tree_attention(states, table, cache, parents.view(sequences, tokens), lengths, rows,
+                                      weights.heads, weights.scaling)
+            hidden = _mlp_block(weights, layer, torch.addmm(hidden, attended, layer.out))
+        return _read(weights, hidden, read_rows, sequences, tokens, top_k, out)
     rotation = _rotation(weights, positions, dtype)
     mask = _attention_mask(parents.view(sequences, tokens), lengths, caches[0].shape[2], dtype, depth)
     group = weights.heads // weights.kv_heads
@@ -259,10 +266,30 @@ def static_forward(
     write_slots = (lengths.unsqueeze(1) + torch.arange(tokens, device=lengths.device)).view(count, 1)  # [n, 1]
     destination = (write_rows, weights.kv_columns, write_slots)  # [n, 1], [2 kv], [n, 1]
     for layer, cache in zip(weights.layers, caches, strict=True):
-        hidden = _attention_block(weights, layer, cache, hidden, rotation, mask, destination, rows, sequences)
-        normed = _rms_norm(hidden, layer.post_norm, weights.eps)
-        gate, up = torch.mm(normed, layer.gate_up).split(layer.down.shape[0], dim=1)
-        hidden = torch.addmm(hidden, F.silu(gate) * up, layer.down)
+        hidden = _mlp_block(weights, layer, _attention_block(weights, layer, cache, hidden, rotation, mask,
+                                                             destination, rows, sequences))
+    return _read(weights, hidden, read_rows, sequences, tokens, top_k, out)
+
+
+def _qkv(layer: _Layer, normed: torch.Tensor) -> torch.Tensor:
+    """The layer's fused q/k/v projection of ``normed`` ``[n, hidden]``."""
+    if layer.qkv_bias is None:
+        return torch.mm(normed, layer.qkv)
+    return torch.addmm(layer.qkv_bias, normed, layer.qkv)
+
+
+def _mlp_block(weights: StaticWeights, layer: _Layer, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden + down(silu(gate) * up)`` of the post-attention norm of ``hidden`` ``[n, hidden]``."""
+    normed = _rms_norm(hidden, layer.post_norm, weights.eps)
+    gate, up = torch.mm(normed, layer.gate_up).split(layer.down.shape[0], dim=1)
+    return torch.addmm(hidden, F.silu(gate) * up, layer.down)
+
+
+def _read(
+    weights: StaticWeights, hidden: torch.Tensor, read_rows: torch.Tensor, sequences: int, tokens: int, top_k: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the rows read and their ids (``static_forward``'s return)."""
     read = _rms_norm(hidden.index_select(0, read_rows), weights.norm, weights.eps)
     logits = torch.mm(read, weights.head, out=None if out is None else out[0]).view(sequences, tokens, -1)
     return logits, row_ids(logits, top_k, None if out is None else out[1])
@@ -294,11 +321,7 @@ def _attention_block(
 ) -> torch.Tensor:
     """``hidden + o(attention(norm(hidden)))`` for ``[n, hidden]``; writes the step's keys/values into ``cache``."""
     count, heads, kv_heads, dim = hidden.shape[0], weights.heads, weights.kv_heads, weights.head_dim
-    normed = _rms_norm(hidden, layer.input_norm, weights.eps)
-    if layer.qkv_bias is None:
-        states = torch.mm(normed, layer.qkv)
-    else:
-        states = torch.addmm(layer.qkv_bias, normed, layer.qkv)
+    states = _qkv(layer, _rms_norm(hidden, layer.input_norm, weights.eps))
     states = (states.view(count, 2, heads + 2 * kv_heads, dim) * rotation).sum(1)  # rotary on q, k
     query, new = states.split((heads, 2 * kv_heads), dim=1)
     cache.index_put_(destination, new)  # token i's keys and values at (its row, every KV head, its slot)

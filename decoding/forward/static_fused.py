@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch._dynamo
 
-from decoding.forward.static_forward import StaticWeights, squarings, static_forward
+from decoding.forward.static_forward import StaticWeights, static_forward
 from decoding.forward.static_inputs import Bucket
+from decoding.forward.tree_attention import squarings
 
 __all__ = ["TOKEN_CLASSES", "FusedForwards", "token_class"]
 

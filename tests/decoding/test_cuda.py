@@ -209,3 +209,13 @@ def test_a_seed_gives_the_same_tokens_on_cuda_alone_batched_and_through_graphs(c
     assert run_batch(streams, BatchPolicy(max_step_tokens=256, prefill_chunk=4), join_at={1: 3}) == expected
     runner = graphed(cuda_tiny)
     assert static_decode(cuda_tiny, runner, PROMPTS, [config] * len(PROMPTS), seeded) == expected
+
+
+def test_the_tree_attention_kernel_on_cuda(no_tf32):
+    """The static step's attention kernel (Triton, compiled for this GPU) against its reference over a grid of
+    shapes, then greedy decodes through captured graphs with it in every layer (heads of 16: the tiny models' 8
+    are too narrow for it): lookahead == greedy == the eager loop."""
+    from tests.decoding.forward.tree_kernel_check import decode_mismatches, mismatches
+
+    assert mismatches(CUDA) == []
+    assert decode_mismatches(CUDA) == []

@@ -1,0 +1,192 @@
+"""The static step's attention as one kernel a layer: rotary on the queries and the step's keys, the step's keys and
+values written into the KV pool, and attention over the pool row's prefix and the step's token tree.
+
+Contract: ``tree_attention(states, rotation, cache, parents, lengths, rows, heads, scaling)`` (the custom op
+``torch.ops.lookahead.tree_attention``) for a step of ``B`` sequences x ``T`` tokens (``n = B * T``, token-major):
+
+- ``states`` ``[n, (heads + 2 kv) * d]``: the fused q/k/v projection, not rotated;
+- ``rotation`` ``[n, 2, d]``: each token's cos (index 0) and sin (1), the rotary's scaling folded in;
+- ``cache`` ``[rows, 2 kv, L, d]``: one layer's pool view (key heads, then value heads), **written**: token ``t`` of
+  sequence ``b`` puts its rotated keys and its values at ``cache[rows[b], :, lengths[b] + t]`` (every ``t < T``:
+  padding tokens too, into slots past the real ones, as ``decoding.forward.static`` lays them);
+- ``parents`` ``[B, T]`` int64: each step token's parent, an earlier token of its sequence's step, or -1 (none);
+- ``lengths``, ``rows`` ``[B]`` int64: each sequence's cached length and pool row.
+
+It returns ``[n, heads * d]``, the model's head order: each query head's softmax-weighted values over the slots
+its token sees, the first ``lengths[b]`` slots of its row and the step tokens that are the token itself or its
+ancestors (grouped heads share a key head: query head ``h`` reads key head ``h // (heads / kv)``), scores scaled by
+``scaling``. A padding token (parent -1) gets a finite row nobody reads.
+
+Two implementations behind the one op. On CUDA, where Triton is installed, one Triton kernel
+(``decoding.forward.tree_kernel``) does all of the above in a single launch: a program per block of query rows of
+one sequence and key head (a row is a ``(token, group head)`` pair, so a key block is loaded once for the group);
+the step's own keys are rotated from ``states`` by whoever reads them and written by the program that owns the
+token, so no program waits on another; and each program walks its rows' ancestors through ``parents``, so no
+ancestor closure is built. Elsewhere (the CPU, which rehearses CUDA's code path) the same arithmetic runs in torch
+ops (``reference``). Either way the compiled step sees one library call a layer where it saw five kernels (the
+rotation, the key/value write, the two gathers, attention) and no squarings of an ancestor closure:
+``bench.kernels`` counts what a GPU launches. ``eligible(head_dim)``: the head sizes the kernel takes (a power of
+two, at least 16: ``tl.dot``'s smallest side). The kernel agrees with the reference to float tolerance (a row's sums
+run in another order); the CPU suite runs it through Triton's interpreter against the reference
+(``tests/decoding/forward/test_tree_attention.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ancestors", "eligible", "mask_from_reach", "reference", "squarings", "triton_available", "tree_attention"]
+
+MIN_HEAD_DIM = 16  # tl.dot's smallest side
+
+log = logging.getLogger(__name__)
+
+
+def eligible(head_dim: int) -> bool:
+    """Whether the kernel takes heads of ``head_dim`` (a power of two, at least ``MIN_HEAD_DIM``).
+
+    >>> [eligible(size) for size in (8, 16, 64, 96, 128)]
+    [False, True, True, False, True]
+    """
+    return head_dim >= MIN_HEAD_DIM and head_dim & (head_dim - 1) == 0
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports here (the GPU image has it; the CPU suite installs it for its interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def squarings(tokens: int) -> int:
+    """How many squarings ``ancestors`` needs for a step of ``tokens`` tokens: a chain's longest path is
+    ``tokens - 1`` links, and each squaring doubles the links a path may take.
+
+    >>> [squarings(tokens) for tokens in (1, 2, 3, 8, 9, 512)]
+    [0, 1, 1, 3, 3, 9]
+    """
+    return math.ceil(math.log2(tokens - 1)) if tokens > 2 else tokens - 1
+
+
+def ancestors(parents: torch.Tensor, dtype: torch.dtype, depth: int | None = None) -> torch.Tensor:
+    """``[B, T, T]`` 0/1: entry ``[b, i, j]`` is 1 when step token ``j`` is ``i`` or an ancestor of ``i``
+    (``parents[b, i]``: i's parent, -1 for none). Pointer doubling by squaring: ``depth`` products, at least
+    ``squarings(T)`` (its default; more change nothing), so that a forward traced with T symbolic needs no T."""
+    count = parents.shape[1]
+    columns = torch.arange(count, device=parents.device)
+    linked = (parents.unsqueeze(-1) == columns) | torch.eye(count, dtype=torch.bool, device=parents.device)
+    reach = linked.to(dtype)
+    for _ in range(squarings(count) if depth is None else depth):
+        reach = torch.bmm(reach, reach).clamp_max_(1)
+    return reach
+
+
+def mask_from_reach(reach: torch.Tensor, lengths: torch.Tensor, attended: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``[B, 1, T, attended]`` mask of ``reach`` ``[B, T, T]``: cache slot s is seen by every token when
+    ``s < length``, and by token i when ``s = length + j`` for j in ``reach[b, i]``; every other slot is masked."""
+    count = reach.shape[1]
+    relative = torch.arange(attended, device=reach.device) - lengths.unsqueeze(1)  # [B, L]: slot - length
+    in_step = reach.gather(2, relative.clamp(0, count - 1).unsqueeze(1).expand(-1, count, -1))  # [B, T, L]
+    prefix = relative < 0
+    step = (relative < count) & ~prefix
+    seen = in_step * step.unsqueeze(1) + prefix.unsqueeze(1)
+    return ((seen - 1) * torch.finfo(dtype).max).unsqueeze(1)
+
+
+def _rotate(heads: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotary on ``heads`` ``[n, h, d]`` with ``rotation`` ``[n, 2, d]`` (cos, sin), rotate-half convention."""
+    half = heads.shape[-1] // 2
+    turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+    return heads * rotation[:, :1] + turned * rotation[:, 1:]
+
+
+def reference(
+    states: torch.Tensor, rotation: torch.Tensor, cache: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor,
+    rows: torch.Tensor, heads: int, scaling: float,
+) -> torch.Tensor:
+    """The op in torch ops, on any device (module contract)."""
+    sequences, tokens = parents.shape
+    count, kv_heads, dim = states.shape[0], cache.shape[1] // 2, cache.shape[3]
+    split = states.view(count, heads + 2 * kv_heads, dim)
+    rotated = _rotate(split[:, : heads + kv_heads], rotation)
+    query = rotated[:, :heads]
+    new = torch.cat((rotated[:, heads:], split[:, heads + kv_heads :]), dim=1)  # [n, 2 kv, d]
+    write_rows = rows.unsqueeze(1).expand(sequences, tokens).reshape(count, 1)
+    write_slots = (lengths.unsqueeze(1) + torch.arange(tokens, device=lengths.device)).view(count, 1)
+    columns = torch.arange(2 * kv_heads, device=cache.device)
+    cache.index_put_((write_rows, columns, write_slots), new)
+    keys, values = cache.index_select(0, rows).split(kv_heads, dim=1)  # [B, kv, L, d]
+    mask = mask_from_reach(ancestors(parents, states.dtype), lengths, cache.shape[2], states.dtype)
+    query = query.view(sequences, tokens, heads, dim).transpose(1, 2)  # [B, heads, T, d]
+    output = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                            enable_gqa=kv_heads != heads)
+    return output.transpose(1, 2).reshape(count, heads * dim)
+
+
+@torch.library.custom_op("lookahead::tree_attention", mutates_args=("cache",))
+def tree_attention(
+    states: torch.Tensor, rotation: torch.Tensor, cache: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor,
+    rows: torch.Tensor, heads: int, scaling: float,
+) -> torch.Tensor:
+    """The op (module contract): the Triton kernel on CUDA where Triton is installed (and on the CPU under Triton's
+    interpreter, ``TRITON_INTERPRET=1``: how the CPU suite runs it), else ``reference``. Should the kernel raise
+    (a Triton that cannot compile it for this device), the failure is logged and the reference serves from then on;
+    the warm-up runs before each capture meet such a failure, never the capture itself."""
+    global _kernel_failed
+    if not _kernel_failed and triton_available() and (states.device.type == "cuda" or _interpreting()):
+        try:
+            return launch(states, rotation, cache, parents, lengths, rows, heads, scaling)
+        except Exception:  # a kernel that does not compile here: the reference serves from now on
+            log.exception("the tree attention kernel failed; its reference in torch ops runs from now on")
+            _kernel_failed = True
+    return reference(states, rotation, cache, parents, lengths, rows, heads, scaling)
+
+
+_kernel_failed = False  # set when the kernel raised once (logged): every later call runs ``reference``
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter here (``TRITON_INTERPRET=1``), which takes CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@tree_attention.register_fake
+def _(states, rotation, cache, parents, lengths, rows, heads, scaling):
+    return states.new_empty((states.shape[0], heads * cache.shape[3]))
+
+
+def launch(
+    states: torch.Tensor, rotation: torch.Tensor, cache: torch.Tensor, parents: torch.Tensor, lengths: torch.Tensor,
+    rows: torch.Tensor, heads: int, scaling: float, block_keys: int = 64,
+) -> torch.Tensor:
+    """Run the Triton kernel (module contract); on a CPU tensor only under ``TRITON_INTERPRET=1``. ``cache``'s last
+    dimension must be contiguous (the other inputs are made so). Sums in float32 whatever the dtype; the output has
+    ``states``' dtype."""
+    sequences, tokens = parents.shape
+    kv_heads, dim = cache.shape[1] // 2, cache.shape[3]
+    group = heads // kv_heads
+    if not eligible(dim) or cache.stride(3) != 1:
+        raise ValueError(f"the tree attention kernel takes power-of-two heads of 16 or more, got {dim}")
+    query_rows = tokens * group
+    block_rows = 16 if query_rows <= 16 else 32 if query_rows <= 32 else 64
+    states, rotation, parents, lengths, rows = (tensor.contiguous() for tensor in (states, rotation, parents, lengths,
+                                                                                  rows))
+    output = states.new_empty((states.shape[0], heads * dim))
+    grid = (math.ceil(query_rows / block_rows), sequences * kv_heads)
+    from decoding.forward.tree_kernel import kernel
+
+    kernel[grid](
+        states, rotation, cache, parents, lengths, rows, output,
+        states.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), tokens, scaling * math.log2(math.e),
+        HEADS=heads, KV=kv_heads, GROUP=group, D=dim, BLOCK_R=block_rows, BLOCK_N=block_keys,
+    )
+    return output

@@ -1,0 +1,130 @@
+"""The Triton kernel of ``decoding.forward.tree_attention`` (its module contract; imported only where the op runs
+it: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``).
+
+One program per block of ``BLOCK_R`` query rows of one sequence and one key head. A query row is a ``(token, group
+head)`` pair, token-major, so the group's heads share each key block the program loads. The program
+
+1. rotates its rows' queries (rotate-half convention, ``rotation``'s cos and sin) and scales them by ``scale``
+   (the attention's scaling times log2(e): the softmax runs in base 2);
+2. writes the rotated keys and the values of the tokens whose first query row is its own (each token once) into
+   the pool at ``length + t`` of its sequence's row;
+3. attends: an online softmax over the row's ``length`` cached slots, then over the step's tokens, whose keys it
+   rotates from ``states`` itself (never from the pool: another program may still be writing them), each step
+   token seen by the rows whose token it is or whose ancestor it is: the program walks its rows' parents (an
+   ancestor is an earlier token, so the walk ends within ``T`` hops, and the step's tokens after the program's last
+   are never read).
+
+Sums run in float32 with IEEE products (no TF32), in slot order within each block.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotated(base, tok, column, live, cos, sin, d, partner, sign):
+    """Rows ``tok`` (offsets) of ``base`` at ``column`` + ``d``, rotated (rotate-half convention)."""
+    x = tl.load(base + tok[:, None] + column[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    turned = tl.load(base + tok[:, None] + column[:, None] + partner[None, :], mask=live[:, None], other=0.0)
+    return x.to(tl.float32) * cos.to(tl.float32) + sign[None, :] * turned.to(tl.float32) * sin.to(tl.float32)
+
+
+@triton.jit
+def _lineage(parents, token, j, T):
+    """``[rows, keys]``: whether step token ``j`` is ``token`` (-1: none) or one of its ancestors (``parents``: the
+    sequence's parent of each step token). At most ``T`` hops."""
+    current = token.to(tl.int64)
+    seen = j[None, :] == current[:, None]
+    hops = 0
+    while (tl.max(current, 0) >= 0) & (hops < T):
+        current = tl.load(parents + current, mask=current >= 0, other=-1)
+        seen = seen | (j[None, :] == current[:, None])
+        hops += 1
+    return seen
+
+
+@triton.jit
+def kernel(states, rotation, cache, parents, lengths, rows, out, s_tok, c_row, c_head, c_slot, T, scale,
+           HEADS: tl.constexpr, KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    block = tl.program_id(0)
+    b = tl.program_id(1) // KV
+    kvh = tl.program_id(1) % KV
+    length = tl.load(lengths + b)
+    row = tl.load(rows + b)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    # This program's query rows: (token t, group head g) pairs, token-major.
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = r // GROUP
+    live = t < T
+    tok = b * T + t
+    cos = tl.load(rotation + tok[:, None] * 2 * D + d[None, :], mask=live[:, None], other=0.0)
+    sin = tl.load(rotation + tok[:, None] * 2 * D + D + d[None, :], mask=live[:, None], other=0.0)
+    q = _rotated(states, tok * s_tok, (kvh * GROUP + r % GROUP) * D, live, cos, sin, d, partner, sign) * scale
+    # The step's keys and values of the tokens whose first query row is here go into the pool.
+    first = (block * BLOCK_R + GROUP - 1) // GROUP
+    w = first + tl.arange(0, BLOCK_R)
+    owned = (w * GROUP < block * BLOCK_R + BLOCK_R) & (w < T)
+    wtok = b * T + w
+    wcos = tl.load(rotation + wtok[:, None] * 2 * D + d[None, :], mask=owned[:, None], other=0.0)
+    wsin = tl.load(rotation + wtok[:, None] * 2 * D + D + d[None, :], mask=owned[:, None], other=0.0)
+    kcol = tl.zeros([BLOCK_R], dtype=tl.int32) + (HEADS + kvh) * D
+    key = _rotated(states, wtok * s_tok, kcol, owned, wcos, wsin, d, partner, sign)
+    value = tl.load(states + wtok[:, None] * s_tok + (HEADS + KV + kvh) * D + d[None, :], mask=owned[:, None],
+                    other=0.0)
+    slot = (length + w)[:, None] * c_slot + d[None, :]
+    tl.store(cache + row * c_row + kvh * c_head + slot, key, mask=owned[:, None])
+    tl.store(cache + row * c_row + (KV + kvh) * c_head + slot, value, mask=owned[:, None])
+    # Online softmax (base 2), first over the row's prefix in the pool, then over the step's own tokens.
+    top = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    keys = cache + row * c_row + kvh * c_head
+    values = cache + row * c_row + (KV + kvh) * c_head
+    start = 0
+    while start < length:  # ``while``, not ``range``: Triton's interpreter cannot range over a tensor
+        s = start + tl.arange(0, BLOCK_N)
+        valid = s < length
+        k = tl.load(keys + s[:, None] * c_slot + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(values + s[:, None] * c_slot + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+        p = tl.exp2(scores - safe[:, None])
+        alpha = tl.exp2(top - safe)
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        top = new_top
+        start += BLOCK_N
+    last = tl.minimum(T, (block * BLOCK_R + BLOCK_R - 1) // GROUP + 1)  # past the program's last token
+    start = 0
+    while start < last:
+        j = start + tl.arange(0, BLOCK_N)
+        jvalid = j < T
+        jtok = b * T + j
+        jcos = tl.load(rotation + jtok[:, None] * 2 * D + d[None, :], mask=jvalid[:, None], other=0.0)
+        jsin = tl.load(rotation + jtok[:, None] * 2 * D + D + d[None, :], mask=jvalid[:, None], other=0.0)
+        jcol = tl.zeros([BLOCK_N], dtype=tl.int32) + (HEADS + kvh) * D
+        k = _rotated(states, jtok * s_tok, jcol, jvalid, jcos, jsin, d, partner, sign)
+        v = tl.load(states + jtok[:, None] * s_tok + (HEADS + KV + kvh) * D + d[None, :], mask=jvalid[:, None],
+                    other=0.0).to(tl.float32)
+        seen = _lineage(parents + b * T, tl.where(live, t, -1), j, T)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        scores = tl.where(seen, scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+        p = tl.exp2(scores - safe[:, None])
+        alpha = tl.exp2(top - safe)
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        top = new_top
+        start += BLOCK_N
+    total = tl.where(total == 0.0, 1.0, total)
+    result = acc / total[:, None]
+    columns = (kvh * GROUP + r % GROUP) * D
+    tl.store(out + tok[:, None] * (HEADS * D) + columns[:, None] + d[None, :], result, mask=live[:, None])
