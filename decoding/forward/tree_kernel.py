@@ -85,8 +85,7 @@ def kernel(states, rotation, cache, parents, lengths, rows, out, s_tok, c_row, c
     acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
     keys = cache + row * c_row + kvh * c_head
     values = cache + row * c_row + (KV + kvh) * c_head
-    start = 0
-    while start < length:  # ``while``, not ``range``: Triton's interpreter cannot range over a tensor
+    for start in range(0, length, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
         valid = s < length
         k = tl.load(keys + s[:, None] * c_slot + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
@@ -100,10 +99,8 @@ def kernel(states, rotation, cache, parents, lengths, rows, out, s_tok, c_row, c
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         top = new_top
-        start += BLOCK_N
     last = tl.minimum(T, (block * BLOCK_R + BLOCK_R - 1) // GROUP + 1)  # past the program's last token
-    start = 0
-    while start < last:
+    for start in range(0, last, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         jvalid = j < T
         jtok = b * T + j
@@ -123,7 +120,6 @@ def kernel(states, rotation, cache, parents, lengths, rows, out, s_tok, c_row, c
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         top = new_top
-        start += BLOCK_N
     total = tl.where(total == 0.0, 1.0, total)
     result = acc / total[:, None]
     columns = (kvh * GROUP + r % GROUP) * D

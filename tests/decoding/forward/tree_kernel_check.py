@@ -102,7 +102,23 @@ def decode_mismatches(device: torch.device) -> list[str]:
     return failed
 
 
+def index_scalars_in_the_interpreter() -> None:
+    """Triton 3.6's interpreter makes a scalar into an index (a loop bound, ``range(0, length, ...)``) with ``int()``
+    of a one-element array, which numpy 2 refuses; numpy 1 took it. Index through ``.item()`` instead: a fix to the
+    interpreter for this run, the kernel as compiled for a GPU is untouched."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch
+
+
 def main() -> int:
+    index_scalars_in_the_interpreter()
     failed = mismatches(torch.device("cpu")) + decode_mismatches(torch.device("cpu"))
     for line in failed:
         print("MISMATCH", line)
