@@ -265,9 +265,10 @@ def part_lines(name: str, section: dict) -> list[str]:
     if name == "step_cost" and results.get("rows"):
         lines += [f"model: {results.get('model')}; complete: {results.get('complete')}", ""]
         lines += ["Step cost (ms, CUDA events, median):", ""]
-        lines += _table(("batch", "k", "forward_packed", "static eager", "static graph", "whole static step (graph)"),
+        lines += _table(("batch", "k", "forward_packed", "static eager", "static graph", "whole static step (graph)",
+                         "graph, SDPA attention"),
                         [(row["batch"], row["k"], row.get("forward_packed_ms"), row["static_eager_ms"],
-                          row["static_graphs_ms"], row["static_graphs_whole_step_ms"])
+                          row["static_graphs_ms"], row["static_graphs_whole_step_ms"], row.get("static_graphs_sdpa_ms"))
                          for row in results["rows"] if "k" in row])
     if name == "fused_step_cost" and results.get("rows"):
         lines += [f"model: {results.get('model')}; complete: {results.get('complete')}", ""]

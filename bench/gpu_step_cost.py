@@ -1,14 +1,15 @@
 """The GPU check's step-cost part, run in its own process: what one step of k tokens costs on the GPU.
 
-Contract: ``python -m bench.gpu_step_cost --out FILE [--random-weights]`` times one step of k tokens
-(``STEP_KS``: 1..128) over ``CONTEXT`` (300) cached tokens for 1, 4 and 8 sequences, on the default model in
-float32 (or, with ``--random-weights`` or when it does not load, random weights of its exact shape: the same
-kernels, the same times): today's eager ``forward_packed`` (batch 1), the static step run eagerly, and its CUDA
-graph replayed (CUDA events, median of ``REPEATS`` runs), and the whole static step as the engine runs it through
-graphs (host work included). With ``--fused``, the fused step instead (``"fused"``: the forward compiled
-by inductor, captured) for ``FUSED_ROWS``: replayed, whole, and the seconds of each row's first build (a new
-class compiles there). FILE is rewritten after every row as ``{"model", "rows", "complete"}``, so a run cut
-off by its time budget keeps the rows it measured; the captures follow the rows. Exit status 2 without CUDA.
+Contract: ``python -m bench.gpu_step_cost --out FILE [--random-weights]`` times one step of k tokens (``STEP_KS``:
+1..128) over ``CONTEXT`` (300) cached tokens for 1, 4 and 8 sequences, on the default model in float32 (or, with
+``--random-weights`` or when it does not load, random weights of its exact shape: the same kernels, the same times):
+today's eager ``forward_packed`` (batch 1), the static step run eagerly, and its CUDA graph replayed (CUDA events,
+median of ``REPEATS`` runs), and the whole static step as the engine runs it through graphs (host work included),
+and for one sequence the graph with the attention of before the tree kernel (``static_graphs_sdpa_ms``: SDPA over
+gathered keys, ``tree_kernel=False``). With ``--fused``, the fused step instead (``"fused"``: the forward compiled
+by inductor, captured) for ``FUSED_ROWS``: replayed, whole, and the seconds of each row's first build (a new class
+compiles there). FILE is rewritten after every row as ``{"model", "rows", "complete"}``, so a run cut off by its
+time budget keeps the rows it measured; the captures follow the rows. Exit status 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
 
     runners = {mode: StaticStep(model, KVPool(model, max(STEP_BATCHES), 1024, scratch_tokens=256), mode)
                for mode in ("eager", "graphs")}
+    # One stream through graphs with attention as before the tree kernel (SDPA over gathered keys): what it pays.
+    runners["graphs_sdpa"] = StaticStep(model, KVPool(model, 1, 1024, scratch_tokens=256), "graphs", tree_kernel=False)
     with torch.inference_mode():
         caches = {}
         for mode, runner in runners.items():
-            caches[mode] = [runner.pool.acquire(1024) for _ in range(max(STEP_BATCHES))]
+            caches[mode] = [runner.pool.acquire(1024) for _ in range(runner.pool.sequences)]
             for cache in caches[mode]:
                 forward_batch(model, [Slice(PROMPT, torch.arange(CONTEXT), None, torch.arange(1), cache)], runner)
         for batch in STEP_BATCHES:
@@ -91,6 +94,8 @@ def step_cost(model: torch.nn.Module, emit: Callable[[dict], None]) -> None:
                 row = {"batch": batch, "k": k}
                 steps = {}
                 for mode, runner in runners.items():
+                    if batch > runner.pool.sequences:
+                        continue
                     slices = [Slice(list(range(5, 5 + k)), torch.arange(CONTEXT, CONTEXT + k), None, torch.arange(k),
                                     cache, tuple(range(-1, k - 1))) for cache in caches[mode][:batch]]
                     compiled = runner.prepare(slices)

@@ -188,12 +188,13 @@ class StaticStep:
     captures that failed on a device still usable (the step then runs eagerly, or after a failed ``"fused"``
     capture as ``"graphs"``; logged). ``rehearsal``: ``"graphs"`` or ``"fused"`` off CUDA.
     ``top_k``: the top ids every forward computes per read row (at most the vocabulary), for slices that want them
-    (``Slice.top_k``; a slice wanting more reads them off its logits itself).
+    (``Slice.top_k``; a slice wanting more reads them off its logits itself). ``tree_kernel``: whether CUDA's path
+    attends through ``decoding.forward.tree_attention`` (None: where it takes the heads, ``prepare_weights``).
     """
 
     def __init__(
         self, model: PreTrainedModel, pool: KVPool, mode: str = "eager", backend: str | Callable = "inductor",
-        max_bucket_tokens: int = MAX_BUCKET_TOKENS, top_k: int = MAX_TOP_TOKENS,
+        max_bucket_tokens: int = MAX_BUCKET_TOKENS, top_k: int = MAX_TOP_TOKENS, tree_kernel: bool | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -203,7 +204,7 @@ class StaticStep:
         self.device = pool.storage.device
         self.rehearsal = mode in CAPTURED and self.device.type != "cuda"
         pool.staged = pool.staged or self.rehearsal  # a rehearsal stages the pool's moves as CUDA does
-        self.weights = prepare_weights(model, "cuda" if mode in CAPTURED else None)
+        self.weights = prepare_weights(model, "cuda" if mode in CAPTURED else None, tree_kernel)
         self.max_bucket_tokens = max_bucket_tokens
         self.vocab = self.weights.embed.shape[0]
         self.top_k = min(top_k, self.vocab)
