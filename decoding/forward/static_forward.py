@@ -12,9 +12,9 @@ No Python value depends on the step's data, so ``torch.compile(fullgraph=True, d
 graph per shape and a CUDA graph can capture it. About 21 ATen ops a layer. On CUDA's path, where the tree kernel
 takes the model's heads (``prepare_weights``' ``tree_kernel``), a layer's rotary, key/value write, gathers, mask and
 attention are instead one op, ``decoding.forward.tree_attention`` (one Triton kernel on a GPU), over q/k/v without
-the rotate-half columns: about 11 ATen ops a layer eagerly (views included), 8 kernels compiled (``bench.kernels``),
-and no mask or ancestor closure per step. The runner around it (buckets, the input buffer, capture):
-``decoding.forward.static``.
+the rotate-half columns: about 10.5 ATen ops a layer eagerly (views included), 8 kernels compiled
+(``bench.kernels``), and per step one op for the tree's reach (``tree_reach``) where the mask and its closure were.
+The runner around it (buckets, the input buffer, capture): ``decoding.forward.static``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from decoding.forward.tree_attention import (
     eligible,
     mask_from_reach,
     tree_attention,
+    tree_reach,
     triton_available,
 )
 
@@ -251,10 +252,10 @@ def static_forward(
     hidden = F.embedding(token_ids, weights.embed)  # [n, hidden]
     if weights.tree_kernel:
         table = _rotary_table(weights, positions, dtype)
+        reach = tree_reach(parents.view(sequences, tokens))
         for layer, cache in zip(weights.layers, caches, strict=True):
             states = _qkv(layer, _rms_norm(hidden, layer.input_norm, weights.eps))
-            attended = tree_attention(states, table, cache, parents.view(sequences, tokens), lengths, rows,
-                                      weights.heads, weights.scaling)
+            attended = tree_attention(states, table, cache, reach, lengths, rows, weights.heads, weights.scaling)
             hidden = _mlp_block(weights, layer, torch.addmm(hidden, attended, layer.out))
         return _read(weights, hidden, read_rows, sequences, tokens, top_k, out)
     rotation = _rotation(weights, positions, dtype)

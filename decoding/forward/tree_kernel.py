@@ -1,8 +1,9 @@
-"""The Triton kernel of ``decoding.forward.tree_attention`` (its module contract; imported only where the op runs
-it: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``).
+"""The Triton kernels of ``decoding.forward.tree_attention`` (its module contract; imported only where the ops run
+them: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``).
 
-One program per block of ``BLOCK_R`` query rows of one sequence and one key head. A query row is a ``(token, group
-head)`` pair, token-major, so the group's heads share each key block the program loads. The program
+``kernel``, the attention: one program per block of ``BLOCK_R`` query rows of one sequence and one key head. A query
+row is a ``(token, group head)`` pair, token-major, so the group's heads share each key block the program loads. The
+program
 
 1. rotates its rows' queries (rotate-half convention, ``rotation``'s cos and sin) and scales them by ``scale``
    (the attention's scaling times log2(e): the softmax runs in base 2);
@@ -10,9 +11,10 @@ head)`` pair, token-major, so the group's heads share each key block the program
    the pool at ``length + t`` of its sequence's row;
 3. attends: an online softmax over the row's ``length`` cached slots, then over the step's tokens, whose keys it
    rotates from ``states`` itself (never from the pool: another program may still be writing them), each step
-   token seen by the rows whose token it is or whose ancestor it is: the program walks its rows' parents (an
-   ancestor is an earlier token, so the walk ends within ``T`` hops, and the step's tokens after the program's last
-   are never read).
+   token seen where ``reach`` says so (an ancestor is an earlier token, so the step's tokens after the program's
+   last are never read).
+
+``reach_kernel`` builds ``reach`` once a step (``tree_reach``).
 
 Sums run in float32 with IEEE products (no TF32), in slot order within each block.
 """
@@ -32,21 +34,29 @@ def _rotated(base, tok, column, live, cos, sin, d, partner, sign):
 
 
 @triton.jit
-def _lineage(parents, token, j, T):
-    """``[rows, keys]``: whether step token ``j`` is ``token`` (-1: none) or one of its ancestors (``parents``: the
-    sequence's parent of each step token). At most ``T`` hops."""
-    current = token.to(tl.int64)
-    seen = j[None, :] == current[:, None]
+def reach_kernel(parents, reach, T, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``reach[b, i, j]`` = 1 where step token ``j`` is ``i`` or an ancestor of ``i``, else 0, for a block of rows
+    ``i`` of sequence ``b``: the rows zeroed, then each walks up its parents (an ancestor is an earlier token: at
+    most ``T`` hops)."""
+    b = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = i < T
+    rows = reach + b * T * T + i.to(tl.int64) * T
+    for start in range(0, T, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        tl.store(rows[:, None] + j[None, :], tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.uint8),
+                 mask=live[:, None] & (j < T)[None, :])
+    tl.debug_barrier()  # the zeros land before the walk's ones
+    current = tl.where(live, i, -1).to(tl.int64)
     hops = 0
-    while (tl.max(current, 0) >= 0) & (hops < T):
-        current = tl.load(parents + current, mask=current >= 0, other=-1)
-        seen = seen | (j[None, :] == current[:, None])
+    while (tl.max(current, 0) >= 0) & (hops <= T):
+        tl.store(rows + current, tl.full([BLOCK_R], 1, dtype=tl.uint8), mask=current >= 0)
+        current = tl.load(parents + b * T + current, mask=current >= 0, other=-1)
         hops += 1
-    return seen
 
 
 @triton.jit
-def kernel(states, rotation, cache, parents, lengths, rows, out, s_tok, c_row, c_head, c_slot, T, scale,
+def kernel(states, rotation, cache, reach, lengths, rows, out, s_tok, c_row, c_head, c_slot, T, scale,
            HEADS: tl.constexpr, KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     block = tl.program_id(0)
@@ -110,9 +120,10 @@ def kernel(states, rotation, cache, parents, lengths, rows, out, s_tok, c_row, c
         k = _rotated(states, jtok * s_tok, jcol, jvalid, jcos, jsin, d, partner, sign)
         v = tl.load(states + jtok[:, None] * s_tok + (HEADS + KV + kvh) * D + d[None, :], mask=jvalid[:, None],
                     other=0.0).to(tl.float32)
-        seen = _lineage(parents + b * T, tl.where(live, t, -1), j, T)
+        seen = tl.load(reach + b * T * T + t[:, None] * T + j[None, :], mask=live[:, None] & jvalid[None, :],
+                       other=0)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        scores = tl.where(seen, scores, float("-inf"))
+        scores = tl.where(seen != 0, scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
         safe = tl.where(new_top == float("-inf"), 0.0, new_top)
         p = tl.exp2(scores - safe[:, None])

@@ -73,11 +73,12 @@ def test_the_fused_steps_kernels_per_forward_stay_under_the_ceiling(tokens):
     """Two layers of the default model's head layout (3:1 grouped heads, heads of 16: the tree kernel takes them),
     steps of one token, eight and the CUDA preset's median lookahead step: 8 a layer (the four products, the tree
     attention op, two norms and the gate; before the op: 12) and at most 10 around them (the issue's ceiling: 8 a
-    layer plus 10), whatever the step's size (no ancestor closure: the op walks the tree)."""
+    layer plus 10), whatever the step's size (the mask's closure is one op a step, ``tree_reach``)."""
     model = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=3, num_key_value_heads=1)).eval()
     count = fused_kernels(model, tokens)
     assert count.by_call["extern_kernels.mm"] + count.by_call["extern_kernels.addmm"] == 2 * 4 + 1  # and the head
     assert count.by_call["torch.ops.lookahead.tree_attention.default"] == 2
+    assert count.by_call["torch.ops.lookahead.tree_reach.default"] == 1
     assert "extern_kernels.bmm" not in count.by_call, count
     assert count.kernels <= 2 * 8 + 10, count

@@ -28,9 +28,10 @@ CASES = [
 
 
 def random_case(sequences: int, tokens: int, heads: int, kv_heads: int, dim: int, lengths: list[int],
-                device: torch.device, seed: int = 0) -> tuple:
-    """The op's arguments for one random step: a random tree per sequence (each token's parent an earlier token or
-    none; the last two tokens padding), distinct pool rows, random cached keys."""
+                device: torch.device, seed: int = 0) -> tuple[tuple, torch.Tensor]:
+    """The attention op's arguments for one random step (its reach by the reference) and the parents: a random tree
+    per sequence (each token's parent an earlier token or none; the last two tokens padding), distinct pool rows,
+    random cached keys."""
     generator = torch.Generator().manual_seed(seed)
     count = sequences * tokens
     states = torch.randn(count, (heads + 2 * kv_heads) * dim, generator=generator)
@@ -45,19 +46,22 @@ def random_case(sequences: int, tokens: int, heads: int, kv_heads: int, dim: int
         for token in range(1, max(1, tokens - 2)):
             parents[sequence, token] = int(torch.randint(-1, token, (), generator=generator))
     rows = torch.randperm(sequences + 1, generator=generator)[:sequences]
-    moved = (states, rotation, cache, parents, torch.tensor(lengths), rows)
-    return (*(tensor.to(device).contiguous() for tensor in moved), heads, 0.125)
+    moved = (states, rotation, cache, tree_attention.reference_reach(parents), torch.tensor(lengths), rows)
+    return (*(tensor.to(device).contiguous() for tensor in moved), heads, 0.125), parents.to(device)
 
 
 def mismatches(device: torch.device, tolerance: float = 1e-4) -> list[str]:
-    """Every case of ``CASES`` run through the kernel (key blocks of 16) and the reference: a line per case whose
-    outputs or written caches differ by more than ``tolerance``."""
+    """Every case of ``CASES`` run through the kernels (key blocks of 16) and the references: a line per case whose
+    reach differs, or whose outputs or written caches differ by more than ``tolerance``."""
     failed = []
     for case in CASES:
-        states, rotation, cache, parents, lengths, rows, heads, scaling = random_case(*case, device=device)
+        (states, rotation, cache, reach, lengths, rows, heads, scaling), parents = random_case(*case, device=device)
+        walked = tree_attention.launch_reach(parents, block_rows=4, block_keys=16)
+        if not torch.equal(walked, reach):
+            failed.append(f"{case}: the walked reach differs from the closure's")
         expected_cache, kernel_cache = cache.clone(), cache.clone()
-        expected = tree_attention.reference(states, rotation, expected_cache, parents, lengths, rows, heads, scaling)
-        output = tree_attention.launch(states, rotation, kernel_cache, parents, lengths, rows, heads, scaling,
+        expected = tree_attention.reference(states, rotation, expected_cache, reach, lengths, rows, heads, scaling)
+        output = tree_attention.launch(states, rotation, kernel_cache, reach, lengths, rows, heads, scaling,
                                        block_keys=16)
         error = (output - expected).abs().max().item()
         cache_error = (kernel_cache - expected_cache).abs().max().item()
