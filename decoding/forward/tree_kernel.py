@@ -34,6 +34,26 @@ def _rotated(base, tok, column, live, cos, sin, d, partner, sign):
 
 
 @triton.jit
+def _cos_sin(rotation, tok, live, d, D: tl.constexpr):
+    """Rows ``tok`` of ``rotation`` ``[n, 2, D]``: their cos and their sin."""
+    cos = tl.load(rotation + tok[:, None] * 2 * D + d[None, :], mask=live[:, None], other=0.0)
+    sin = tl.load(rotation + tok[:, None] * 2 * D + D + d[None, :], mask=live[:, None], other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _online(q, k, v, visible, top, total, acc):
+    """One key block of the online softmax (base 2): scores ``q @ k^T`` where ``visible``, folded into the running
+    maximum ``top``, sum ``total`` and weighted values ``acc``; a row that sees nothing yet keeps zeros."""
+    scores = tl.where(visible, tl.dot(q, tl.trans(k), input_precision="ieee"), float("-inf"))
+    new_top = tl.maximum(top, tl.max(scores, 1))
+    safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+    p = tl.exp2(scores - safe[:, None])
+    alpha = tl.exp2(top - safe)
+    return new_top, total * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+
+
+@triton.jit
 def reach_kernel(parents, reach, T, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """``reach[b, i, j]`` = 1 where step token ``j`` is ``i`` or an ancestor of ``i``, else 0, for a block of rows
     ``i`` of sequence ``b``: the rows zeroed, then each walks up its parents (an ancestor is an earlier token: at
@@ -72,16 +92,14 @@ def kernel(states, rotation, cache, reach, lengths, rows, out, s_tok, c_row, c_h
     t = r // GROUP
     live = t < T
     tok = b * T + t
-    cos = tl.load(rotation + tok[:, None] * 2 * D + d[None, :], mask=live[:, None], other=0.0)
-    sin = tl.load(rotation + tok[:, None] * 2 * D + D + d[None, :], mask=live[:, None], other=0.0)
+    cos, sin = _cos_sin(rotation, tok, live, d, D)
     q = _rotated(states, tok * s_tok, (kvh * GROUP + r % GROUP) * D, live, cos, sin, d, partner, sign) * scale
     # The step's keys and values of the tokens whose first query row is here go into the pool.
     first = (block * BLOCK_R + GROUP - 1) // GROUP
     w = first + tl.arange(0, BLOCK_R)
     owned = (w * GROUP < block * BLOCK_R + BLOCK_R) & (w < T)
     wtok = b * T + w
-    wcos = tl.load(rotation + wtok[:, None] * 2 * D + d[None, :], mask=owned[:, None], other=0.0)
-    wsin = tl.load(rotation + wtok[:, None] * 2 * D + D + d[None, :], mask=owned[:, None], other=0.0)
+    wcos, wsin = _cos_sin(rotation, wtok, owned, d, D)
     kcol = tl.zeros([BLOCK_R], dtype=tl.int32) + (HEADS + kvh) * D
     key = _rotated(states, wtok * s_tok, kcol, owned, wcos, wsin, d, partner, sign)
     value = tl.load(states + wtok[:, None] * s_tok + (HEADS + KV + kvh) * D + d[None, :], mask=owned[:, None],
@@ -100,37 +118,20 @@ def kernel(states, rotation, cache, reach, lengths, rows, out, s_tok, c_row, c_h
         valid = s < length
         k = tl.load(keys + s[:, None] * c_slot + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(values + s[:, None] * c_slot + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
-        p = tl.exp2(scores - safe[:, None])
-        alpha = tl.exp2(top - safe)
-        total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        top = new_top
+        top, total, acc = _online(q, k, v, valid[None, :], top, total, acc)
     last = tl.minimum(T, (block * BLOCK_R + BLOCK_R - 1) // GROUP + 1)  # past the program's last token
     for start in range(0, last, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         jvalid = j < T
         jtok = b * T + j
-        jcos = tl.load(rotation + jtok[:, None] * 2 * D + d[None, :], mask=jvalid[:, None], other=0.0)
-        jsin = tl.load(rotation + jtok[:, None] * 2 * D + D + d[None, :], mask=jvalid[:, None], other=0.0)
+        jcos, jsin = _cos_sin(rotation, jtok, jvalid, d, D)
         jcol = tl.zeros([BLOCK_N], dtype=tl.int32) + (HEADS + kvh) * D
         k = _rotated(states, jtok * s_tok, jcol, jvalid, jcos, jsin, d, partner, sign)
         v = tl.load(states + jtok[:, None] * s_tok + (HEADS + KV + kvh) * D + d[None, :], mask=jvalid[:, None],
                     other=0.0).to(tl.float32)
         seen = tl.load(reach + b * T * T + t[:, None] * T + j[None, :], mask=live[:, None] & jvalid[None, :],
                        other=0)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        scores = tl.where(seen != 0, scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
-        p = tl.exp2(scores - safe[:, None])
-        alpha = tl.exp2(top - safe)
-        total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        top = new_top
+        top, total, acc = _online(q, k, v, seen != 0, top, total, acc)
     total = tl.where(total == 0.0, 1.0, total)
     result = acc / total[:, None]
     columns = (kvh * GROUP + r % GROUP) * D

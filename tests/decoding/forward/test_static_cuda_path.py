@@ -54,9 +54,16 @@ def test_each_code_path_and_attention_layout_gives_the_packed_forward(make, mode
     runner = StaticStep(model, KVPool(model, 2, 64, scratch_tokens=64), mode)
     weights = runner.weights
     assert (weights.fold_groups, weights.cuda_layout) == ((True, True) if mode == "graphs" else (False, False))
+    with sdpa_kernel([CPU_BACKENDS[backend]]):
+        assert_gives_the_packed_forward(runner, reference)
+
+
+def assert_gives_the_packed_forward(runner: StaticStep, reference) -> None:
+    """A prompt, then a lookahead step sharing its forward, through ``runner`` and through ``forward_packed`` on
+    ``reference`` (an identical model keeping its own layout): the same logits to float tolerance, the same argmax."""
     cache, own = runner.pool.acquire(60), new_cache(reference, 60)
     layout = step_layout(3, 2, (-1, 0, -1))
-    with torch.inference_mode(), sdpa_kernel([CPU_BACKENDS[backend]]):
+    with torch.inference_mode():
         for ids, step in (([3, 9, 4, 1, 7], None), ([5, 6, 7, 8, 9, 10, 12, 13, 14][: layout.num_tokens], layout)):
             slices = []
             for slice_cache in (cache, own):

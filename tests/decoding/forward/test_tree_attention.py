@@ -16,14 +16,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from decoding.batch import BatchEngine
 from decoding.forward import tree_attention
-from decoding.forward.kv_cache import KVPool, new_cache
-from decoding.forward.packed import forward_packed
+from decoding.forward.kv_cache import KVPool
 from decoding.forward.slices import Slice
 from decoding.forward.static import StaticStep
 from decoding.forward.static_forward import prepare_weights
-from decoding.proposers.window import step_layout
 from tests.conftest import tiny_llama
 from tests.decoding.forward.test_static import CUDA_PRESET, GRID, decode
+from tests.decoding.forward.test_static_cuda_path import assert_gives_the_packed_forward
 from tests.decoding.test_batch import PROMPTS
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -54,23 +53,7 @@ def test_the_static_step_through_the_op_gives_the_packed_forward(make):
     model, reference = make(), make()
     runner = StaticStep(model, KVPool(model, 2, 64, scratch_tokens=64), "graphs")
     assert runner.weights.tree_kernel
-    cache, own = runner.pool.acquire(60), new_cache(reference, 60)
-    layout = step_layout(3, 2, (-1, 0, -1))
-    with torch.inference_mode():
-        for ids, step in (([3, 9, 4, 1, 7], None), ([5, 6, 7, 8, 9, 10, 12, 13, 14][: layout.num_tokens], layout)):
-            slices = []
-            for slice_cache in (cache, own):
-                start = slice_cache.length
-                if step is None:
-                    slices.append(Slice(ids, torch.arange(start, start + len(ids)), None, torch.arange(len(ids)),
-                                        slice_cache))
-                else:
-                    slices.append(Slice(ids, step.offsets + start, step.visible, step.logit_rows, slice_cache,
-                                        step.parents))
-            (logits,), (argmax,) = runner.run(slices[:1])
-            (expected,) = forward_packed(reference, slices[1:])
-            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-            assert argmax == expected.argmax(dim=-1).tolist()
+    assert_gives_the_packed_forward(runner, reference)
 
 
 @pytest.mark.parametrize("config", [GRID[1], GRID[3], CUDA_PRESET], ids=["4-4-4", "copies", "cuda-preset"])
