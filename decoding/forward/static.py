@@ -139,7 +139,11 @@ def build_static_step(model: PreTrainedModel, mode: str, sequences: int) -> Stat
         log.warning("static step %s needs CUDA: rehearsing the capture on %s (CUDA's code path, no graphs)", mode,
                     model.device)
     pool = KVPool(model, sequences, context_length(model) + MAX_STEP_TOKENS, scratch_tokens=TOKEN_BUCKETS[-1])
-    return StaticStep(model, pool, mode)
+    static = StaticStep(model, pool, mode)
+    if static.weights.tree_kernel:
+        kernel = "Triton" if model.device.type == "cuda" else "its torch reference (a rehearsal)"
+        log.info("static step %s: a layer's attention is one op, the tree attention through %s", mode, kernel)
+    return static
 
 
 def warm_buckets(static: StaticStep, longest: int = 1024) -> list[Bucket]:
