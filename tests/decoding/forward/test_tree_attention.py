@@ -131,3 +131,13 @@ def test_the_cuda_paths_eager_forward_is_ten_ops_a_layer(tokens):
                        bucket.tokens)
     assert counter.ops["lookahead.tree_attention.default"] == 30 and counter.ops["lookahead.tree_reach.default"] == 1
     assert 30 * 10 <= sum(counter.ops.values()) <= 30 * 11 + 10, counter.ops
+
+
+def test_the_fused_step_through_the_op_gives_the_packed_forward():
+    """Inductor's compile of the forward around the op (its mutation of the pool re-placed in the compiled code):
+    the keys and values the op writes are there for the next step, as in the plain forward."""
+    model, reference = wide_llama(), wide_llama()
+    runner = StaticStep(model, KVPool(model, 2, 64, scratch_tokens=64), "fused")
+    assert runner.weights.tree_kernel
+    assert_gives_the_packed_forward(runner, reference)
+    assert runner.fused is not None and runner.fused.compiles >= 1
