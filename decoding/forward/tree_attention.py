@@ -21,7 +21,7 @@ head: query head ``h`` reads key head ``h // (heads / kv)``), scores scaled by `
 -1) gets a finite row nobody reads.
 
 Two implementations behind each op. On CUDA, where Triton is installed, one Triton kernel each
-(``decoding.forward.tree_kernel``). The reach is a walk up the parents per row (one launch a step, where the
+(``decoding.forward.tree_triton``). The reach is a walk up the parents per row (one launch a step, where the
 closure by squarings took ``2 log2 T``). The attention: a program per block of query rows of one sequence and key
 head (a row is a ``(token, group head)`` pair, so a key block is loaded once for the group); the step's own keys are
 rotated from ``states`` by whoever reads them and written by the program that owns the token, so no program waits on
@@ -31,7 +31,7 @@ kernels (the rotation, the key/value write, the two gathers, attention), and one
 ``bench.kernels`` counts what a GPU launches. ``eligible(head_dim)``: the head sizes the kernel takes (a power of
 two, at least 16: ``tl.dot``'s smallest side). The kernels agree with the references to float tolerance (a row's
 sums run in another order; the reach exactly); the CPU suite runs them through Triton's interpreter against the
-references (``tests/decoding/forward/tree_kernel_check.py``).
+references (``tests/decoding/forward/tree_triton_check.py``).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def _interpreting() -> bool:
 
 def launch_reach(parents: torch.Tensor, block_rows: int = 16, block_keys: int = 64) -> torch.Tensor:
     """Run ``tree_reach``'s Triton kernel (a walk up the parents per row; ``parents`` made contiguous)."""
-    from decoding.forward.tree_kernel import reach_kernel
+    from decoding.forward.tree_triton import reach_kernel
 
     parents = parents.contiguous()
     sequences, tokens = parents.shape
@@ -221,9 +221,9 @@ def launch(
                                                                                 rows))
     output = states.new_empty((states.shape[0], heads * dim))
     grid = (math.ceil(query_rows / block_rows), sequences * kv_heads)
-    from decoding.forward.tree_kernel import kernel
+    from decoding.forward.tree_triton import attention_kernel
 
-    kernel[grid](
+    attention_kernel[grid](
         states, rotation, cache, reach, lengths, rows, output,
         states.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), tokens, scaling * math.log2(math.e),
         HEADS=heads, KV=kv_heads, GROUP=group, D=dim, BLOCK_R=block_rows, BLOCK_N=block_keys,

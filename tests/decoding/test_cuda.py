@@ -215,7 +215,7 @@ def test_the_tree_attention_kernel_on_cuda(no_tf32):
     """The static step's attention kernel (Triton, compiled for this GPU) against its reference over a grid of
     shapes, then greedy decodes through captured graphs with it in every layer (heads of 16: the tiny models' 8
     are too narrow for it): lookahead == greedy == the eager loop."""
-    from tests.decoding.forward.tree_kernel_check import decode_mismatches, mismatches
+    from tests.decoding.forward.tree_triton_check import decode_mismatches, mismatches
 
     assert mismatches(CUDA) == []
     assert decode_mismatches(CUDA) == []

@@ -70,7 +70,7 @@ def test_the_triton_kernel_matches_the_reference_under_the_interpreter():
     """The kernel on the CPU through Triton's interpreter (chosen when Triton is imported, hence a subprocess):
     a grid of shapes against the reference, then greedy decodes with the kernel in every layer."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests.decoding.forward.tree_kernel_check"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "tests.decoding.forward.tree_triton_check"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "MISMATCH" not in done.stdout and done.stdout.count("same tokens as greedy") == 2, done.stdout
@@ -94,7 +94,7 @@ def test_the_reference_sees_each_tokens_ancestors_and_the_prefix_only():
 
 
 def test_a_kernel_that_fails_leaves_the_reference_serving(monkeypatch, caplog):
-    from tests.decoding.forward.tree_kernel_check import random_case
+    from tests.decoding.forward.tree_triton_check import random_case
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this device")

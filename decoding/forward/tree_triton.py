@@ -1,7 +1,7 @@
 """The Triton kernels of ``decoding.forward.tree_attention`` (its module contract; imported only where the ops run
 them: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``).
 
-``kernel``, the attention: one program per block of ``BLOCK_R`` query rows of one sequence and one key head. A query
+``attention_kernel``: one program per block of ``BLOCK_R`` query rows of one sequence and one key head. A query
 row is a ``(token, group head)`` pair, token-major, so the group's heads share each key block the program loads. The
 program
 
@@ -76,7 +76,7 @@ def reach_kernel(parents, reach, T, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def kernel(states, rotation, cache, reach, lengths, rows, out, s_tok, c_row, c_head, c_slot, T, scale,
+def attention_kernel(states, rotation, cache, reach, lengths, rows, out, s_tok, c_row, c_head, c_slot, T, scale,
            HEADS: tl.constexpr, KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     block = tl.program_id(0)

@@ -1,6 +1,6 @@
 """The tree attention's Triton kernel against its reference (``decoding.forward.tree_attention``), as a script.
 
-``python -m tests.decoding.forward.tree_kernel_check`` under ``TRITON_INTERPRET=1`` (Triton's interpreter: the
+``python -m tests.decoding.forward.tree_triton_check`` under ``TRITON_INTERPRET=1`` (Triton's interpreter: the
 kernel on the CPU) checks a grid of shapes (grouped heads of 1 to 3, a step of 1 to 40 tokens over key blocks
 smaller than it, empty and filled prefixes, random trees with padding) and then a greedy decode through the static
 step's CUDA path, lookahead and plain, with the kernel in every layer; it prints each check and exits 1 on a
