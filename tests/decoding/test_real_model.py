@@ -121,9 +121,11 @@ def test_stretched_copies_equal_greedy_and_reach_past_copy_length(real_model):
     assert max(step.stats.committed for step in steps) > config.copy_length + 1
 
 
-def test_the_static_step_on_the_real_model_equals_greedy(greedy_outputs):
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_the_static_step_on_the_real_model_equals_greedy(greedy_outputs, mode):
     """The default model (9:3 heads, tied embeddings, its rotary base) through the static step: greedy and the
-    CUDA preset's lookahead both give the eager greedy tokens. A fresh copy: the static step re-points its weights."""
+    CUDA preset's lookahead both give the eager greedy tokens. A fresh copy: the static step re-points its weights.
+    ``"graphs"`` rehearses CUDA's path, where a layer's attention is the tree attention op (heads of 64)."""
     from decoding.batch import BatchEngine
     from decoding.forward.kv_cache import KVPool
     from decoding.forward.static import StaticStep
@@ -133,7 +135,8 @@ def test_the_static_step_on_the_real_model_equals_greedy(greedy_outputs):
     from tests.decoding.forward.test_static import drain
 
     loaded = load_model(device="cpu", dtype="float32")
-    static = StaticStep(loaded.model, KVPool(loaded.model, 2, 1024, scratch_tokens=256))
+    static = StaticStep(loaded.model, KVPool(loaded.model, 2, 1024, scratch_tokens=256), mode)
+    assert static.weights.tree_kernel == (mode == "graphs")
     preset = decoder_lookahead(load_config(device_preset="cuda").lookahead)
     eos = Decoder(loaded).eos_token_ids()
     for text in MESSAGES[:2]:

@@ -57,8 +57,9 @@ def test_the_static_step_through_the_op_gives_the_packed_forward(make):
 
 
 @pytest.mark.parametrize("config", [GRID[1], GRID[3], CUDA_PRESET], ids=["4-4-4", "copies", "cuda-preset"])
-def test_lookahead_equals_greedy_through_the_op(config):
-    model = wide_llama()
+@pytest.mark.parametrize("make", [wide_llama, wide_qwen2], ids=["llama", "qwen2"])
+def test_lookahead_equals_greedy_through_the_op(make, config):
+    model = make()
     runner = StaticStep(model, KVPool(model, 4, 512, scratch_tokens=256), "graphs")
     with torch.inference_mode():
         greedy = decode(BatchEngine(model, static=runner), PROMPTS, [None] * len(PROMPTS), 24)
