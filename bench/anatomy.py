@@ -40,6 +40,10 @@ The JSON has ``{"preset": ..., "eager": {"greedy": {...}, "lookahead": {...}, "r
 "server": {...}}``;
 the top-level ``"greedy"``, ``"lookahead"`` and ``"rested"`` are the static path's. The greedy and lookahead streams
 run without the payoff guard (each row is one kind of step).
+
+``--held-out SETS`` measures instead the default model's replayed host work on held-out prompts
+(``bench.held_out_host``: the tiny model's text repeats itself, so its lookahead steps commit more than real text's);
+``--device cuda`` the GPU's wall, host and device ms (``bench.device_anatomy``).
 """
 
 from __future__ import annotations
@@ -301,11 +305,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-graphs", action="store_true", help="skip the graphs-per-bucket count")
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the fused step's kernel count (two inductor compiles, the slowest part)")
+    parser.add_argument("--held-out", metavar="SETS",
+                        help="instead: the default model's host ms a step, device replayed, on the first held-out "
+                             "prompt of each comma-separated set (bench.held_out_host; e.g. humaneval,chat)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: wall, host and device ms a step on the GPU, through captured graphs "
                              "(bench.device_anatomy); the CPU's report otherwise")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.held_out:
+        from bench.held_out_host import held_out_rows, held_out_table
+
+        rows = held_out_rows(args.held_out.split(","), args.preset)
+        print(f"preset {args.preset}: the default model in float32, its static step run eagerly on this CPU")
+        print("\n".join(held_out_table(rows)))
+        if args.json:
+            write_json(args.json, {"preset": args.preset, "held_out": rows})
+        return 0
     if args.device == "cuda":
         from bench import device_anatomy
 

@@ -3,7 +3,8 @@ anatomy`` and its device variant (``bench.device_anatomy``) stand on.
 
 Contract: ``tiny_deep_llama()`` is the default model's 30 LLaMA layers at a width of 48 (a forward's arithmetic is
 negligible, what is left is the work a GPU step pays on the host); ``preset_lookahead(preset)`` the preset's
-lookahead settings and batch policy; ``open_decode(...)`` an engine with one decode of ``anatomy_prompt``;
+lookahead settings and batch policy; ``open_decode(...)`` an engine with one decode of ``anatomy_prompt`` (or a
+prompt given);
 ``engine_step(engine)`` one ``BatchEngine.step()``; ``Clock`` times phases of a step (thread time, each exclusive of
 the phases it calls) through ``patched``; ``replayed_host_ms(...)`` the host work of a decode whose device work is
 replayed from a first decode's recording.
@@ -103,11 +104,14 @@ def resting_guard(policy: BatchPolicy) -> PayoffGuard:
 
 
 def open_decode(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
-            static: StaticStep | None, max_tokens: int, rested: bool = False) -> BatchEngine:
-    """An engine (as the server's: ``BatchEngine``, the static step's pool) with one decode of the anatomy prompt;
-    without a payoff guard, or (``rested``) with one that keeps it on plain steps after its first verifying step."""
+                static: StaticStep | None, max_tokens: int, rested: bool = False, prompt: Sequence[int] | None = None,
+                stop_ids: frozenset[int] = frozenset()) -> BatchEngine:
+    """An engine (as the server's: ``BatchEngine``, the static step's pool) with one decode of ``prompt`` (default:
+    the anatomy prompt) stopping at ``stop_ids``; without a payoff guard, or (``rested``) with one that keeps it on
+    plain steps after its first verifying step."""
     engine = BatchEngine(model, policy, static=static, guard=resting_guard if rested else lambda policy: None)
-    engine.add(0, anatomy_prompt(model.config.vocab_size), StopCriteria(max_tokens, frozenset()), lookahead=lookahead)
+    prompt = anatomy_prompt(model.config.vocab_size) if prompt is None else prompt
+    engine.add(0, list(prompt), StopCriteria(max_tokens, stop_ids), lookahead=lookahead)
     return engine
 
 
@@ -120,13 +124,16 @@ def engine_step(engine: BatchEngine) -> Step:
 
 
 def replayed_host_ms(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
-                     static: StaticStep, max_tokens: int = DECODE_TOKENS, rested: bool = False) -> float:
+                     static: StaticStep, max_tokens: int = DECODE_TOKENS, rested: bool = False,
+                     prompt: Sequence[int] | None = None, stop_ids: frozenset[int] = frozenset(),
+                     replays: int = 1) -> float:
     """Host milliseconds per engine step (CPU thread time, median, prefill excluded) of a decode whose device work is
     replayed: the decode runs once through ``static`` with its forwards' outputs recorded, then again with each
     forward answered by its recording, so that no forward runs on the CPU between two steps' host work. A GPU's host
     never runs the forward: its caches stay warm across steps, where on the CPU the forward's memory traffic evicts
     the host's working set from the caches (the first decode's ``step_host_ms`` pays that). The replay must commit
-    the recorded decode's tokens (checked); the pool's KV moves (device work) are excluded, as in ``measure_decode``."""
+    the recorded decode's tokens (checked); the pool's KV moves (device work) are excluded, as in ``measure_decode``.
+    ``prompt`` and ``stop_ids`` as ``open_decode``'s; with ``replays``, the median of that many replays' medians."""
     launch, pool = static.launch, static.pool
     recorded: list[tuple[torch.Tensor, ...]] = []
 
@@ -135,27 +142,33 @@ def replayed_host_ms(model: LlamaForCausalLM, lookahead: LookaheadConfig | None,
         recorded.append(tuple(output.clone() for output in outputs))
         return outputs
 
+    def opened() -> BatchEngine:
+        return open_decode(model, lookahead, policy, static, max_tokens, rested, prompt, stop_ids)
+
     with torch.inference_mode(), patched([(static, "launch", record)]):
-        expected = decoded(open_decode(model, lookahead, policy, static, max_tokens, rested))
-    answers = iter(recorded)
-    clock = Clock()
-    device = [(static, "launch", clock.wrap("device", lambda compiled: next(answers))),
-              (pool, "apply_moves", clock.wrap("device", pool.apply_moves))]
-    per_step: list[float] = []
-    tokens: list[int] = []
-    with torch.inference_mode(), patched(device):
-        engine = open_decode(model, lookahead, policy, static, max_tokens, rested)
-        while engine.has_work:
-            clock.reset()
-            started = time.thread_time()
-            step = engine_step(engine)
-            total = time.thread_time() - started
-            tokens += step.token_ids
-            if not step.stats.prefill:
-                per_step.append(total - clock.phases["device"])
-    if tokens != expected:
-        raise RuntimeError("the replayed decode did not commit the recorded decode's tokens")
-    return round(1000 * statistics.median(per_step), 3)
+        expected = decoded(opened())
+    medians = []
+    for _ in range(replays):
+        answers = iter(recorded)
+        clock = Clock()
+        device = [(static, "launch", clock.wrap("device", lambda compiled, answers=answers: next(answers))),
+                  (pool, "apply_moves", clock.wrap("device", pool.apply_moves))]
+        per_step: list[float] = []
+        tokens: list[int] = []
+        with torch.inference_mode(), patched(device):
+            engine = opened()
+            while engine.has_work:
+                clock.reset()
+                started = time.thread_time()
+                step = engine_step(engine)
+                total = time.thread_time() - started
+                tokens += step.token_ids
+                if not step.stats.prefill:
+                    per_step.append(total - clock.phases["device"])
+        if tokens != expected:
+            raise RuntimeError("the replayed decode did not commit the recorded decode's tokens")
+        medians.append(statistics.median(per_step))
+    return round(1000 * statistics.median(medians), 3)
 
 
 def decoded(engine: BatchEngine) -> list[int]:
