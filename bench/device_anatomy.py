@@ -6,8 +6,9 @@ the static step in ``graphs`` mode on ``device`` (CUDA: captured graphs; the CPU
 path), each engine step one ``BatchEngine.step()``, and reports per stream, medians over the decode after its prefill:
 
 - ``wall_ms``: an engine step's wall clock (the step's one read waits for the device);
-- ``host_ms``: the same decode with the device's work replayed (``bench.probe.replayed_host_ms``): the host's own
-  work, the CUDA API calls of the input copy and the read included, the forward's device time not;
+- ``host_ms``: the same decode with the device's work replayed (``bench.probe.replay_host_ms``, from the recorded
+  run that captured its buckets): the host's own work, the CUDA API calls of the input copy and the read included,
+  the forward's device time not;
 - ``device_ms``: ``wall_ms - host_ms``, what the step waits for the device (its graph and the pool's KV moves);
 - ``median_step_tokens``.
 
@@ -25,19 +26,17 @@ import torch
 
 from bench.probe import (
     DECODE_TOKENS,
+    Recording,
     anatomy_prompt,
-    decoded,
     engine_step,
-    open_decode,
     preset_lookahead,
-    replayed_host_ms,
+    record_decode,
+    replay_host_ms,
     tiny_deep_llama,
 )
 from bench.worker_anatomy import worker_rows, worker_table
-from decoding.batch import BatchPolicy
 from decoding.forward.kv_cache import KVPool
 from decoding.forward.static import StaticStep
-from decoding.params import LookaheadConfig
 
 
 def run_device(device: str = "cuda", preset: str = "cuda", max_tokens: int = DECODE_TOKENS) -> dict:
@@ -51,8 +50,9 @@ def run_device(device: str = "cuda", preset: str = "cuda", max_tokens: int = DEC
     with torch.inference_mode():
         for stream, config, rested in (("greedy", None, False), ("lookahead", lookahead, False),
                                        ("rested", lookahead, True)):
-            wall, tokens = _wall_ms(model, config, policy, static, max_tokens, rested)
-            host = replayed_host_ms(model, config, policy, static, max_tokens, rested)
+            recording = record_decode(model, config, policy, static, max_tokens, rested)  # captures every bucket
+            wall, tokens = _wall_ms(recording)
+            host = replay_host_ms(recording)
             report["static"][stream] = {"wall_ms": wall, "host_ms": host, "device_ms": round(wall - host, 3),
                                         "median_step_tokens": tokens}
     report["server"] = worker_rows(model, static, lookahead, policy, anatomy_prompt(model.config.vocab_size),
@@ -61,12 +61,10 @@ def run_device(device: str = "cuda", preset: str = "cuda", max_tokens: int = DEC
     return report
 
 
-def _wall_ms(model: torch.nn.Module, lookahead: LookaheadConfig | None, policy: BatchPolicy, static: StaticStep,
-             max_tokens: int, rested: bool) -> tuple[float, int]:
-    """Median wall milliseconds of an engine step over one decode (its prefill left out), and its median input
-    tokens; one decode first, untimed, so that every bucket it meets is captured."""
-    decoded(open_decode(model, lookahead, policy, static, max_tokens, rested))
-    engine = open_decode(model, lookahead, policy, static, max_tokens, rested)
+def _wall_ms(recording: Recording) -> tuple[float, int]:
+    """Median wall milliseconds of an engine step over ``recording``'s decode run again (its prefill left out; every
+    bucket it meets captured by the recording's run), and its median input tokens."""
+    engine = recording.open()
     walls, tokens = [], []
     while engine.has_work:
         started = time.perf_counter()

@@ -4,7 +4,7 @@ text (``python -m bench anatomy --held-out humaneval,chat``).
 Contract: ``held_out_rows(datasets, preset, max_tokens, replays, prompts)`` decodes the first ``prompts`` held-out
 prompts of each dataset with the default model (float32, its static step run eagerly on this CPU, one thread) at
 ``preset``'s settings, greedy and lookahead, and returns per dataset and stream: the host ms per engine step with the
-device's work replayed (``bench.probe.replayed_host_ms``: the median of ``replays`` replays of one recorded decode,
+device's work replayed (``bench.probe.replay_host_ms``: the median of ``replays`` replays of one recorded decode,
 each the median over its steps, prefill left out) for each prompt and their median, the decode's steps and tokens,
 and the median input tokens of its steps. The anatomy's tiny random model decodes text that repeats itself (its
 lookahead commits ~13 tokens a step), so its per-step host work is inflated by large commits; the default model on a
@@ -17,11 +17,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-import torch
-
 from bench.datasets import encode_prompt, load_split
-from bench.probe import engine_step, open_decode, preset_lookahead, replayed_host_ms
-from decoding.batch import BatchEngine
+from bench.probe import preset_lookahead, record_decode, replay_host_ms
 from decoding.decoder import Decoder
 from decoding.forward.kv_cache import KVPool
 from decoding.forward.static import StaticStep
@@ -42,29 +39,16 @@ def held_out_rows(datasets: Sequence[str], preset: str = "cuda", max_tokens: int
         for name, settings in (("greedy", None), ("lookahead", config)):
             per_prompt, steps, tokens, sizes = {}, 0, 0, []
             for spec in specs:
-                ids = encode_prompt(loaded.tokenizer, spec)
-                per_prompt[spec.id] = replayed_host_ms(model, settings, policy, static, max_tokens, prompt=ids,
-                                                       stop_ids=stop_ids, replays=replays)
-                engine = open_decode(model, settings, policy, static, max_tokens, prompt=ids, stop_ids=stop_ids)
-                with torch.inference_mode():
-                    stream_sizes, count = _step_sizes(engine)
-                steps, tokens, sizes = steps + len(stream_sizes), tokens + count, sizes + stream_sizes
+                recording = record_decode(model, settings, policy, static, max_tokens,
+                                          prompt=encode_prompt(loaded.tokenizer, spec), stop_ids=stop_ids)
+                per_prompt[spec.id] = replay_host_ms(recording, replays)
+                decoding = [step.stats.input_tokens for step in recording.steps if not step.stats.prefill]
+                steps, tokens, sizes = steps + len(decoding), tokens + len(recording.tokens), sizes + decoding
             rows[dataset][name] = {"host_ms_replayed": per_prompt,
                                    "median_host_ms_replayed": statistics.median(per_prompt.values()),
                                    "steps": steps, "tokens": tokens,
                                    "median_step_tokens": statistics.median(sizes) if sizes else None}
     return rows
-
-
-def _step_sizes(engine: BatchEngine) -> tuple[list[int], int]:
-    """The input tokens of each decode step (prefill left out) of ``engine``'s one decode, and its tokens."""
-    sizes, count = [], 0
-    while engine.has_work:
-        step = engine_step(engine)
-        count += len(step.token_ids)
-        if not step.stats.prefill:
-            sizes.append(step.stats.input_tokens)
-    return sizes, count
 
 
 def held_out_table(rows: dict) -> list[str]:

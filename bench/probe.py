@@ -4,10 +4,10 @@ anatomy`` and its device variant (``bench.device_anatomy``) stand on.
 Contract: ``tiny_deep_llama()`` is the default model's 30 LLaMA layers at a width of 48 (a forward's arithmetic is
 negligible, what is left is the work a GPU step pays on the host); ``preset_lookahead(preset)`` the preset's
 lookahead settings and batch policy; ``open_decode(...)`` an engine with one decode of ``anatomy_prompt`` (or a
-prompt given);
-``engine_step(engine)`` one ``BatchEngine.step()``; ``Clock`` times phases of a step (thread time, each exclusive of
-the phases it calls) through ``patched``; ``replayed_host_ms(...)`` the host work of a decode whose device work is
-replayed from a first decode's recording.
+prompt given); ``engine_step(engine)`` one ``BatchEngine.step()``; ``Clock`` times phases of a step (thread time,
+each exclusive of the phases it calls) through ``patched``; ``record_decode(...)`` runs a decode with its forwards'
+outputs kept (a ``Recording``), ``replay_host_ms(recording)`` the host work of that decode with its device work
+replayed from the recording, ``replayed_host_ms(...)`` both.
 """
 
 from __future__ import annotations
@@ -123,40 +123,63 @@ def engine_step(engine: BatchEngine) -> Step:
     return step
 
 
-def replayed_host_ms(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
-                     static: StaticStep, max_tokens: int = DECODE_TOKENS, rested: bool = False,
-                     prompt: Sequence[int] | None = None, stop_ids: frozenset[int] = frozenset(),
-                     replays: int = 1) -> float:
-    """Host milliseconds per engine step (CPU thread time, median, prefill excluded) of a decode whose device work is
-    replayed: the decode runs once through ``static`` with its forwards' outputs recorded, then again with each
-    forward answered by its recording, so that no forward runs on the CPU between two steps' host work. A GPU's host
-    never runs the forward: its caches stay warm across steps, where on the CPU the forward's memory traffic evicts
-    the host's working set from the caches (the first decode's ``step_host_ms`` pays that). The replay must commit
-    the recorded decode's tokens (checked); the pool's KV moves (device work) are excluded, as in ``measure_decode``.
-    ``prompt`` and ``stop_ids`` as ``open_decode``'s; with ``replays``, the median of that many replays' medians."""
-    launch, pool = static.launch, static.pool
-    recorded: list[tuple[torch.Tensor, ...]] = []
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """One decode through ``static`` with each forward's outputs kept (``record_decode``): ``open`` makes the same
+    decode's engine again, ``steps`` are its engine steps in order."""
+
+    static: StaticStep
+    open: Callable[[], BatchEngine]
+    outputs: list[tuple[torch.Tensor, ...]]
+    steps: list[Step]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens the decode committed."""
+        return [token for step in self.steps for token in step.token_ids]
+
+
+def record_decode(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
+                  static: StaticStep, max_tokens: int = DECODE_TOKENS, rested: bool = False,
+                  prompt: Sequence[int] | None = None, stop_ids: frozenset[int] = frozenset()) -> Recording:
+    """The ``open_decode`` decode run to its end through ``static``, its forwards' outputs recorded."""
+    launch = static.launch
+    outputs: list[tuple[torch.Tensor, ...]] = []
 
     def record(compiled):
-        outputs = launch(compiled)
-        recorded.append(tuple(output.clone() for output in outputs))
-        return outputs
+        launched = launch(compiled)
+        outputs.append(tuple(output.clone() for output in launched))
+        return launched
 
     def opened() -> BatchEngine:
         return open_decode(model, lookahead, policy, static, max_tokens, rested, prompt, stop_ids)
 
+    steps: list[Step] = []
     with torch.inference_mode(), patched([(static, "launch", record)]):
-        expected = decoded(opened())
+        engine = opened()
+        while engine.has_work:
+            steps.append(engine_step(engine))
+    return Recording(static, opened, outputs, steps)
+
+
+def replay_host_ms(recording: Recording, replays: int = 1) -> float:
+    """Host milliseconds per engine step (CPU thread time, median, prefill excluded) of ``recording``'s decode run
+    again with each forward answered by its recorded outputs, so that no forward runs on the CPU between two steps'
+    host work; with ``replays``, the median of that many replays' medians. A GPU's host never runs the forward: its
+    caches stay warm across steps, where on the CPU the forward's memory traffic evicts the host's working set from
+    the caches (a timed decode's ``step_host_ms`` pays that). Each replay must commit the recorded decode's tokens
+    (checked); the pool's KV moves (device work) are excluded, as in ``measure_decode``."""
+    static, pool, expected = recording.static, recording.static.pool, recording.tokens
     medians = []
     for _ in range(replays):
-        answers = iter(recorded)
+        answers = iter(recording.outputs)
         clock = Clock()
         device = [(static, "launch", clock.wrap("device", lambda compiled, answers=answers: next(answers))),
                   (pool, "apply_moves", clock.wrap("device", pool.apply_moves))]
         per_step: list[float] = []
         tokens: list[int] = []
         with torch.inference_mode(), patched(device):
-            engine = opened()
+            engine = recording.open()
             while engine.has_work:
                 clock.reset()
                 started = time.thread_time()
@@ -171,9 +194,7 @@ def replayed_host_ms(model: LlamaForCausalLM, lookahead: LookaheadConfig | None,
     return round(1000 * statistics.median(medians), 3)
 
 
-def decoded(engine: BatchEngine) -> list[int]:
-    """Every token ``engine``'s one decode commits, stepped to its end."""
-    tokens: list[int] = []
-    while engine.has_work:
-        tokens += engine_step(engine).token_ids
-    return tokens
+def replayed_host_ms(model: LlamaForCausalLM, lookahead: LookaheadConfig | None, policy: BatchPolicy,
+                     static: StaticStep, max_tokens: int = DECODE_TOKENS, rested: bool = False) -> float:
+    """``replay_host_ms`` of the ``open_decode`` decode, recorded first (``record_decode``)."""
+    return replay_host_ms(record_decode(model, lookahead, policy, static, max_tokens, rested))
