@@ -214,7 +214,8 @@ def launch(
     kv_heads, dim = cache.shape[1] // 2, cache.shape[3]
     group = heads // kv_heads
     if not eligible(dim) or cache.stride(3) != 1:
-        raise ValueError(f"the tree attention kernel takes power-of-two heads of 16 or more, got {dim}")
+        raise ValueError(f"the tree attention kernel takes power-of-two heads of 16 or more over a cache whose last "
+                         f"dimension is contiguous, got heads of {dim}, stride {cache.stride(3)}")
     query_rows = tokens * group
     block_rows = 16 if query_rows <= 16 else 32 if query_rows <= 32 else 64
     states, rotation, reach, lengths, rows = (tensor.contiguous() for tensor in (states, rotation, reach, lengths,

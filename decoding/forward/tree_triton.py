@@ -104,15 +104,15 @@ def attention_kernel(states, rotation, cache, reach, lengths, rows, out, s_tok, 
     key = _rotated(states, wtok * s_tok, kcol, owned, wcos, wsin, d, partner, sign)
     value = tl.load(states + wtok[:, None] * s_tok + (HEADS + KV + kvh) * D + d[None, :], mask=owned[:, None],
                     other=0.0)
+    keys = cache + row * c_row + kvh * c_head
+    values = cache + row * c_row + (KV + kvh) * c_head
     slot = (length + w)[:, None] * c_slot + d[None, :]
-    tl.store(cache + row * c_row + kvh * c_head + slot, key, mask=owned[:, None])
-    tl.store(cache + row * c_row + (KV + kvh) * c_head + slot, value, mask=owned[:, None])
+    tl.store(keys + slot, key, mask=owned[:, None])
+    tl.store(values + slot, value, mask=owned[:, None])
     # Online softmax (base 2), first over the row's prefix in the pool, then over the step's own tokens.
     top = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    keys = cache + row * c_row + kvh * c_head
-    values = cache + row * c_row + (KV + kvh) * c_head
     for start in range(0, length, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
         valid = s < length
