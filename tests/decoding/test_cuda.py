@@ -212,10 +212,12 @@ def test_a_seed_gives_the_same_tokens_on_cuda_alone_batched_and_through_graphs(c
 
 
 def test_the_tree_attention_kernel_on_cuda(no_tf32):
-    """The static step's attention kernel (Triton, compiled for this GPU) against its reference over a grid of
-    shapes, then greedy decodes through captured graphs with it in every layer (heads of 16: the tiny models' 8
-    are too narrow for it): lookahead == greedy == the eager loop."""
-    from tests.decoding.forward.tree_triton_check import decode_mismatches, mismatches
+    """The static step's attention kernels (Triton, compiled for this GPU) against their references over a grid of
+    shapes and every token bucket in the default model's head layout, then greedy decodes through captured graphs
+    with them in every layer (heads of 16: the tiny models' 8 are too narrow): lookahead == greedy == the eager
+    loop."""
+    from tests.decoding.forward.tree_triton_check import bucket_mismatches, decode_mismatches, mismatches
 
     assert mismatches(CUDA) == []
+    assert bucket_mismatches(CUDA) == []
     assert decode_mismatches(CUDA) == []

@@ -18,7 +18,7 @@ from decoding.batch import BatchEngine
 from decoding.forward import tree_attention
 from decoding.forward.kv_cache import KVPool
 from decoding.forward.slices import Slice
-from decoding.forward.static import StaticStep
+from decoding.forward.static import TOKEN_BUCKETS, StaticStep
 from decoding.forward.static_forward import prepare_weights
 from tests.conftest import tiny_llama
 from tests.decoding.forward.test_static import CUDA_PRESET, GRID, decode
@@ -68,13 +68,14 @@ def test_lookahead_equals_greedy_through_the_op(make, config):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_the_triton_kernel_matches_the_reference_under_the_interpreter():
-    """The kernel on the CPU through Triton's interpreter (chosen when Triton is imported, hence a subprocess):
-    a grid of shapes against the reference, then greedy decodes with the kernel in every layer."""
+    """The kernels on the CPU through Triton's interpreter (chosen when Triton is imported, hence a subprocess): a
+    grid of shapes and every token bucket against the references, then greedy decodes with them in every layer."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "tests.decoding.forward.tree_triton_check"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "MISMATCH" not in done.stdout and done.stdout.count("same tokens as greedy") == 2, done.stdout
+    assert done.stdout.count("bucket ") == len(TOKEN_BUCKETS) + 1, done.stdout  # every token bucket, and a batch
 
 
 def test_the_reference_sees_each_tokens_ancestors_and_the_prefix_only():

@@ -2,10 +2,11 @@
 
 ``python -m tests.decoding.forward.tree_triton_check`` under ``TRITON_INTERPRET=1`` (Triton's interpreter: the
 kernel on the CPU) checks a grid of shapes (grouped heads of 1 to 3, a step of 1 to 40 tokens over key blocks
-smaller than it, empty and filled prefixes, random trees with padding) and then a greedy decode through the static
+smaller than it, empty and filled prefixes, random trees with padding), every token bucket of the static step in
+the default model's head layout, and then a greedy decode through the static
 step's CUDA path, lookahead and plain, with the kernel in every layer; it prints each check and exits 1 on a
 mismatch. ``tests/decoding/forward/test_tree_attention.py`` runs it in a subprocess (the interpreter is chosen
-when Triton is imported); ``tests/decoding/test_cuda.py`` calls ``mismatches`` on a GPU.
+when Triton is imported); ``tests/decoding/test_cuda.py`` calls the same checks on a GPU.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ CASES = [
 
 
 def random_case(sequences: int, tokens: int, heads: int, kv_heads: int, dim: int, lengths: list[int],
-                device: torch.device, seed: int = 0) -> tuple[tuple, torch.Tensor]:
+                device: torch.device, seed: int = 0, slots: int = 128) -> tuple[tuple, torch.Tensor]:
     """The attention op's arguments for one random step (its reach by the reference) and the parents: a random tree
     per sequence (each token's parent an earlier token or none; the last two tokens padding), distinct pool rows,
-    random cached keys."""
+    random cached keys in rows of ``slots`` slots."""
     generator = torch.Generator().manual_seed(seed)
     count = sequences * tokens
     states = torch.randn(count, (heads + 2 * kv_heads) * dim, generator=generator)
@@ -40,7 +41,7 @@ def random_case(sequences: int, tokens: int, heads: int, kv_heads: int, dim: int
     angles = positions[:, None] * inverse
     angles = torch.cat((angles, angles), dim=-1)
     rotation = torch.stack((angles.cos(), angles.sin()), dim=1)
-    cache = torch.randn(sequences + 1, 2 * kv_heads, 128, dim, generator=generator)
+    cache = torch.randn(sequences + 1, 2 * kv_heads, slots, dim, generator=generator)
     parents = torch.full((sequences, tokens), -1, dtype=torch.long)
     for sequence in range(sequences):
         for token in range(1, max(1, tokens - 2)):
@@ -68,6 +69,29 @@ def mismatches(device: torch.device, tolerance: float = 1e-4) -> list[str]:
         print(f"case {case}: output off by {error:.2e}, cache by {cache_error:.2e}")
         if not error <= tolerance or not cache_error <= tolerance:
             failed.append(f"{case}: output {error:.2e}, cache {cache_error:.2e}")
+    return failed
+
+
+def bucket_mismatches(device: torch.device, tolerance: float = 1e-4) -> list[str]:
+    """Both kernels, launched as the ops launch them (key blocks of 64), against the references at every token bucket
+    of the static step (``TOKEN_BUCKETS``, one sequence) and at a batched one, in the default model's head layout (9
+    query heads over 3 key heads of 64) over 300 cached slots: the shapes a server warms at start. A line per bucket
+    that differs."""
+    from decoding.forward.static import TOKEN_BUCKETS
+
+    failed = []
+    for sequences, tokens in [(1, size) for size in TOKEN_BUCKETS] + [(4, 64)]:
+        (states, rotation, cache, reach, lengths, rows, heads, scaling), parents = random_case(
+            sequences, tokens, 9, 3, 64, [300] * sequences, device, slots=300 + tokens)
+        expected_cache, kernel_cache = cache.clone(), cache.clone()
+        expected = tree_attention.reference(states, rotation, expected_cache, reach, lengths, rows, heads, scaling)
+        output = tree_attention.launch(states, rotation, kernel_cache, reach, lengths, rows, heads, scaling)
+        walked = tree_attention.launch_reach(parents)
+        error = (output - expected).abs().max().item()
+        cache_error = (kernel_cache - expected_cache).abs().max().item()
+        print(f"bucket {sequences} x {tokens}: output off by {error:.2e}, cache by {cache_error:.2e}", flush=True)
+        if not (error <= tolerance and cache_error <= tolerance and torch.equal(walked, reach)):
+            failed.append(f"bucket {sequences} x {tokens}: output {error:.2e}, cache {cache_error:.2e}")
     return failed
 
 
@@ -123,7 +147,8 @@ def index_scalars_in_the_interpreter() -> None:
 
 def main() -> int:
     index_scalars_in_the_interpreter()
-    failed = mismatches(torch.device("cpu")) + decode_mismatches(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    failed = mismatches(cpu) + bucket_mismatches(cpu) + decode_mismatches(cpu)
     for line in failed:
         print("MISMATCH", line)
     return 1 if failed else 0
