@@ -193,15 +193,18 @@ class LookaheadConfig:
       sequence's running mean of accepted guesses is below it, steps are plain one-token steps, with verifying
       probes that back off (after ``PROBE_INTERVAL`` steps, then twice the previous wait, up to
       ``MAX_PROBE_INTERVAL``). ``0`` never falls back. It is a floor: stepped under a batch policy, each
-      source's drafts must also pay their price on the step-cost curve (``decoding.proposers.base.break_even``).
+      source's drafts must also pay their price on the step-cost curve (``decoding.proposers.base.break_even``);
+      copies, whose length follows the curve, are priced on it alone when there is one.
       Greedy output is unchanged.
     - ``copy_length`` (0 = off, needs ``rank_by_context``): when the last ``copy_min_match`` tokens of the text
       also precede an earlier occurrence of ``last``, the step verifies that occurrence's continuation, up to
       ``copy_length`` tokens (prompt-lookup style): copying text such as code can then commit many more than N
       tokens in one step. With ``lazy_window`` a copy step verifies its copies alone (no window, no pool
-      candidates); without it they join the window's step, all candidates merged into one token tree. Copy
-      steps are gated by their own running mean of accepted tokens against ``break_even``, like verifying
-      steps.
+      candidates); without it they join the window's step, all candidates merged into one token tree. A copy
+      is cut to the length that commits the most tokens per unit of step cost, by how far the decode's copies
+      have been accepted (``decoding.proposers.survival``; the whole ``copy_length`` where tokens are nearly free,
+      as on a GPU), and copy steps are taken while the tokens they expect to accept reach their price on the
+      step-cost curve (``break_even`` without a curve), else on probes that back off.
     - ``copy_candidates`` (1..8): continuations of different earlier occurrences a copy step verifies at once
       (best matches first; the shared memory adds up to as many of its own).
     - ``copy_stretch`` (1..8, 1 = off): how far a run of whole copies may stretch the copies. After a copy step

@@ -20,6 +20,7 @@ MODULES = [
     "decoding.proposers.ngram_memory",
     "decoding.proposers.pool",
     "decoding.proposers.recycled",
+    "decoding.proposers.survival",
     "decoding.step.tree",
     "decoding.step.verify",
     "decoding.weights.fetch",

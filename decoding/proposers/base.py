@@ -109,7 +109,12 @@ class Gate:
 
     def pays(self, break_even: float) -> bool:
         """Whether to verify this time (see the class contract); counts the call."""
-        if self.expected >= break_even:
+        return self.pays_when(self.expected >= break_even)
+
+    def pays_when(self, paying: bool) -> bool:
+        """``pays`` where the caller judged whether verifying pays (``paying``) by its own estimate: True when it
+        does, else on the probe schedule; counts the call."""
+        if paying:
             self.since_probe, self.interval = 0, PROBE_INTERVAL
             return True
         self.since_probe += 1

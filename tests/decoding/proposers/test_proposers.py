@@ -14,7 +14,7 @@ import torch
 from decoding.batch import BatchEngine, BatchPolicy
 from decoding.params import LookaheadConfig, SamplingParams, StopCriteria
 from decoding.proposers import PROPOSERS, Context, Gate, Outcome
-from decoding.proposers.base import break_even
+from decoding.proposers.base import break_even, free
 from decoding.proposers.copies import CopyProposer
 from decoding.proposers.ngram_memory import NGramMemory
 from decoding.proposers.pool import ContextIndex
@@ -269,13 +269,36 @@ def copy_context(tokens: list[int]) -> Context:
     return Context(tokens, len(tokens), index, frozenset())
 
 
-def test_a_copy_gate_pays_at_its_drafts_price_never_below_break_even():
+def test_a_copy_gate_pays_at_its_drafts_price_and_at_break_even_without_a_curve():
     config = LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1, break_even=1.0)
     context = copy_context([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])
-    assert CopyProposer(config).propose(context, 4) == [(3, 4, 5, 6, 7, 8, 9, 10)]  # free: the gate starts at 8
-    context.price = lambda tokens: 1.5 * tokens  # 8 tokens cost 12 accepted guesses: more than the gate expects
+    assert CopyProposer(config).propose(context, 4) == [(3, 4, 5, 6, 7, 8, 9, 10)]  # free: a new decode copies long
+    assert CopyProposer(replace(config, break_even=6.0)).propose(context, 4) == ()  # 8 tokens expect 5.1 accepted
+    context.price = lambda tokens: 1.5 * tokens  # even one token costs more accepted guesses than a copy expects
     assert CopyProposer(config).propose(context, 4) == ()
     assert break_even(config, context, 0) == 1.0 and break_even(config, context, 2) == 3.0
+
+
+def test_copies_shorten_where_they_break_early_on_a_steep_curve_and_stay_long_where_they_hold():
+    """On a curve where each draft token costs a quarter step, a decode whose copies were accepted one token deep
+    verifies copies of one token, or two after a one-token copy accepted whole (two tokens for 1.25 steps pay; nine
+    for 3 steps do not); one whose copies were
+    accepted whole keeps copying 8; on a flat curve the length is the span whatever the history."""
+    config = LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1, break_even=2.0)
+    context = copy_context([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])
+    context.price = lambda tokens: 0.25 * tokens
+    breaking, holding = CopyProposer(config), CopyProposer(config)
+    for _ in range(6):
+        breaking.propose(context, 4)
+        breaking.feedback(context, Outcome(2, (3, 99), reach=1))
+        holding.propose(context, 4)
+        holding.feedback(context, Outcome(9, (3, 4, 5, 6, 7, 8, 9, 10), reach=8))
+    short = breaking.propose(context, 4)
+    assert short in ([(3,)], [(3, 4)]) and 0.5 < breaking.expected < 1.5, (short, breaking.expected)
+    assert holding.propose(context, 4) == [(3, 4, 5, 6, 7, 8, 9, 10)] and holding.expected > 6.0
+    context.price = free
+    assert breaking.propose(context, 4) == ()  # 8 tokens expect < 2 accepted: below break_even without a curve
+    assert CopyProposer(replace(config, break_even=0.0)).propose(context, 4) == [(3, 4, 5, 6, 7, 8, 9, 10)]
 
 
 def test_a_recycled_tree_is_offered_while_its_mean_pays_for_its_nodes():
