@@ -28,6 +28,7 @@ from typing import Protocol
 
 from decoding.params import LookaheadConfig
 from decoding.proposers.pool import ContextIndex, covered
+from decoding.proposers.survival import Survival
 
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 64
@@ -156,17 +157,24 @@ class GatedCopies:
     """What the copy-like proposers (context copies, the shared memory, the prediction) share: a ``gate`` that
     starts at ``start`` accepted tokens, an optional ``span`` that stretches after whole copies, drafts dropped while
     the gate says they do not pay (``gated``), and feedback that folds a step's reach into both. A subclass sets
-    ``config`` and implements ``propose`` through ``gated``."""
+    ``config`` and implements ``propose`` through ``gated``, or through ``sized``: copies cut to the length that pays
+    on the step-cost curve (``decoding.proposers.survival``: how far this decode's copies were accepted, after at
+    least twice the last verified copy's length when that one was accepted whole, since the estimate learns nothing
+    past a copy's end), gated at that length's price (``config.break_even`` where no curve prices them)."""
 
     config: LookaheadConfig
 
     def __init__(self, start: float, span: Span | None = None) -> None:
         self.gate = Gate(start)
         self.span = span
+        self.survival = Survival()
+        self._sized: float | None = None  # accepted tokens the last ``sized`` copies expected (None: not sized)
+        self._offered = 0  # the tokens of the best copy ``sized`` last proposed
+        self._grow = 1  # the least length of the next sized copies
 
     @property
     def expected(self) -> float:
-        return self.gate.expected
+        return self.gate.expected if self._sized is None else self._sized
 
     def gated(self, context: Context, drafts: Sequence[Draft]) -> Sequence[Draft]:
         """``drafts``, or none while the gate says verifying them does not pay at their price (each call with
@@ -175,12 +183,34 @@ class GatedCopies:
             return ()
         return drafts
 
+    def sized(self, context: Context, found: Sequence[Draft], limit: int) -> Sequence[Draft]:
+        """``found`` (best first) cut to the length that pays (at most ``limit``; every copy but the best at most
+        ``copy_length``), or none while that length's expected accepted tokens do not reach its price (each call
+        with copies counts)."""
+        if not found:
+            return ()
+        length, expected = self.survival.best(context.price, limit)
+        if length < self._grow:
+            length = min(self._grow, limit)
+            expected = self.survival.expected(length)
+        drafts = stretched([copy[:length] for copy in found], min(length, self.config.copy_length))
+        floor = self.config.break_even if context.price is free else context.price(tree_size(drafts))
+        if not self.gate.pays_when(expected >= floor):
+            return ()
+        self._sized, self._offered = expected, len(drafts[0])
+        return drafts
+
     def feedback(self, context: Context, outcome: Outcome) -> None:
-        """Fold how far the drafts reached into the gate (and the span)."""
-        if outcome.reach is not None:
-            self.gate.update(outcome.reach)
-            if self.span is not None:
-                self.span.update(outcome.reach)
+        """Fold how far the drafts reached into the gate, the span and (after sized copies) the survival estimate."""
+        if outcome.reach is None:
+            return
+        self.gate.update(outcome.reach)
+        if self.span is not None:
+            self.span.update(outcome.reach)
+        if self._sized is not None:
+            offered = max(self._offered, outcome.reach)
+            self.survival.update(offered, outcome.reach)
+            self._grow = 2 * offered if outcome.reach >= offered else 1
 
 
 def break_even(config: LookaheadConfig, context: Context, tokens: int) -> float:

@@ -3,8 +3,9 @@
 Contract: ``MemoryProposer`` proposes continuations of ``last`` from the shared
 ``decoding.proposers.ngram_memory.NGramMemory`` (recent completions of every request), matched on at least
 ``copy_min_match`` preceding tokens. With copy steps on (``copy_length`` > 0) it is standalone and proposes like the
-context's copies: up to ``copy_candidates``, its best one stretched (``Span``), the others ``copy_length`` tokens;
-without, it proposes (N-1)-token n-grams that join the window's step. Gated by its own running mean of accepted tokens.
+context's copies: up to ``copy_candidates``, cut to the length that pays (``GatedCopies.sized``, its own estimate),
+its best one stretched (``Span``), the others at most ``copy_length`` tokens; without, it proposes (N-1)-token
+n-grams that join the window's step, gated by its own running mean of accepted tokens.
 Built only when the decode has a memory (``DecodeStream``'s ``memory``, not opted out by
 ``LookaheadConfig.shared_memory``). It only reads the memory: the stream adds its output when it finishes.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from decoding.params import LookaheadConfig
-from decoding.proposers.base import Context, Draft, GatedCopies, Span, stretched
+from decoding.proposers.base import Context, Draft, GatedCopies, Span
 from decoding.proposers.ngram_memory import NGramMemory
 
 MEMORY = "memory"
@@ -40,6 +41,6 @@ class MemoryProposer(GatedCopies):
         if self.standalone:
             found = self.memory.candidates(context.tokens, self.span.length, min(budget, config.copy_candidates),
                                            config.copy_min_match)
-            return self.gated(context, stretched(found, config.copy_length))
+            return self.sized(context, found, self.span.length)
         found = self.memory.candidates(context.tokens, config.levels, budget, config.copy_min_match)
         return self.gated(context, found)
