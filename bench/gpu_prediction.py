@@ -6,8 +6,8 @@ tokens of each forward) and prices every forward, padded to the static step's to
 measured on an H200 on 2026-11-28 up to 128 tokens, past that the server's measured relative curve of that day times the
 one-token step; linear between points and past the last one; ``H100_GRAPH_MS``, the H100's graph replays of
 2026-11-27, ``../shared/docs/gpu-notes.md``, kept for reference) plus the engine's host milliseconds per step of
-its method (``HOST_MS``: ``python -m bench anatomy --preset cuda``, greedy 0.22 ms and lookahead 2.00 ms on
-2026-11-27; the lookahead figure is what issue #42 is cutting to 0.5), a lookahead decode's one-token steps (the
+its method (``HOST_MS``: ``python -m bench anatomy``'s replayed host work, greedy 0.03 ms and lookahead 0.31 ms on
+2026-12-07), a lookahead decode's one-token steps (the
 payoff guard's rests, ``decoding.payoff``) at ``PLAIN_HOST_MS`` instead. It returns a ``Prediction``: the mean
 input tokens of a lookahead step (prefill left out), the predicted seconds of each method, and lookahead's
 predicted speed-up over greedy (prompts summed; the median per prompt). So the trade between tokens per step and
@@ -39,12 +39,14 @@ H100_GRAPH_MS = ((1, 3.52), (2, 4.37), (8, 4.40), (32, 4.52), (64, 4.90), (128, 
 H200_STEP_MS = ((1, 3.654), (2, 4.531), (4, 4.329), (8, 4.517), (16, 4.61), (32, 4.659), (64, 5.015), (96, 5.399),
                 (128, 5.509), (192, 6.13), (256, 6.68), (384, 10.01), (512, 10.69))
 STEP_MS = H200_STEP_MS
-HOST_MS = {"greedy": 0.22, "lookahead": 2.00}  # bench anatomy --preset cuda, 2026-11-27
+# The engine's host work a step with the device's work replayed (what a GPU's host pays: ``bench anatomy``'s
+# ``step_host_ms_replayed``), AMD EPYC, 2026-12-07: greedy 0.03 ms (held out: 0.029 / 0.028 / 0.030); lookahead the
+# median of the held-out sets' (``bench anatomy --held-out humaneval,chat,mtbench``: 0.367 / 0.313 / 0.184 ms on the
+# default model at the CUDA preset). Was 0.22 / 2.00 (the thread time with the CPU's forward between steps, 2026-11-27).
+HOST_MS = {"greedy": 0.03, "lookahead": 0.31}
 # A lookahead decode's one-token step: bench anatomy's "rested" stream (no drafting; the plain step's finish, the
-# window re-aligned, the proposers told, the recycled source's top-k read) took 1.22x, 1.75x and 1.52x the greedy
-# step's host time in three runs on 2026-11-28 (0.37 / 0.47 / 0.46 ms against 0.30 / 0.27 / 0.30; lookahead 1.5-2.0):
-# 0.22 x 1.52 = 0.33, or 9 % of the way from greedy's 0.22 to lookahead's 2.00 = 0.38; taken as 0.35.
-PLAIN_HOST_MS = 0.35
+# window re-aligned, the proposers told, the recycled source's top-k read), replayed: 0.046 ms on the same day.
+PLAIN_HOST_MS = 0.05
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def predicted_wall(stats: StepStats, seconds: float = 0.0) -> float:
     its bucket on ``STEP_MS`` plus the host work of a lookahead step, or of a plain one (one input token).
 
     >>> round(predicted_wall(StepStats(340, 3)), 5), round(predicted_wall(StepStats(1, 1)), 6)
-    (0.01201, 0.004004)
+    (0.01032, 0.003704)
     """
     host = HOST_MS["lookahead"] if stats.input_tokens > 1 else PLAIN_HOST_MS
     return (step_ms(padded(stats.input_tokens)) + host) / 1000

@@ -7,6 +7,7 @@ import pytest
 from bench.gpu_prediction import (
     H100_GRAPH_MS,
     H200_STEP_MS,
+    HOST_MS,
     PLAIN_HOST_MS,
     STEP_MS,
     decode_seconds,
@@ -43,7 +44,7 @@ def test_the_relative_curve_is_what_the_calibration_would_measure():
 
 
 def test_a_predicted_wall_prices_the_bucket_and_the_host_work_of_its_kind_of_step():
-    assert predicted_wall(StepStats(340, 3), 9.9) == pytest.approx((10.01 + 2.0) / 1000)  # the 384 bucket
+    assert predicted_wall(StepStats(340, 3), 9.9) == pytest.approx((10.01 + HOST_MS["lookahead"]) / 1000)  # bucket 384
     assert predicted_wall(StepStats(1, 1)) == pytest.approx((3.654 + PLAIN_HOST_MS) / 1000)
 
 
@@ -52,10 +53,11 @@ def test_a_prediction_prices_every_forward_and_leaves_the_prefill_out_of_the_ste
     lookahead = record("a", "lookahead", [40, 128, 128, 64])
     prediction = predict([greedy, lookahead, record("b", "greedy", [5, 1])])  # b has no lookahead: left out
     assert prediction.mean_step_tokens == pytest.approx(320 / 3, abs=0.1)
-    want_greedy = (step_ms(64) + 10 * step_ms(1) + 11 * 0.22) / 1000  # the 40-token prefill replays bucket 64
-    want_lookahead = (step_ms(64) + 2 * step_ms(128) + step_ms(64) + 4 * 2.0) / 1000
+    host = HOST_MS["greedy"]
+    want_greedy = (step_ms(64) + 10 * step_ms(1) + 11 * host) / 1000  # the 40-token prefill replays bucket 64
+    want_lookahead = (step_ms(64) + 2 * step_ms(128) + step_ms(64) + 4 * HOST_MS["lookahead"]) / 1000
     assert padded(40) == 64
-    assert decode_seconds(greedy, 0.22) == pytest.approx(want_greedy)
+    assert decode_seconds(greedy, host) == pytest.approx(want_greedy)
     assert prediction.greedy_seconds == pytest.approx(want_greedy, abs=1e-3)
     assert prediction.speedup == pytest.approx(want_greedy / want_lookahead, abs=1e-3)
 
