@@ -7,8 +7,8 @@ measured on an H200 on 2026-11-28 up to 128 tokens, past that the server's measu
 one-token step; linear between points and past the last one; ``H100_GRAPH_MS``, the H100's graph replays of
 2026-11-27, ``../shared/docs/gpu-notes.md``, kept for reference) plus the engine's host milliseconds per step of
 its method (``HOST_MS``: ``python -m bench anatomy``'s replayed host work, greedy 0.03 ms and lookahead 0.31 ms on
-2026-12-07), a lookahead decode's one-token steps (the
-payoff guard's rests, ``decoding.payoff``) at ``PLAIN_HOST_MS`` instead. It returns a ``Prediction``: the mean
+2026-12-07), a lookahead decode's one-token steps (the payoff guard's rests, ``decoding.payoff``) at
+``PLAIN_HOST_MS`` instead. It returns a ``Prediction``: the mean
 input tokens of a lookahead step (prefill left out), the predicted seconds of each method, and lookahead's
 predicted speed-up over greedy (prompts summed; the median per prompt). So the trade between tokens per step and
 step size shows without a GPU: a preset that commits more tokens a step with much larger steps may still be slower

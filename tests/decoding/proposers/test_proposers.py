@@ -282,8 +282,8 @@ def test_a_copy_gate_pays_at_its_drafts_price_and_at_break_even_without_a_curve(
 def test_copies_shorten_where_they_break_early_on_a_steep_curve_and_stay_long_where_they_hold():
     """On a curve where each draft token costs a quarter step, a decode whose copies were accepted one token deep
     verifies copies of one token, or two after a one-token copy accepted whole (two tokens for 1.25 steps pay; nine
-    for 3 steps do not); one whose copies were
-    accepted whole keeps copying 8; on a flat curve the length is the span whatever the history."""
+    for 3 steps do not); one whose copies were accepted whole keeps copying 8; without a curve the length is the
+    span whatever the history, gated at break_even."""
     config = LookaheadConfig(1, 3, 2, lazy_window=True, copy_length=8, copy_min_match=1, break_even=2.0)
     context = copy_context([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])
     context.price = lambda tokens: 0.25 * tokens
