@@ -24,6 +24,7 @@ MODULES = [
     "decoding.step.tree",
     "decoding.step.verify",
     "decoding.weights.fetch",
+    "decoding.weights.quant_panels",
     "server.body",
     "server.chat_client",
     "server.config",

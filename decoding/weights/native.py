@@ -7,7 +7,8 @@ Contract: ``panel_gemm()`` returns a ``PanelGemm`` (the loaded kernel) or None w
 x86-64 CPU with AVX2, FMA and F16C, no C++ compiler (``$CXX`` or ``g++``), a failed build, or
 ``LOOKAHEAD_NATIVE=0`` in the environment. Callers fall back to torch's kernels on None; nothing else changes.
 The shared library is built once per source version into ``<cache>/native/`` (``decoding.weights.loading.cache_root``):
-each source compiled twice, with ``-O3 -mavx2 -mfma -mf16c`` and again with ``-mavx512f -DPANEL_WIDE`` added,
+each source compiled twice, with ``-O3 -mavx2 -mfma -mf16c`` and again with ``-mavx512f -mavx512bw -mavx512vnni
+-DPANEL_WIDE`` added,
 and linked into one library (about 10 s; a compiler that cannot build the AVX-512 objects gives a library of the
 AVX2 entries alone), reused by every later process; a concurrent build by another process is harmless (each
 writes its own file and renames it into place). The library's name is a digest of every file under ``csrc/``
@@ -19,15 +20,17 @@ output into ranges (column panels of a product, attention's (row, head) pairs, r
 every output element is one thread's operations in the same order: the bits are the same at any thread count.
 Calls too small to pay for the hand-off run on the calling thread. Every call releases the GIL (ctypes' ``CDLL``).
 
-On a CPU with AVX-512 (``avx512f``) the kernel packs weights in panels of 16 columns and runs the 512-bit
-entry; elsewhere, or with ``LOOKAHEAD_NATIVE=avx2``, panels of 8 and the AVX2 entry. Both run every output
-element as the same FMA chain, so they return the same bits; the wide one does twice the work per instruction,
-which pays once a step has more than a few rows (16 rows: 0.78x the AVX2 kernel's time on the Intel VM).
+On a CPU with AVX-512 (``avx512f``, ``avx512bw`` and ``avx512_vnni``) the kernel packs weights in panels of 16
+columns and runs the 512-bit entry; elsewhere, or with ``LOOKAHEAD_NATIVE=avx2``, panels of 8 and the AVX2 entry.
+Both run every output element as the same FMA chain (the quantized entries: the same exact integer sums, then the
+same float32 operations), so they return the same bits; the wide one does twice the work per instruction, which
+pays once a step has more than a few rows (16 rows: 0.78x the AVX2 kernel's time on the Intel VM).
 
 Why native: on a 2-core AVX2 CPU, torch's float32 products over 2-8 rows (oneDNN, MKL) read the weights at
 half the speed of a one-row product, so a lookahead step of 4 tokens cost 1.7x a one-token step. The panel
 kernel streams each weight once for up to 8 rows (``docs/design.md``, "The panel kernel"). The quantized entries
-(``PanelGemm.quantized``) read GGUF's Q4_0 / Q4_1 / Q8_0 blocks packed by ``decoding.weights.quant_panels`` and keep the
+(``PanelGemm.quantized``) read GGUF's Q4_0 / Q4_1 / Q8_0 blocks packed by ``decoding.weights.quant_panels``, round
+the rows to 8 bits a block at a time as llama.cpp does and multiply integers (``csrc/quant_gemm.cpp``), and keep the
 same property: every row's result is the same bit for bit whatever other rows share the call.
 """
 
@@ -54,7 +57,7 @@ SOURCES = tuple(CSRC / name for name in ("panel_gemm.cpp", "quant_gemm.cpp", "fu
 PANEL = 8  # output columns per panel of the AVX2 kernel: one register of float32
 WIDE_PANEL = 16  # of the AVX-512 kernel
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-pthread")
-WIDE_FLAGS = ("-mavx512f", "-DPANEL_WIDE")
+WIDE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-DPANEL_WIDE")
 DISABLE_VARIABLE = "LOOKAHEAD_NATIVE"  # "0": no native kernel; "avx2": the AVX2 kernel even where AVX-512 runs
 
 log = logging.getLogger(__name__)
@@ -197,11 +200,14 @@ def supported_cpu() -> bool:
 
 
 def wide_cpu() -> bool:
-    """Whether the AVX-512 entry runs here (``avx512f`` on a supported CPU) and the environment allows it."""
+    """Whether the AVX-512 entry runs here (``avx512f``, ``avx512bw`` and ``avx512_vnni``, the quantized entry's
+    integer dot products, on a supported CPU) and the environment allows it."""
     if os.environ.get(DISABLE_VARIABLE, "").lower() == "avx2" or not supported_cpu():
         return False
     flags = _cpu_flags()
-    return "avx512f" in flags if flags is not None else torch.backends.cpu.get_cpu_capability() == "AVX512"
+    if flags is None:
+        return False
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags
 
 
 def compiler() -> str | None:

@@ -3,9 +3,11 @@
 Contract: ``QuantizedWeight`` holds a weight [N, K] as GGUF stores it, one row per output feature of ``K / 32``
 blocks (``raw``: uint8 [N, K / 32 * block bytes]). ``QuantKernel(weight, gemm)`` repacks it once into panels
 (``csrc/quant_gemm.cpp`` has the layout: per panel of L columns and block of 32 k, the L float16 scales, the L
-float16 minima for Q4_1, then the quants k after k) and keeps that one copy; calling it on rows [M, K] gives
-``rows @ W^T`` [M, N] in float32, W de-quantized in registers; a row's result is the same bit for bit whatever
-other rows share the call. ``QuantKernel.weight_rows(ids)`` de-quantizes whole rows of W from the same panels,
+float16 minima for Q4_1, then the quants in groups of four k, each group's L columns side by side) and keeps that
+one copy; calling it on rows [M, K] gives ``rounded(rows) @ W^T`` [M, N] in float32: the rows rounded to 8 bits a
+block of 32 at a time (``rounded``, as llama.cpp rounds a product's activations), W's integers multiplied with
+theirs in registers; a row's result is the same bit for bit whatever other rows share the call.
+``QuantKernel.weight_rows(ids)`` de-quantizes whole rows of W from the same panels,
 equal bit for bit to ``gguf.dequantize`` of those rows: the tied embedding of a GGUF model is read that way
 (``PanelEmbedding``), so the token embedding and the output projection share one copy. ``dequantize(weight)``
 is the float32 weight (tests, fallbacks).
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from decoding.weights.native import PanelGemm
+from decoding.weights.native import WIDE_PANEL, PanelGemm
 
 BLOCK = 32  # weights per GGUF block
+GROUP = 4  # consecutive k a lane of the kernel's integer dot products takes
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,23 @@ def _values(fmt: BlockFormat, quants: torch.Tensor, scales: torch.Tensor) -> tor
     return d * quants.float()
 
 
+def rounded(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` [..., K] (K a multiple of 32) as the quantized kernel rounds them: each block of 32 consecutive
+    values ``e * u`` with ``e = max |x| / 127`` and ``u = round(x / e)`` in [-127, 127] (float32 [..., K]; a block
+    holding an infinity or a NaN gives NaN).
+
+    >>> rounded(torch.linspace(-1.0, 1.0, 32))[:3].tolist()
+    [-1.0, -0.9370078444480896, -0.874015748500824]
+    """
+    blocks = rows.float().reshape(*rows.shape[:-1], -1, BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    finite = torch.isfinite(scale) & (scale > 0)
+    inverse = torch.where(finite, 1.0 / torch.where(finite, scale, 1.0), 0.0)
+    units = torch.round(blocks * inverse).clamp(-127.0, 127.0)
+    scale = torch.where(torch.isfinite(scale), scale, torch.nan)
+    return (units * scale).reshape(rows.shape)
+
+
 def pack(weight: QuantizedWeight, lanes: int) -> torch.Tensor:
     """``weight`` in panels of ``lanes`` columns: uint8 [N / lanes, K / 32, block bytes] (layout: module docs)."""
     fmt, rows, blocks = weight.format, weight.rows, weight.columns // BLOCK
@@ -118,13 +138,15 @@ def pack(weight: QuantizedWeight, lanes: int) -> torch.Tensor:
     # scales [N, B, S] -> [P, B, S, L] as bytes
     scale_bytes = scales.reshape(panels, lanes, blocks, fmt.scales).permute(0, 2, 3, 1).contiguous()
     scale_bytes = scale_bytes.view(torch.uint8).reshape(panels, blocks, -1)
-    if fmt.bits == 8:
-        body = quants.view(torch.uint8).reshape(panels, lanes, blocks, BLOCK)  # [P, L, B, 32]
+    if fmt.bits == 8:  # the AVX-512 entry's panels (16 lanes) hold q + 128, its dot products' unsigned operand
+        offset = 128 if lanes == WIDE_PANEL else 0
+        body = (quants.to(torch.int16) + offset).to(torch.uint8).reshape(panels, lanes, blocks, BLOCK)  # [P, L, B, k]
     else:
-        pairs = quants.reshape(panels, lanes, blocks, BLOCK // 2, 2)
-        body = pairs[..., 0] | (pairs[..., 1] << 4)  # [P, L, B, 16]: k = 2j low nibble, 2j + 1 high
-    body = body.permute(0, 2, 3, 1).reshape(panels, blocks, -1)  # [P, B, k, L]
-    return torch.cat((scale_bytes, body), dim=-1).contiguous()
+        halves = quants.reshape(panels, lanes, blocks, 2, BLOCK // 2)
+        body = halves[..., 0, :] | (halves[..., 1, :] << 4)  # [P, L, B, 16]: GGUF's bytes, k and 16 + k
+    groups = body.shape[-1] // GROUP
+    body = body.reshape(panels, lanes, blocks, groups, GROUP).permute(0, 2, 3, 1, 4)  # [P, B, group, L, 4]
+    return torch.cat((scale_bytes, body.reshape(panels, blocks, -1)), dim=-1).contiguous()
 
 
 class QuantKernel:
@@ -149,12 +171,13 @@ class QuantKernel:
         scales = blocks[..., : 2 * fmt.scales * lanes].contiguous().view(torch.float16)
         scales = scales.reshape(*blocks.shape[:2], fmt.scales, lanes)
         scales = scales.gather(3, lane.expand(*scales.shape[:3], 1)).squeeze(3).float()  # [T, B, S]
-        body = blocks[..., 2 * fmt.scales * lanes :].reshape(*blocks.shape[:2], -1, lanes)
-        body = body.gather(3, lane.expand(*body.shape[:3], 1)).squeeze(3)  # [T, B, k or k / 2]
+        body = blocks[..., 2 * fmt.scales * lanes :].reshape(*blocks.shape[:2], -1, lanes, GROUP)
+        lane = lane[..., None]
+        body = body.gather(3, lane.expand(*body.shape[:3], 1, GROUP)).reshape(*blocks.shape[:2], -1)  # [T, B, bytes]
         if fmt.bits == 8:
-            quants = body.view(torch.int8)
+            quants = (body.to(torch.int16) - (128 if lanes == WIDE_PANEL else 0)).to(torch.int8)
         else:
-            quants = torch.stack((body & 15, body >> 4), dim=-1).reshape(*body.shape[:2], BLOCK)
+            quants = torch.cat((body & 15, body >> 4), dim=-1)  # GGUF's bytes: k in the low nibble, 16 + k high
         values = _values(fmt, quants, scales)  # [T, B, 32]
         return values.reshape(*ids.shape, self.in_features)
 

@@ -1,6 +1,7 @@
 """A LLaMA built from a GGUF file with its quantized weights kept as they are: a tiny GGUF written here (Q4_0,
 Q4_1, Q8_0 and float16 tensors, q/k rows permuted as llama.cpp stores them) runs the same logits as transformers'
-model over gguf's de-quantized weights, lookahead == greedy on it, and the weights choice resolves as documented."""
+model over gguf's de-quantized weights (each quantized linear's input rounded to 8 bits as the kernel rounds it),
+lookahead == greedy on it, and the weights choice resolves as documented."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from decoding.step.stream import generate_autoregressive, generate_lookahead
 from decoding.weights import native
 from decoding.weights.gguf_model import build_gguf_model, read_tensors, rope_order
 from decoding.weights.linears import FusedLinear, KernelLinear, PackedFloat32
-from decoding.weights.quant_panels import PanelEmbedding, QuantKernel
+from decoding.weights.quant_panels import PanelEmbedding, QuantKernel, rounded
 
 gguf = pytest.importorskip("gguf")
 needs_kernel = pytest.mark.skipif(native.panel_gemm() is None, reason="needs the native kernel")
@@ -86,12 +87,31 @@ def write_tiny_gguf(path, layout: dict[str, str], seed: int = 0) -> tuple[LlamaC
     return config, reference
 
 
+def quantized_kernel(module: nn.Module) -> bool:
+    """Whether ``module`` (one of our model's linears) runs through the quantized kernel."""
+    kernel = module._fused.kernel if isinstance(module, FusedLinear) else getattr(module, "kernel", None)
+    return isinstance(kernel, QuantKernel)
+
+
+def round_inputs_where_quantized(model: nn.Module, reference: nn.Module) -> None:
+    """Make each of ``reference``'s linears whose twin in ``model`` runs through the quantized kernel take its input
+    rounded as that kernel rounds it (``quant_panels.rounded``, llama.cpp's 8-bit activations); a linear that runs
+    de-quantized in float32 keeps its input."""
+    modules = dict(model.named_modules())
+    for name, linear in reference.named_modules():
+        if isinstance(linear, nn.Linear) and quantized_kernel(modules[name]):
+            linear.register_forward_pre_hook(lambda _, inputs: (rounded(inputs[0]),))
+
+
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def tiny_pair(request, tmp_path_factory):
-    """(our model from the tiny GGUF, transformers' model over its de-quantized weights), per layout."""
+    """(our model from the tiny GGUF, transformers' model over its de-quantized weights, each linear's input
+    rounded where ours runs quantized), per layout."""
     path = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf"
     config, reference = write_tiny_gguf(path, LAYOUTS[request.param])
-    return build_gguf_model(path, config, native.panel_gemm()), reference
+    model = build_gguf_model(path, config, native.panel_gemm())
+    round_inputs_where_quantized(model, reference)
+    return model, reference
 
 
 def test_rope_order_undoes_llama_cpps_permutation():

@@ -1,7 +1,9 @@
 """The quantized panel kernel: GGUF's Q4_0 / Q4_1 / Q8_0 blocks repacked once, the product equal to a float32
-product with gguf's own de-quantized weight to float tolerance on either entry, each row's result the same bits
-alone or among 1..128 rows (and past 128, where rows are taken 128 at a time), and the embedding rows read from
-the same panels equal to gguf's de-quantized rows bit for bit."""
+product of the rows rounded to 8 bits (``rounded``, llama.cpp's activations) with gguf's own de-quantized weight to
+float tolerance on either entry (and within llama.cpp's error of the unrounded product), each row's result the same
+bits alone or among 1..128 rows (and past 128, where rows are taken 128 at a time), a broken row (an infinity, a
+NaN) giving NaN where it reaches, and the embedding rows read from the same panels equal to gguf's de-quantized rows
+bit for bit."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from decoding.weights.quant_panels import (
     QuantKernel,
     dequantize,
     pack,
+    rounded,
     unpack,
 )
 
@@ -64,14 +67,47 @@ def test_packing_keeps_every_quant_and_scale(name):
 @needs_kernel
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize("shape", [(48, 64), (576, 96), (96, 1536), (3072, 576)])
-def test_the_product_equals_a_float32_product_with_gguf_weights(gemm, name, shape):
+def test_the_product_equals_a_float32_product_of_the_rounded_rows_with_gguf_weights(gemm, name, shape):
     weight = quantized(name, *shape)
     kernel = QuantKernel(weight, gemm)
     reference = gguf_weight(weight)
     torch.manual_seed(0)
     for count in (1, 2, 3, 4, 5, 8, 9, 17, 40):
-        rows = torch.randn(count, shape[1])
-        torch.testing.assert_close(kernel(rows), rows @ reference.t(), rtol=1e-4, atol=2e-4)
+        rows = torch.randn(count, shape[1]) * torch.rand(count, 1) * 10
+        got, expected = kernel(rows), rounded(rows) @ reference.t()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-5 * float(expected.abs().max()))
+        # The rounding's own error (half a step of max |x| / 127 per value): under 1% of the product, root mean
+        # square, as llama.cpp's 8-bit activations give.
+        exact = rows @ reference.t()
+        assert (got - exact).pow(2).mean().sqrt() <= 0.01 * exact.pow(2).mean().sqrt()
+
+
+def test_rounding_keeps_each_block_within_half_a_step_and_marks_broken_blocks():
+    torch.manual_seed(5)
+    rows = torch.randn(3, 96) * torch.tensor([[1e-3], [1.0], [1e3]])
+    rows[1, 40:64] = 0.0
+    got = rounded(rows)
+    step = rows.reshape(3, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((got - rows).reshape(3, 3, 32).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert torch.equal(rounded(torch.zeros(2, 32)), torch.zeros(2, 32))
+    broken = rows.clone()
+    broken[0, 3], broken[2, 70] = float("inf"), float("nan")
+    got = rounded(broken)
+    assert got[0, :32].isnan().all() and got[2, 64:].isnan().all()
+    assert torch.equal(got[0, 32:], rounded(rows)[0, 32:]) and torch.equal(got[1], rounded(rows)[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_a_broken_row_gives_nan_where_it_reaches_and_leaves_the_others(gemm, name):
+    kernel = QuantKernel(quantized(name, 48, 96), gemm)
+    torch.manual_seed(6)
+    rows = torch.randn(3, 96)
+    broken = rows.clone()
+    broken[1, 50] = float("nan")
+    got = kernel(broken)
+    assert got[1].isnan().all()
+    assert torch.equal(got[[0, 2]], kernel(rows)[[0, 2]])
 
 
 @needs_kernel
@@ -137,7 +173,7 @@ def test_bias_is_added_and_a_wrong_width_is_refused(gemm):
     bias = torch.randn(32)
     kernel = QuantKernel(weight, gemm, bias)
     rows = torch.randn(3, 64)
-    torch.testing.assert_close(kernel(rows), rows @ gguf_weight(weight).t() + bias, rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(kernel(rows), rounded(rows) @ gguf_weight(weight).t() + bias, rtol=1e-4, atol=2e-4)
     with pytest.raises(ValueError, match="features"):
         kernel(torch.randn(3, 32))
 
