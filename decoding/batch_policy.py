@@ -11,6 +11,7 @@ keeps under ``policy`` (None where it keeps none). Pure policy: no stream, model
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,11 +57,7 @@ class BatchPolicy:
 
     def cost(self, tokens: int) -> float:
         """The curve's relative cost of a forward over ``tokens`` input tokens."""
-        points = self.step_cost
-        xs = [x for x, _ in points]
-        index = min(max(bisect.bisect_left(xs, tokens), 1), len(points) - 1)
-        (x0, y0), (x1, y1) = points[index - 1], points[index]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        return _interpolated(self.step_cost, tokens)
 
     def stream_cost(self, tokens: int) -> float:
         """The relative cost of a forward over one stream's ``tokens`` (padded as ``padded_tokens`` says): what
@@ -182,3 +179,13 @@ def engine_guard(policy: BatchPolicy) -> PayoffGuard | None:
         def bucket(tokens: int) -> int:
             return 1 << (tokens - 1).bit_length()
     return PayoffGuard(policy.stream_cost, bucket, WallCurve() if policy.measure_step_cost else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _interpolated(points: tuple[tuple[int, float], ...], tokens: int) -> float:
+    """``points``' piecewise-linear value at ``tokens`` (extended from the end segments), remembered: a lookahead
+    step asks the same few sizes several times on every step."""
+    xs = [x for x, _ in points]
+    index = min(max(bisect.bisect_left(xs, tokens), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[index - 1], points[index]
+    return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)

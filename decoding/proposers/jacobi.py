@@ -60,6 +60,9 @@ class JacobiProposer:
     def propose(self, context: Context, budget: int) -> Sequence[Draft]:
         """Up to ``budget`` n-grams: ranked context continuations, then the pool's (module contract)."""
         config = self.config
+        if self.gate.expected < config.break_even:  # no price pays below break-even: only a probe verifies
+            self.paying = self.gate.pays_when(False)
+            return self._found(context, budget) if self.paying and budget > 0 else ()
         found = self._found(context, budget) if budget > 0 else []
         window = self.window_tokens if config.lazy_window else 0  # a lazy window runs for these drafts alone
         self.paying = self.gate.pays(break_even(config, context, window + tree_size(found)))

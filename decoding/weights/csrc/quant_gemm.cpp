@@ -111,9 +111,16 @@ struct Format {
 
 // Panels per tile for R rows when they all fit one tile (R <= 8): R x P integer sums in registers, plus the P
 // weights' vectors (two for 4 bits) and the broadcast rows.
-constexpr int few_panels(int rows) {
+#ifndef Q8P1
+#define Q8P1 6
+#define Q8P2 4
+#define Q4P1 6
+#define Q4P2 4
+#endif
+constexpr int few_panels(int rows, int kind = 1) {
 #ifdef PANEL_WIDE
-    return rows == 1 ? 6 : rows == 2 ? 4 : rows <= 4 ? 2 : 1;
+    if (kind == 2) return rows == 1 ? Q8P1 : rows == 2 ? Q8P2 : rows <= 4 ? 2 : 1;
+    return rows == 1 ? Q4P1 : rows == 2 ? Q4P2 : rows <= 4 ? 2 : 1;
 #else
     return rows == 1 ? 3 : rows == 2 ? 2 : 1;
 #endif
@@ -248,7 +255,7 @@ void tile(const Rows& rows, const uint8_t* panels, int64_t N, int64_t row0, int6
 // memory.
 template <int KIND, int R>
 void few_rows(const Rows& rows, const uint8_t* panels, int64_t N, int64_t first, int64_t last, float* y) {
-    constexpr int P = few_panels(R);
+    constexpr int P = few_panels(R, KIND);
     const int64_t blocks = rows.K / QK;
     int64_t p = first;
     for (; p + P <= last; p += P) tile<KIND, R, P>(rows, panels, N, 0, p, 0, blocks, y);
@@ -285,7 +292,7 @@ void band(const Rows& rows, const uint8_t* panels, int64_t N, int64_t panel, flo
 }
 
 // Panels per tile of a call of M rows: the unit its panel ranges are cut in, so that each range runs whole tiles.
-int64_t tile_panels(int64_t M) { return M <= 8 ? few_panels(static_cast<int>(M)) : BAND_PANELS; }
+int64_t tile_panels(int64_t M, int kind) { return M <= 8 ? few_panels(static_cast<int>(M), kind) : BAND_PANELS; }
 
 // Every row of the chunk against panels [first, last) (``first`` a multiple of tile_panels(rows.M)).
 template <int KIND>
@@ -369,7 +376,7 @@ int ENTRY(int kind, const float* x, int64_t M, int64_t K, const uint8_t* panels,
         round_rows(x + start * K, count, K, quants.data(), scales.data(), sums.data());
         const Rows rows{quants.data(), scales.data(), sums.data(), count, K};
         float* ys = y + start * N;
-        lookahead::parallel_ranges(N / LANES, tile_panels(count), count * N * K, [&](int64_t first, int64_t last) {
+        lookahead::parallel_ranges(N / LANES, tile_panels(count, kind), count * N * K, [&](int64_t first, int64_t last) {
             switch (kind) {
                 case Q4_0: product<Q4_0>(rows, panels, N, first, last, ys); break;
                 case Q4_1: product<Q4_1>(rows, panels, N, first, last, ys); break;
