@@ -110,6 +110,19 @@ def test_the_library_is_named_by_every_source_and_header(monkeypatch, tmp_path):
     assert native.library_path() != before
 
 
+def test_the_wide_entry_needs_avx512_bw_and_vnni(monkeypatch):
+    # The quantized wide entry's integer dot products (vpdpbusd, byte masks) need AVX-512 BW and VNNI: a CPU with
+    # AVX-512F alone (Skylake-X) runs the AVX2 entry, as does LOOKAHEAD_NATIVE=avx2.
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
+    base = {"avx2", "fma", "f16c", "avx512f"}
+    for flags, wide in [(base, False), (base | {"avx512bw"}, False), (base | {"avx512bw", "avx512_vnni"}, True)]:
+        monkeypatch.setattr(native, "_cpu_flags", lambda flags=flags: frozenset(flags))
+        assert native.wide_cpu() is wide, flags
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "avx2")
+    assert native.wide_cpu() is False
+
+
 @needs_kernel
 @pytest.mark.parametrize("shape", [(576, 576), (96, 1536), (40, 24), (400, 130)])
 def test_both_entries_give_the_same_bits(shape):
