@@ -10,17 +10,20 @@ with the eager forward's to float tolerance, not bit for bit.
 
 Why: a one-token step of SmolLM2-135M on the GGUF weights spent ~12.5 ms in its 121 products and as long again
 dispatching ~1,250 small ATen ops (norms, rotary, attention, activation, views) from Python; here a layer is
-its four products, five native calls and two additions (docs/journal.md, "the fused CPU step"). A decode step (no
-prompt chunk among its slices) runs all its layers in one native call (``csrc/fused_step.cpp``: the same calls in
-the same order, without ~270 trips through ctypes and Python between them: ~16 -> ~12 ms a one-token step on the
-2-core Xeon, and the thread pool's workers stay busy); a step with a prompt chunk goes layer by layer.
+its four products, five native calls and two additions (docs/journal.md, "the fused CPU step"). A step (a decode
+step or a prompt chunk) runs all its layers in one native call (``csrc/fused_step.cpp``: the same calls in the same
+order, without ~270 trips through ctypes and Python between them: ~16 -> ~12 ms a one-token step on the 2-core Xeon,
+and the thread pool's workers stay busy); without the native step layers (``step_layers`` None) it goes layer by
+layer through the same calls.
 
 Exactness: every native call computes a row from that row alone, and attention visits a row's visible keys in
 position order with an exact two-pass softmax, so a token's logits are the same bits in a one-token step and in
-a lookahead step whose mask shows it the same tokens: greedy lookahead equals greedy exactly. A prompt chunk (a
-causal slice with no tree) of more than ``NATIVE_ATTENTION_ROWS`` tokens, or of more than one after a filled cache,
-attends with torch's scaled-dot-product attention, which is faster there; its keys/values are stored the same way.
-A decode step of any size (greedy's one token, a lookahead tree) attends natively.
+a lookahead step whose mask shows it the same tokens: greedy lookahead equals greedy exactly. Prompt chunks attend
+natively too, so a prompt's keys, values and first token are the same bits however it was cut into chunks or how much
+of it came from the prefix cache: the same greedy request gives the same text twice (with 8-bit activations a float
+difference upstream can round a value the other way and tip a near tie; torch's SDPA for long chunks did, in the soak
+test). The native attention's cost grows with rows x past: against SDPA, prefilling a prompt of 64-512 tokens took
+0.86-0.91x the time, of 1024 tokens 1.65x (2-core AMD EPYC, 2026-12-07).
 
 Threads: each native call splits its work over the native thread pool (``decoding.weights.native.set_threads``) with the
 same bits at any thread count, so the exactness above holds at every count; a wide step's products, which are
@@ -47,7 +50,6 @@ from decoding.weights.quant_panels import QuantKernel
 if TYPE_CHECKING:
     from decoding.forward.slices import Slice
 
-NATIVE_ATTENTION_ROWS = 32  # a causal prompt chunk of more tokens attends through torch's SDPA
 MAX_HEAD_DIM = 256  # the widest attention head the native attention takes (csrc/fused_ops.cpp: MAX_DIM)
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -108,7 +110,7 @@ class FusedPlan:
         cos, sin = decoder.rotary_emb(hidden[None], positions[None])  # [1, T, dim]
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         count, masks = hidden.shape[0], [_visible_bytes(slice_) for slice_ in slices]
-        if self.step_layers is not None and not any(map(_is_prefill_chunk, slices, masks)):
+        if self.step_layers is not None:
             self._native_layers(hidden, slices, masks, cos, sin)
         else:
             step = _Step(slices, masks, cos, sin, torch.empty_like(hidden), torch.empty((count, self.heads * self.dim)),
@@ -174,26 +176,10 @@ class FusedPlan:
         layer = slice_.cache.layers[index]
         keys, values = layer._key_buffer[0], layer._value_buffer[0]  # [kv_heads, capacity, dim]
         count, past = states.shape[0], slice_.cache.length
-        if not _is_prefill_chunk(slice_, mask):
-            pointer = 0 if mask is None else mask.data_ptr()
-            self.ops.attention(states.data_ptr(), count, states.shape[1], self.heads, self.kv_heads, self.dim,
-                               keys.data_ptr(), values.data_ptr(), keys.stride(0), past, pointer, self.scaling,
-                               out.data_ptr())
-            return
-        split = states.view(count, -1, self.dim).transpose(0, 1)  # [all heads, t, dim]
-        heads, kv_heads = self.heads, self.kv_heads
-        keys[:, past : past + count] = split[heads : heads + kv_heads]
-        values[:, past : past + count] = split[heads + kv_heads :]
-        additive = None  # a prompt chunk is causal: over an empty cache SDPA's own causal mask is the same
-        if past > 0:
-            additive = torch.zeros((count, past + count))
-            additive[:, past:].masked_fill_(torch.ones((count, count), dtype=torch.bool).triu_(1),
-                                            torch.finfo(torch.float32).min)
-        output = torch.nn.functional.scaled_dot_product_attention(
-            split[None, :heads], keys[None, :, : past + count], values[None, :, : past + count],
-            attn_mask=additive, is_causal=additive is None, scale=self.scaling, enable_gqa=True,
-        )  # [1, heads, t, dim]
-        out.copy_(output[0].transpose(0, 1).reshape(count, -1))
+        pointer = 0 if mask is None else mask.data_ptr()
+        self.ops.attention(states.data_ptr(), count, states.shape[1], self.heads, self.kv_heads, self.dim,
+                           keys.data_ptr(), values.data_ptr(), keys.stride(0), past, pointer, self.scaling,
+                           out.data_ptr())
 
 
 def _reserve(cache: SlotCache, count: int, kv_heads: int, dim: int) -> None:
@@ -207,18 +193,6 @@ def _reserve(cache: SlotCache, count: int, kv_heads: int, dim: int) -> None:
         if not layer.is_initialized:
             shape = torch.empty((1, kv_heads, 0, dim))
             layer.lazy_initialization(shape, shape)
-
-
-def _is_prefill_chunk(slice_: Slice, mask: torch.Tensor | None) -> bool:
-    """Whether ``slice_`` is a causal prompt chunk (no mask, no tree) of more than ``NATIVE_ATTENTION_ROWS`` tokens,
-    or of more than one after a filled cache (the rest of a prompt whose prefix came from the prefix cache, or a
-    later chunk: the native attention's cost grows with rows x past): those attend through SDPA. Every decode step
-    (greedy: one token; lookahead: a tree, however large) attends natively, so greedy and lookahead rows are
-    computed alike."""
-    if mask is not None or slice_.parents is not None:
-        return False
-    rows = len(slice_.tokens)
-    return rows > NATIVE_ATTENTION_ROWS or (rows > 1 and slice_.cache.length > 0)
 
 
 def _visible_bytes(slice_: Slice) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
 """lm-evaluation-harness against the live server: ``local-completions`` with its remote tokenizer (``/tokenizer_info``,
 ``/tokenize``) scores a small multiple-choice task, and every loglikelihood equals lm-eval's own ``hf`` model's on the
-same weights, continuations the model would end with EOS included (lm-eval drops the last logprob entry as the
-generated token, so the server must list EOS there)."""
+same weights (a server on the de-quantized float32 checkpoint, ``--weights float32``: the GGUF default rounds its
+products' activations to 8 bits, which no ``hf`` model reproduces), continuations the model would end with EOS
+included (lm-eval drops the last logprob entry as the generated token, so the server must list EOS there)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from tests.e2e.conftest import API_KEY  # noqa: E402
+from tests.e2e.conftest import API_KEY, start_server  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 TOLERANCE = 1e-4
@@ -48,6 +49,15 @@ def loglikelihoods(results: dict) -> list[float]:
     """Every (item, choice) loglikelihood of a ``simple_evaluate`` run with samples logged, in order."""
     samples = sorted(results["samples"]["tiny_mc"], key=lambda sample: sample["doc_id"])
     return [float(response[0][0]) for sample in samples for response in sample["resps"]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server on the float32 checkpoint that lm-eval's ``hf`` model loads too (module contract)."""
+    running = start_server(tmp_path_factory.mktemp("lm_eval") / "server.log", "--api-key", API_KEY, "--weights",
+                           "float32")
+    yield running
+    assert running.stop() == 0, running.log()
 
 
 def test_local_completions_loglikelihoods_equal_the_hf_models(server, tmp_path, monkeypatch):

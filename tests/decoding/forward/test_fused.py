@@ -45,7 +45,7 @@ def step(model, use_fused: bool, monkeypatch, prompt_length: int = 5):
 
 @needs_kernel
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
-@pytest.mark.parametrize("prompt_length", [5, 40], ids=["native-attention", "sdpa-prefill"])
+@pytest.mark.parametrize("prompt_length", [5, 40], ids=["short-prefill", "long-prefill"])
 def test_the_fused_step_equals_the_eager_step_to_float_tolerance(make_model, prompt_length, monkeypatch):
     model = packed_model(make_model)
     assert fused.plan_for(model) is not None
@@ -194,15 +194,27 @@ def test_a_gguf_model_steps_in_one_native_call_with_the_same_bits(tmp_path, pool
 
 
 @needs_kernel
-def test_a_step_with_a_prompt_chunk_goes_call_by_call(monkeypatch):
+def test_a_prompt_is_the_same_bits_however_it_is_chunked():
+    # Prompt chunks attend natively as decode steps do: a 40-token prompt in one chunk, in chunks of 25 + 15 (a later
+    # chunk over a filled cache, as after the prefix cache) and 39 + 1 gives its last row the same logits and every
+    # layer the same keys and values, so a repeated greedy request starts from the same bits.
     model = packed_model()
-    plan = fused.plan_for(model)
-    calls = []
-    monkeypatch.setattr(plan, "_native_layers", lambda hidden, slices, *_: calls.append(len(slices)))
-    cache = new_cache(model, 64)
+    prompt = [(7 * index + 3) % 60 for index in range(40)]
+    results = []
     with torch.no_grad():
-        forward_packed(model, [Slice(list(range(1, 41)), torch.arange(40), None, torch.tensor([39]), cache)])
-    assert calls == []  # a 40-token prompt chunk attends through SDPA, layer by layer
+        for cuts in ([40], [25, 15], [39, 1]):
+            cache, start, logits = new_cache(model, 64), 0, None
+            for size in cuts:
+                tokens = prompt[start : start + size]
+                logits = forward_packed(model, [Slice(tokens, torch.arange(start, start + size), None,
+                                                      torch.tensor([size - 1]), cache)])[0]
+                start += size
+            results.append((logits, cache))
+    (first, first_cache), *others = results
+    for logits, cache in others:
+        assert torch.equal(logits, first)
+        for layer, expected in zip(cache.layers, first_cache.layers, strict=True):
+            assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
 
 
 @needs_kernel
