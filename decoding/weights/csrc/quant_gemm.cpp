@@ -22,8 +22,9 @@
 //
 // Why integers: the float32 kernel this replaced de-quantized each weight to float32 and spent one FMA per weight
 // per row; on a 2-core AMD EPYC every row after the first added ~0.23 of a one-token step (a 9-token step cost
-// 3.0x). One dpbusd does the multiply-adds of 16 of those FMAs' weights' four k (2.2-2.5x the product's speed at
-// 1-16 rows, 2.0x for the tall down projection, in the file's micro-benchmark).
+// 3.0x). One dpbusd does the multiply-adds of 16 of those FMAs' weights' four k: on one thread there, gate/up
+// (3072 x 576) went from 32 to 16 us at one row and from 124 to 47 at eight, down (576 x 1536) from 19 to 8 and 64 to
+// 27 (docs/journal.md, 2026-12-07 evening).
 //
 // Threads: the panels are cut into ranges of whole tiles, each range run by one thread of the pool (thread_pool.h),
 // so each output element is still one thread's chain and the bits do not depend on the thread count; the rows are
