@@ -128,6 +128,12 @@ def rounded(rows: torch.Tensor) -> torch.Tensor:
     return (units * scale).reshape(rows.shape)
 
 
+def q8_offset(lanes: int) -> int:
+    """What Q8_0 panels of ``lanes`` columns add to each quant: 128 in the AVX-512 entry's (its dot product takes the
+    weights as unsigned bytes), 0 in the AVX2 entry's (it takes their signs onto the rows)."""
+    return 128 if lanes == WIDE_PANEL else 0
+
+
 def pack(weight: QuantizedWeight, lanes: int) -> torch.Tensor:
     """``weight`` in panels of ``lanes`` columns: uint8 [N / lanes, K / 32, block bytes] (layout: module docs)."""
     fmt, rows, blocks = weight.format, weight.rows, weight.columns // BLOCK
@@ -138,9 +144,8 @@ def pack(weight: QuantizedWeight, lanes: int) -> torch.Tensor:
     # scales [N, B, S] -> [P, B, S, L] as bytes
     scale_bytes = scales.reshape(panels, lanes, blocks, fmt.scales).permute(0, 2, 3, 1).contiguous()
     scale_bytes = scale_bytes.view(torch.uint8).reshape(panels, blocks, -1)
-    if fmt.bits == 8:  # the AVX-512 entry's panels (16 lanes) hold q + 128, its dot products' unsigned operand
-        offset = 128 if lanes == WIDE_PANEL else 0
-        body = (quants.to(torch.int16) + offset).to(torch.uint8).reshape(panels, lanes, blocks, BLOCK)  # [P, L, B, k]
+    if fmt.bits == 8:
+        body = (quants.to(torch.int16) + q8_offset(lanes)).to(torch.uint8).reshape(panels, lanes, blocks, BLOCK)
     else:
         halves = quants.reshape(panels, lanes, blocks, 2, BLOCK // 2)
         body = halves[..., 0, :] | (halves[..., 1, :] << 4)  # [P, L, B, 16]: GGUF's bytes, k and 16 + k
@@ -175,7 +180,7 @@ class QuantKernel:
         lane = lane[..., None]
         body = body.gather(3, lane.expand(*body.shape[:3], 1, GROUP)).reshape(*blocks.shape[:2], -1)  # [T, B, bytes]
         if fmt.bits == 8:
-            quants = (body.to(torch.int16) - (128 if lanes == WIDE_PANEL else 0)).to(torch.int8)
+            quants = (body.to(torch.int16) - q8_offset(lanes)).to(torch.int8)
         else:
             quants = torch.cat((body & 15, body >> 4), dim=-1)  # GGUF's bytes: k in the low nibble, 16 + k high
         values = _values(fmt, quants, scales)  # [T, B, 32]

@@ -7,10 +7,11 @@
 // [-127, 127] (x' = e * u). W's GGUF blocks (32 consecutive k of one output column n, a float16 scale d, a float16
 // minimum m for Q4_1, 32 quants q) are repacked into panels of L output columns (L = 8 for AVX2, 16 for AVX-512):
 // panel p, block b holds, contiguous, the L scales d (float16), the L minima m (Q4_1 only), then the quants in
-// groups of four k: group g, column c, byte j is the quant of k = 4g + j (Q8_0, int8, 8 groups) or, for Q4_0 /
-// Q4_1, GGUF's own byte 4g + j of the column's block (k = 4g + j in the low nibble, 16 + 4g + j in the high one; 4
-// groups). Layout [N / L][K / 32][block bytes]. A lane of a vector holds one column's four k, so one integer dot
-// instruction (AVX-512 VNNI's dpbusd; AVX2's maddubs + madd) multiplies and adds four k of L columns.
+// groups of four k: group g, column c, byte j is the quant of k = 4g + j (Q8_0, int8, plus 128 in the AVX-512
+// panels for dpbusd's unsigned operand; 8 groups) or, for Q4_0 / Q4_1, GGUF's own byte 4g + j of the column's block
+// (k = 4g + j in the low nibble, 16 + 4g + j in the high one; 4 groups). Layout [N / L][K / 32][block bytes]. A
+// lane of a vector holds one column's four k, so one integer dot instruction (AVX-512 VNNI's dpbusd; AVX2's maddubs
+// + madd) multiplies and adds four k of L columns.
 //
 // With w = d q + m (Q4_1), d (q - 8) (Q4_0), d q (Q8_0), a block contributes e * (d * S + m * U) to y, where
 // S = sum_k q u and U = sum_k u are exact integers (|S| < 2^16); Q4_0's is e * d * (S - 8 U). Each output element
@@ -112,16 +113,9 @@ struct Format {
 
 // Panels per tile for R rows when they all fit one tile (R <= 8): R x P integer sums in registers, plus the P
 // weights' vectors (two for 4 bits) and the broadcast rows.
-#ifndef Q8P1
-#define Q8P1 6
-#define Q8P2 4
-#define Q4P1 6
-#define Q4P2 4
-#endif
-constexpr int few_panels(int rows, int kind = 1) {
+constexpr int few_panels(int rows) {
 #ifdef PANEL_WIDE
-    if (kind == 2) return rows == 1 ? Q8P1 : rows == 2 ? Q8P2 : rows <= 4 ? 2 : 1;
-    return rows == 1 ? Q4P1 : rows == 2 ? Q4P2 : rows <= 4 ? 2 : 1;
+    return rows == 1 ? 6 : rows == 2 ? 4 : rows <= 4 ? 2 : 1;
 #else
     return rows == 1 ? 3 : rows == 2 ? 2 : 1;
 #endif
@@ -256,7 +250,7 @@ void tile(const Rows& rows, const uint8_t* panels, int64_t N, int64_t row0, int6
 // memory.
 template <int KIND, int R>
 void few_rows(const Rows& rows, const uint8_t* panels, int64_t N, int64_t first, int64_t last, float* y) {
-    constexpr int P = few_panels(R, KIND);
+    constexpr int P = few_panels(R);
     const int64_t blocks = rows.K / QK;
     int64_t p = first;
     for (; p + P <= last; p += P) tile<KIND, R, P>(rows, panels, N, 0, p, 0, blocks, y);
@@ -293,7 +287,7 @@ void band(const Rows& rows, const uint8_t* panels, int64_t N, int64_t panel, flo
 }
 
 // Panels per tile of a call of M rows: the unit its panel ranges are cut in, so that each range runs whole tiles.
-int64_t tile_panels(int64_t M, int kind) { return M <= 8 ? few_panels(static_cast<int>(M), kind) : BAND_PANELS; }
+int64_t tile_panels(int64_t M) { return M <= 8 ? few_panels(static_cast<int>(M)) : BAND_PANELS; }
 
 // Every row of the chunk against panels [first, last) (``first`` a multiple of tile_panels(rows.M)).
 template <int KIND>
@@ -377,7 +371,7 @@ int ENTRY(int kind, const float* x, int64_t M, int64_t K, const uint8_t* panels,
         round_rows(x + start * K, count, K, quants.data(), scales.data(), sums.data());
         const Rows rows{quants.data(), scales.data(), sums.data(), count, K};
         float* ys = y + start * N;
-        lookahead::parallel_ranges(N / LANES, tile_panels(count, kind), count * N * K, [&](int64_t first, int64_t last) {
+        lookahead::parallel_ranges(N / LANES, tile_panels(count), count * N * K, [&](int64_t first, int64_t last) {
             switch (kind) {
                 case Q4_0: product<Q4_0>(rows, panels, N, first, last, ys); break;
                 case Q4_1: product<Q4_1>(rows, panels, N, first, last, ys); break;
