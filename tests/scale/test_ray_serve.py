@@ -195,7 +195,12 @@ def test_requests_spread_over_both_replicas(two_replicas):
         async with httpx.AsyncClient(timeout=120) as http:
             return await asyncio.gather(*(one(http, index) for index in range(8)))
 
-    assert len(set(asyncio.run(burst()))) == 2
+    # the router chooses between two replicas at random when both look idle: eight in a row to one happens
+    # (1 in 128), three bursts in a row to one does not
+    seen = []
+    while len(seen) < 3 and not any(len(replicas) == 2 for replicas in seen):
+        seen.append(set(asyncio.run(burst())))
+    assert len(seen[-1]) == 2, seen
 
 
 def replica_metrics(url: str, replica: str) -> dict[str, float]:
@@ -318,12 +323,14 @@ def replica_pids() -> dict[str, int]:
 
 
 def test_a_killed_replica_loses_only_its_own_requests_and_comes_back(two_replicas):
+    """Streams open one at a time, each waited for until its first chunk, until both replicas hold some (the router
+    may send several in a row to one replica: CI once saw six of six on one); then one replica is killed."""
     url = two_replicas["url"]
     pids = replica_pids()
     results: dict[int, tuple[str, str]] = {}  # index -> (replica, outcome)
-    started = [threading.Event() for _ in range(6)]
+    placed: dict[int, str] = {}  # index -> replica, known once the stream has its first chunk
 
-    def stream(index: int) -> None:
+    def stream(index: int, started: threading.Event) -> None:
         body = chat(f"Tell me about the number {index}.", max_tokens=40, stream=True, **PLAIN)
         replica, events = "?", []
         try:
@@ -332,21 +339,26 @@ def test_a_killed_replica_loses_only_its_own_requests_and_comes_back(two_replica
                 for line in response.iter_lines():
                     if line.startswith("data:"):
                         events.append(line)
-                        started[index].set()
+                        placed[index] = replica
+                        started.set()
         except httpx.HTTPError:
             pass
         finally:
-            started[index].set()
+            started.set()
         done = len(events) >= 2 and events[-1] == "data: [DONE]" and '"error"' not in events[-2]
         results[index] = (replica, "done" if done else "lost")
 
-    threads = [threading.Thread(target=stream, args=(index,)) for index in range(6)]
-    for thread in threads:
-        thread.start()
-    for event in started:  # every stream has its first chunk: each is on its replica
-        assert event.wait(120)
-    victim, victim_pid = next(iter(pids.items()))
-    os.kill(victim_pid, signal.SIGKILL)
+    threads = []
+    for index in range(16):
+        started = threading.Event()
+        threads.append(threading.Thread(target=stream, args=(index, started)))
+        threads[-1].start()
+        assert started.wait(120)
+        if index >= 5 and set(placed.values()) >= set(pids):
+            break
+    assert set(placed.values()) >= set(pids), placed  # 16 streams, all on one replica: the router does not spread
+    victim = next(iter(placed.values()))
+    os.kill(pids[victim], signal.SIGKILL)
     for thread in threads:
         thread.join(120)
     survivors = [outcome for replica, outcome in results.values() if replica != victim]
