@@ -12,8 +12,8 @@
 // the same bits. That makes lookahead == greedy exact, not just within rounding.
 //
 // Threads: each call cuts its work into ranges run on the thread pool (thread_pool.h) when it is big enough: rows
-// for the norm, rotary, activation and top tokens, (row, query head) pairs of each kv head for attention. A row (a
-// pair) is computed whole by one thread, so the bits do not depend on the thread count either.
+// for the norm, rotary, activation and top tokens, (kv head, row) units for attention. A row (a
+// unit) is computed whole by one thread, so the bits do not depend on the thread count either.
 //
 // Built with the panel kernels into one library (decoding/weights/native.py compiles every source twice: AVX2, and
 // AVX-512 with PANEL_WIDE); these use 256-bit instructions only and are compiled in the AVX2 pass alone.
@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "thread_pool.h"
@@ -73,33 +74,58 @@ inline float sum8(__m256 v) {
     return _mm_cvtss_f32(half);
 }
 
-// The dot products of q with the four keys k[0..3] (dim a multiple of 8) into out[0..3]. Each key's sum is
-// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) over its 8 lane partial sums, whichever keys share the call.
-inline void dot4(const float* q, const float* const* k, int64_t dim, float* out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + d), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + d), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + d), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + d), a3);
+constexpr int64_t SLOT_BLOCK = 64;   // cached keys (or values) per block: 16 KB of a 64-float head, in L1
+constexpr int64_t UNIT_BLOCK = 16;   // (row, kv head) units sharing a block of cached keys; bounds their scratch
+constexpr int64_t MAX_QUERIES = 3;   // query heads of a unit scored (weighed) together: 12 accumulators
+constexpr int64_t VALUE_CHUNKS = 4;  // 8-float chunks of a head weighed at once: 3 x 4 accumulators
+
+// The dot products of Q queries q[0..Q) with the four keys k[0..3] (dim a multiple of 8), times scale, into
+// out[j * stride + 0..3]. Each (query, key) sum is one FMA chain per lane over d in order, then
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) over its 8 lanes: the same bits whichever queries and keys
+// share the call. A key is loaded once for all Q queries.
+template <int Q>
+inline void dots(const float* const* q, const float* const* k, int64_t dim, float scale, float* out,
+                 int64_t stride) {
+    __m256 acc[Q][4];
+    for (int j = 0; j < Q; ++j) {
+        for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
     }
-    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
+    for (int64_t d = 0; d < dim; d += 8) {
+        __m256 x[Q];
+        for (int j = 0; j < Q; ++j) x[j] = _mm256_loadu_ps(q[j] + d);
+        for (int i = 0; i < 4; ++i) {
+            const __m256 key = _mm256_loadu_ps(k[i] + d);
+            for (int j = 0; j < Q; ++j) acc[j][i] = _mm256_fmadd_ps(x[j], key, acc[j][i]);
+        }
+    }
+    for (int j = 0; j < Q; ++j) {
+        const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(acc[j][0], acc[j][1]), _mm256_hadd_ps(acc[j][2], acc[j][3]));
+        const __m128 four = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+        _mm_storeu_ps(out + j * stride, _mm_mul_ps(four, _mm_set1_ps(scale)));
+    }
 }
 
-constexpr int64_t SLOT_BLOCK = 64;  // cached keys (or values) per block: 16 KB of a 64-float head, in L1
-
-// scores[i] = (q . keys[slots[i]]) * scale for i in [begin, end), four keys a pass (a short tail repeats the last
-// key and drops its extra results).
-void score(const float* query, const float* keys, const int64_t* slots, int64_t begin, int64_t end, int64_t dim,
-           float scale, float* scores) {
+// scores[j * stride + i] = (q[j] . key(i)) * scale for Q queries and i in [begin, end), four keys a pass (a short
+// tail repeats the last key and drops its extra results). ``key(i)`` is slot i's key: keys + slots[i] * dim, or
+// keys + i * dim without slots (the cached keys, slot i at i).
+template <int Q>
+void score(const float* const* q, const float* keys, const int64_t* slots, int64_t begin, int64_t end, int64_t dim,
+           float scale, float* scores, int64_t stride) {
     for (int64_t i = begin; i < end; i += 4) {
         const float* four[4];
-        for (int64_t j = 0; j < 4; ++j) four[j] = keys + slots[i + j < end ? i + j : end - 1] * dim;
-        float dots[4];
-        dot4(query, four, dim, dots);
-        for (int64_t j = 0; j < 4 && i + j < end; ++j) scores[i + j] = dots[j] * scale;
+        for (int64_t j = 0; j < 4; ++j) {
+            const int64_t at = i + j < end ? i + j : end - 1;
+            four[j] = keys + (slots == nullptr ? at : slots[at]) * dim;
+        }
+        if (i + 4 <= end) {
+            dots<Q>(q, four, dim, scale, scores + i, stride);
+        } else {
+            float tail[Q * 4];
+            dots<Q>(q, four, dim, scale, tail, 4);
+            for (int j = 0; j < Q; ++j) {
+                for (int64_t t = 0; i + t < end; ++t) scores[j * stride + i + t] = tail[j * 4 + t];
+            }
+        }
     }
 }
 
@@ -114,18 +140,44 @@ float softmax_weights(float* scores, int64_t count) {
     return total;
 }
 
-// acc[dim] += sum over i in [begin, end) of weights[i] * values[slots[i]], dim / 8 FMA chains in slot order.
-void weigh(const float* weights, const float* values, const int64_t* slots, int64_t begin, int64_t end, int64_t dim,
-           float* acc) {
-    const int64_t blocks = dim / 8;
-    __m256 sum[MAX_DIM / 8];
-    for (int64_t b = 0; b < blocks; ++b) sum[b] = _mm256_loadu_ps(acc + 8 * b);
-    for (int64_t i = begin; i < end; ++i) {
-        const __m256 weight = _mm256_set1_ps(weights[i]);
-        const float* value = values + slots[i] * dim;
-        for (int64_t b = 0; b < blocks; ++b) sum[b] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * b), sum[b]);
+// acc[j * dim + c] += sum over i in [begin, end) of weights[j * stride + i] * value(i)[c] for Q queries and the
+// C chunks of 8 floats from ``first`` (value(i) as ``score``'s key(i)): one FMA chain per float in slot order, a
+// value chunk loaded once for all Q queries.
+template <int Q, int C>
+void weigh_chunks(const float* weights, int64_t stride, const float* values, const int64_t* slots, int64_t begin,
+                  int64_t end, int64_t dim, int64_t first, float* acc) {
+    __m256 sum[Q][C];
+    for (int j = 0; j < Q; ++j) {
+        for (int c = 0; c < C; ++c) sum[j][c] = _mm256_loadu_ps(acc + j * dim + first + 8 * c);
     }
-    for (int64_t b = 0; b < blocks; ++b) _mm256_storeu_ps(acc + 8 * b, sum[b]);
+    for (int64_t i = begin; i < end; ++i) {
+        const float* value = values + (slots == nullptr ? i : slots[i]) * dim + first;
+        __m256 weight[Q];
+        for (int j = 0; j < Q; ++j) weight[j] = _mm256_set1_ps(weights[j * stride + i]);
+        for (int c = 0; c < C; ++c) {
+            const __m256 v = _mm256_loadu_ps(value + 8 * c);
+            for (int j = 0; j < Q; ++j) sum[j][c] = _mm256_fmadd_ps(weight[j], v, sum[j][c]);
+        }
+    }
+    for (int j = 0; j < Q; ++j) {
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + j * dim + first + 8 * c, sum[j][c]);
+    }
+}
+
+// ``weigh_chunks`` over every chunk of the head, VALUE_CHUNKS at a time.
+template <int Q>
+void weigh(const float* weights, int64_t stride, const float* values, const int64_t* slots, int64_t begin,
+           int64_t end, int64_t dim, float* acc) {
+    int64_t first = 0;
+    for (; first + 8 * VALUE_CHUNKS <= dim; first += 8 * VALUE_CHUNKS) {
+        weigh_chunks<Q, VALUE_CHUNKS>(weights, stride, values, slots, begin, end, dim, first, acc);
+    }
+    switch ((dim - first) / 8) {
+        case 3: weigh_chunks<Q, 3>(weights, stride, values, slots, begin, end, dim, first, acc); break;
+        case 2: weigh_chunks<Q, 2>(weights, stride, values, slots, begin, end, dim, first, acc); break;
+        case 1: weigh_chunks<Q, 1>(weights, stride, values, slots, begin, end, dim, first, acc); break;
+        default: break;
+    }
 }
 
 // One row of fused_silu_mul: y[i] = silu(gate[i]) * up[i], up = gate + inner.
@@ -178,12 +230,13 @@ void top_of_row(const float* row, int64_t width, int64_t k, int64_t* out) {
     for (int64_t j = 0; j < k; ++j) out[j] = j < held ? ids[j] : 0;
 }
 
-// One kv head's share of a step's attention: (row, query head) pairs [first, last) of kv head g, pair p being
-// row p / group, query head g * group + p % group. The cached keys and values are read in blocks of SLOT_BLOCK
-// slots, each block used by every pair of the range while it sits in L1. A pair's arithmetic is the same whatever
-// the other pairs of the range: each score one dot product, the softmax over its own keys in position order, the
-// weighted sum dim / 8 FMA chains over those keys in position order (a block boundary only parks the running sums
-// in memory). ``scores`` [pairs][span], ``totals`` [pairs], ``acc`` [pairs][dim] are this kv head's scratch.
+// A step's attention cut into units: unit (g, t) is row t's query heads of kv head g (``group`` of them, which
+// read the same keys and values), units ordered g-major. A range of one kv head's units is run UNIT_BLOCK units at
+// a time: the cached keys (values) are read in blocks of SLOT_BLOCK slots, each block used by every unit of the
+// block while it sits in L1; then each unit's step slots. A query's arithmetic is the same whatever the other units,
+// queries or blocks: each score one ``dots`` sum, the softmax over its own keys in position order, the weighted sum
+// one FMA chain per float over those keys in position order (a block boundary only parks the running sums in
+// memory).
 struct Attention {
     const float* qkv;
     int64_t count, row_stride, heads, kv_heads, dim;
@@ -195,40 +248,72 @@ struct Attention {
     float scale;
     float* out;
 
-    const float* query(int64_t g, int64_t p) const {
-        return qkv + (p / group) * row_stride + (g * group + p % group) * dim;
-    }
-
-    void pairs(int64_t g, int64_t first, int64_t last, float* scores, float* totals, float* acc) const {
+    // Units [first, last) of kv head g, at most UNIT_BLOCK of them; scores [UNIT_BLOCK * group][span],
+    // acc [UNIT_BLOCK * group][dim] and totals [UNIT_BLOCK * group] are the caller's scratch.
+    void block(int64_t g, int64_t first, int64_t last, float* scores, float* totals, float* acc) const {
         const float* head_keys = keys + g * head_stride;
         const float* head_values = values + g * head_stride;
         for (int64_t begin = 0; begin < past; begin += SLOT_BLOCK) {
             const int64_t end = begin + SLOT_BLOCK < past ? begin + SLOT_BLOCK : past;
-            for (int64_t p = first; p < last; ++p) {
-                score(query(g, p), head_keys, slots + (p / group) * span, begin, end, dim, scale, scores + p * span);
+            for (int64_t t = first; t < last; ++t) {
+                each_query(g, t, [&](auto q, const float* const* query, int64_t j) {
+                    score<decltype(q)::value>(query, head_keys, nullptr, begin, end, dim, scale,
+                                              scores + ((t - first) * group + j) * span, span);
+                });
             }
         }
-        for (int64_t p = first; p < last; ++p) {
-            const int64_t t = p / group;
-            float* own = scores + p * span;
-            score(query(g, p), head_keys, slots + t * span, past, seen[t], dim, scale, own);
-            totals[p] = softmax_weights(own, seen[t]);
+        for (int64_t t = first; t < last; ++t) {
+            each_query(g, t, [&](auto q, const float* const* query, int64_t j) {
+                score<decltype(q)::value>(query, head_keys, slots + t * span, past, seen[t], dim, scale,
+                                          scores + ((t - first) * group + j) * span, span);
+            });
+            for (int64_t j = 0; j < group; ++j) {
+                const int64_t unit_query = (t - first) * group + j;
+                totals[unit_query] = softmax_weights(scores + unit_query * span, seen[t]);
+            }
         }
-        std::fill(acc + first * dim, acc + last * dim, 0.0f);
+        std::fill(acc, acc + (last - first) * group * dim, 0.0f);
         for (int64_t begin = 0; begin < past; begin += SLOT_BLOCK) {
             const int64_t end = begin + SLOT_BLOCK < past ? begin + SLOT_BLOCK : past;
-            for (int64_t p = first; p < last; ++p) {
-                weigh(scores + p * span, head_values, slots + (p / group) * span, begin, end, dim, acc + p * dim);
+            for (int64_t t = first; t < last; ++t) {
+                each_query(g, t, [&](auto q, const float* const*, int64_t j) {
+                    const int64_t unit_query = (t - first) * group + j;
+                    weigh<decltype(q)::value>(scores + unit_query * span, span, head_values, nullptr, begin, end, dim,
+                                              acc + unit_query * dim);
+                });
             }
         }
-        for (int64_t p = first; p < last; ++p) {
-            const int64_t t = p / group;
-            float* sum = acc + p * dim;
-            weigh(scores + p * span, head_values, slots + t * span, past, seen[t], dim, sum);
-            const __m256 divisor = _mm256_set1_ps(totals[p]);
-            float* target = out + (t * heads + g * group + p % group) * dim;
-            for (int64_t d = 0; d < dim; d += 8) {
-                _mm256_storeu_ps(target + d, _mm256_div_ps(_mm256_loadu_ps(sum + d), divisor));
+        for (int64_t t = first; t < last; ++t) {
+            each_query(g, t, [&](auto q, const float* const*, int64_t j) {
+                const int64_t unit_query = (t - first) * group + j;
+                weigh<decltype(q)::value>(scores + unit_query * span, span, head_values, slots + t * span, past,
+                                          seen[t], dim, acc + unit_query * dim);
+            });
+            for (int64_t j = 0; j < group; ++j) {
+                const float* sum = acc + ((t - first) * group + j) * dim;
+                const __m256 divisor = _mm256_set1_ps(totals[(t - first) * group + j]);
+                float* target = out + (t * heads + g * group + j) * dim;
+                for (int64_t d = 0; d < dim; d += 8) {
+                    _mm256_storeu_ps(target + d, _mm256_div_ps(_mm256_loadu_ps(sum + d), divisor));
+                }
+            }
+        }
+    }
+
+    // body(std::integral_constant<int, Q>, queries, j) for unit (g, t)'s query heads j .. j + Q - 1, in runs of
+    // at most MAX_QUERIES.
+    template <class Body>
+    void each_query(int64_t g, int64_t t, Body&& body) const {
+        const float* query[MAX_QUERIES];
+        for (int64_t j = 0; j < group; j += MAX_QUERIES) {
+            const int64_t run = group - j < MAX_QUERIES ? group - j : MAX_QUERIES;
+            for (int64_t i = 0; i < run; ++i) query[i] = qkv + t * row_stride + (g * group + j + i) * dim;
+            if (run == 3) {
+                body(std::integral_constant<int, 3>{}, query, j);
+            } else if (run == 2) {
+                body(std::integral_constant<int, 2>{}, query, j);
+            } else {
+                body(std::integral_constant<int, 1>{}, query, j);
             }
         }
     }
@@ -287,8 +372,8 @@ void fused_rope(float* states, int64_t rows, int64_t row_stride, int64_t heads, 
 // `visible` ([count, count] bytes, nonzero = visible; null = causal) shows. out [count, heads * dim].
 // Query head h reads key/value head h / (heads / kv_heads).
 //
-// The (row, query head) pairs of each kv head are cut into ranges run on the thread pool (``Attention::pairs``):
-// each pair computed by one thread, in the same order whatever the range, the thread or the other rows.
+// The (kv head, row) units are cut into ranges run on the thread pool (``Attention::block``): each query head of a
+// row computed by one thread, in the same order whatever the range, the thread or the other rows.
 void fused_attention(const float* qkv, int64_t count, int64_t row_stride, int64_t heads, int64_t kv_heads,
                      int64_t dim, float* keys, float* values, int64_t head_stride, int64_t past,
                      const uint8_t* visible, float scale, float* out) {
@@ -311,16 +396,18 @@ void fused_attention(const float* qkv, int64_t count, int64_t row_stride, int64_
             if (visible == nullptr ? j <= t : visible[t * count + j] != 0) own[seen[t]++] = past + j;
         }
     }
-    std::vector<float> scores(kv_heads * pairs * span), totals(kv_heads * pairs), acc(kv_heads * pairs * dim);
     const Attention attention{qkv, count, row_stride, heads, kv_heads, dim, keys, values, head_stride, past, span,
                               group, slots.data(), seen.data(), scale, out};
-    // Items: kv head g's pairs, g after g; a range crossing a kv head's end is run as one range per kv head.
-    lookahead::parallel_ranges(kv_heads * pairs, 1, span * pairs * kv_heads * dim, [&](int64_t first, int64_t last) {
-        for (int64_t g = first / pairs; g * pairs < last; ++g) {
-            const int64_t begin = first > g * pairs ? first - g * pairs : 0;
-            const int64_t end = last < (g + 1) * pairs ? last - g * pairs : pairs;
-            attention.pairs(g, begin, end, scores.data() + g * pairs * span, totals.data() + g * pairs,
-                            acc.data() + g * pairs * dim);
+    // Items: kv head g's units (rows), g after g; a range is run one kv head and UNIT_BLOCK units at a time.
+    lookahead::parallel_ranges(kv_heads * count, 1, span * pairs * kv_heads * dim, [&](int64_t first, int64_t last) {
+        const int64_t units = std::min<int64_t>(UNIT_BLOCK, last - first) * group;
+        std::vector<float> scores(units * span), totals(units), acc(units * dim);
+        for (int64_t g = first / count; g * count < last; ++g) {
+            const int64_t begin = first > g * count ? first - g * count : 0;
+            const int64_t end = last < (g + 1) * count ? last - g * count : count;
+            for (int64_t t = begin; t < end; t += UNIT_BLOCK) {
+                attention.block(g, t, std::min(t + UNIT_BLOCK, end), scores.data(), totals.data(), acc.data());
+            }
         }
     });
 }
