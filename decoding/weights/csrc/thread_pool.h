@@ -2,7 +2,7 @@
 // (``pool_set_threads``), its workers spinning briefly after each job and then sleeping.
 //
 // Exactness: the pool only decides which thread runs which chunk of a call. The kernels cut their work into chunks
-// of whole output elements (column panels of a product, (head, rows) of attention, rows of the small operations), so
+// of whole output elements (column panels of a product, (kv head, row) units of attention, rows of the small operations), so
 // every output element is still computed by one thread with the same sequence of operations: a row's result is the
 // same bits alone or batched, at any thread count.
 //

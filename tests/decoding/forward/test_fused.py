@@ -115,7 +115,7 @@ def test_lookahead_equals_greedy_through_the_fused_step(make_model, config):
 @needs_kernel
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
 def test_every_thread_count_gives_the_bits_of_one_thread(make_model, pool, monkeypatch):
-    # Every native call split (norms, rotary, attention's pairs, products, activation) over 2 or 3 threads: the
+    # Every native call split (norms, rotary, attention's units, products, activation) over 2 or 3 threads: the
     # logits and caches of a prefill and a tree step are those of one thread, bit for bit.
     model = packed_model(make_model)
     native.set_threads(1)
