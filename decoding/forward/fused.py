@@ -137,12 +137,10 @@ class FusedPlan:
         same order, without its scratch tensors (the native call keeps its own)."""
         entries, start = [], 0
         for slice_, mask in zip(slices, masks, strict=True):
-            layers = slice_.cache.layers[: len(self.layers)]
-            keys = (ctypes.c_void_p * len(layers))(*(layer._key_buffer[0].data_ptr() for layer in layers))
-            values = (ctypes.c_void_p * len(layers))(*(layer._value_buffer[0].data_ptr() for layer in layers))
+            keys, values, stride = _buffer_tables(slice_.cache, len(self.layers))
             count = len(slice_.tokens)
             entries.append(native.StepSlice(start, count, slice_.cache.length, 0 if mask is None else mask.data_ptr(),
-                                            keys, values, layers[0]._key_buffer[0].stride(0)))
+                                            keys, values, stride))
             start += count
         table = (native.StepSlice * len(entries))(*entries)
         self.ops.step_layers(hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.step_layers,
@@ -193,6 +191,19 @@ def _reserve(cache: SlotCache, count: int, kv_heads: int, dim: int) -> None:
         if not layer.is_initialized:
             shape = torch.empty((1, kv_heads, 0, dim))
             layer.lazy_initialization(shape, shape)
+
+
+def _buffer_tables(cache: SlotCache, layers: int) -> tuple[ctypes.Array, ctypes.Array, int]:
+    """The addresses of ``cache``'s first ``layers`` layers' key and value buffers (ctypes arrays) and their head
+    stride, made on the cache's first step and kept on it (``SlotCache.native_tables``: bound buffers never move;
+    building them took ~35 us a step). The layers must be bound (``_reserve``)."""
+    tables = cache.native_tables
+    if tables is None or len(tables[0]) != layers:
+        bound = cache.layers[:layers]
+        keys = (ctypes.c_void_p * layers)(*(layer._key_buffer[0].data_ptr() for layer in bound))
+        values = (ctypes.c_void_p * layers)(*(layer._value_buffer[0].data_ptr() for layer in bound))
+        tables = cache.native_tables = (keys, values, bound[0]._key_buffer[0].stride(0))
+    return tables
 
 
 def _visible_bytes(slice_: Slice) -> torch.Tensor | None:

@@ -125,6 +125,9 @@ class SlotCache(Cache):
         self.capacity = capacity
         self.pool: KVPool | None = None  # the pool this cache is a row of (None: its own memory)
         self.pool_row: int | None = None
+        # the fused CPU step's tables of this cache's buffer addresses (decoding.forward.fused), made on its first
+        # step: a layer's buffers never move once bound
+        self.native_tables: tuple | None = None
         if storage is not None:
             self._storage, self._in_storage = storage, num_layers
             for index, layer in enumerate(self.layers):

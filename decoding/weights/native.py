@@ -74,14 +74,20 @@ class PanelGemm:
     def __init__(self, library: ctypes.CDLL, wide: bool) -> None:
         self._entries = {PANEL: library.panel_gemm}
         self._quantized = {PANEL: library.quant_gemm}
+        self._rows = {PANEL: library.quant_rows}
         if wide and hasattr(library, "panel_gemm_wide") and hasattr(library, "quant_gemm_wide"):
             self._entries[WIDE_PANEL] = library.panel_gemm_wide
             self._quantized[WIDE_PANEL] = library.quant_gemm_wide
+            self._rows[WIDE_PANEL] = library.quant_rows_wide
         for entry in self._entries.values():
             entry.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_void_p]
             entry.restype = None
         for entry in self._quantized.values():
+            entry.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_void_p]
+            entry.restype = ctypes.c_int
+        for entry in self._rows.values():
             entry.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                               ctypes.c_int64, ctypes.c_void_p]
             entry.restype = ctypes.c_int
@@ -126,6 +132,21 @@ class PanelGemm:
         if status != 0:
             raise ValueError(f"the quantized kernel does not know block format {kind}")
         return out
+
+    def quantized_rows(
+        self, kind: int, panels: torch.Tensor, lanes: int, depth: int, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of a block-quantized weight packed as ``quantized`` takes it, de-quantized as
+        gguf does it: float32 [*ids.shape, K]. Raises ``IndexError`` for an id outside the weight's rows."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], depth), dtype=torch.float32)
+        rows = panels.shape[0] * lanes
+        status = self._rows[lanes](kind, panels.data_ptr(), rows, depth, flat.data_ptr(), flat.shape[0], out.data_ptr())
+        if status == -2:
+            raise IndexError(f"token ids must lie in [0, {rows})")
+        if status != 0:
+            raise ValueError(f"the quantized kernel does not know block format {kind}")
+        return out.reshape(*ids.shape, depth)
 
 
 class StepProduct(ctypes.Structure):

@@ -7,7 +7,7 @@ float16 minima for Q4_1, then the quants in groups of four k, each group's L col
 one copy; calling it on rows [M, K] gives ``rounded(rows) @ W^T`` [M, N] in float32: the rows rounded to 8 bits a
 block of 32 at a time (``rounded``, as llama.cpp rounds a product's activations), W's integers multiplied with
 theirs in registers; a row's result is the same bit for bit whatever other rows share the call.
-``QuantKernel.weight_rows(ids)`` de-quantizes whole rows of W from the same panels,
+``QuantKernel.weight_rows(ids)`` de-quantizes whole rows of W from the same panels in one native call (``quant_rows``),
 equal bit for bit to ``gguf.dequantize`` of those rows: the tied embedding of a GGUF model is read that way
 (``PanelEmbedding``), so the token embedding and the output projection share one copy. ``dequantize(weight)``
 is the float32 weight (tests, fallbacks).
@@ -168,23 +168,9 @@ class QuantKernel:
         return out if self.bias is None else out.add_(self.bias)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` (any shape) of W de-quantized: float32 [*ids.shape, K]."""
-        fmt, lanes = self.format, self.lanes
-        flat = ids.reshape(-1)
-        blocks = self.panels[flat // lanes]  # [T, B, block bytes]
-        lane = (flat % lanes)[:, None, None, None]
-        scales = blocks[..., : 2 * fmt.scales * lanes].contiguous().view(torch.float16)
-        scales = scales.reshape(*blocks.shape[:2], fmt.scales, lanes)
-        scales = scales.gather(3, lane.expand(*scales.shape[:3], 1)).squeeze(3).float()  # [T, B, S]
-        body = blocks[..., 2 * fmt.scales * lanes :].reshape(*blocks.shape[:2], -1, lanes, GROUP)
-        lane = lane[..., None]
-        body = body.gather(3, lane.expand(*body.shape[:3], 1, GROUP)).reshape(*blocks.shape[:2], -1)  # [T, B, bytes]
-        if fmt.bits == 8:
-            quants = (body.to(torch.int16) - q8_offset(lanes)).to(torch.int8)
-        else:
-            quants = torch.cat((body & 15, body >> 4), dim=-1)  # GGUF's bytes: k in the low nibble, 16 + k high
-        values = _values(fmt, quants, scales)  # [T, B, 32]
-        return values.reshape(*ids.shape, self.in_features)
+        """Rows ``ids`` (any shape) of W de-quantized: float32 [*ids.shape, K], ``gguf.dequantize``'s bits (one
+        native call; ``IndexError`` for an id outside W's rows)."""
+        return self.gemm.quantized_rows(self.format.kind, self.panels, self.lanes, self.in_features, ids)
 
 
 class PanelEmbedding(nn.Module):

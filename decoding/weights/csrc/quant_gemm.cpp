@@ -74,6 +74,7 @@ constexpr int64_t K_BLOCKS = 32;  // blocks of 32 k per band pass: 32 x 544 byte
 #define Q8_OFFSET 1  // Q8_0 quants stored as q + 128: dpbusd multiplies them (unsigned) by the row's (signed)
 #define IDOT(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
 #define ENTRY quant_gemm_wide
+#define ROWS_ENTRY quant_rows_wide
 #else
 using Vec = __m256;
 using Ints = __m256i;
@@ -101,6 +102,7 @@ constexpr int64_t K_BLOCKS = 16;  // 16 x 272 bytes of Q8_0 (4 KiB)
 // u (0..128) times s (-127..127), pairs summed in 16 bits (at most 2 * 128 * 127 < 2^15: exact), then fours in 32.
 #define IDOT(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 #define ENTRY quant_gemm
+#define ROWS_ENTRY quant_rows
 #endif
 
 template <int KIND>
@@ -378,6 +380,51 @@ int ENTRY(int kind, const float* x, int64_t M, int64_t K, const uint8_t* panels,
                 default: product<Q8_0>(rows, panels, N, first, last, ys); break;
             }
         });
+    }
+    return 0;
+}
+
+// out[i, :] = row ids[i] of W de-quantized as gguf does it (float32 [count, K]; w = d q + m, d (q - 8) or d q, one
+// rounding each: no FMA), read from the same panels: the token embedding a tied output projection shares. Returns
+// 0, -1 on an unknown kind, -2 on an id outside [0, N).
+int ROWS_ENTRY(int kind, const uint8_t* panels, int64_t N, int64_t K, const int64_t* ids, int64_t count, float* out) {
+    if (kind != Q4_0 && kind != Q4_1 && kind != Q8_0) return -1;
+    const int64_t blocks = K / QK, scale_count = kind == Q4_1 ? 2 : 1;
+    const int64_t body_bytes = (kind == Q8_0 ? QK : QK / 2) * LANES;
+    const int64_t block_bytes = 2 * scale_count * LANES + body_bytes;
+    for (int64_t i = 0; i < count; ++i) {
+        if (ids[i] < 0 || ids[i] >= N) return -2;
+    }
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t panel = ids[i] / LANES, lane = ids[i] % LANES;
+        float* row = out + i * K;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* block = panels + (panel * blocks + b) * block_bytes;
+            uint16_t halves[2] = {0, 0};
+            for (int64_t s = 0; s < scale_count; ++s) std::memcpy(halves + s, block + 2 * (s * LANES + lane), 2);
+            const float d = _cvtsh_ss(halves[0]), m = _cvtsh_ss(halves[1]);
+            const uint8_t* body = block + 2 * scale_count * LANES;
+            float* values = row + b * QK;
+            for (int64_t g = 0; g < body_bytes / (GROUP * LANES); ++g) {
+                for (int64_t j = 0; j < GROUP; ++j) {
+                    const uint8_t byte = body[(g * LANES + lane) * GROUP + j];
+                    if (kind == Q8_0) {
+                        const int q = static_cast<int8_t>(static_cast<uint8_t>(byte - (Q8_OFFSET ? 128 : 0)));
+                        values[g * GROUP + j] = d * static_cast<float>(q);
+                        continue;
+                    }
+                    const int low = byte & 15, high = byte >> 4;
+                    if (kind == Q4_1) {
+                        const float low_scaled = d * static_cast<float>(low), high_scaled = d * static_cast<float>(high);
+                        values[g * GROUP + j] = low_scaled + m;
+                        values[QK / 2 + g * GROUP + j] = high_scaled + m;
+                    } else {
+                        values[g * GROUP + j] = d * static_cast<float>(low - 8);
+                        values[QK / 2 + g * GROUP + j] = d * static_cast<float>(high - 8);
+                    }
+                }
+            }
+        }
     }
     return 0;
 }

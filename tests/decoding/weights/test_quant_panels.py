@@ -157,14 +157,29 @@ def test_both_entries_give_the_same_bits(name):
 
 @needs_kernel
 @pytest.mark.parametrize("name", FORMAT_NAMES)
-def test_embedding_rows_come_from_the_same_panels_bit_for_bit(gemm, name):
+@pytest.mark.parametrize("wide", [True, False], ids=["wide-entry", "avx2-entry"])
+def test_embedding_rows_come_from_the_same_panels_bit_for_bit(name, wide):
+    """Rows of either entry's panels (16 columns, Q8_0 stored + 128; 8 columns) de-quantize to gguf's bits."""
+    if wide and not native.wide_cpu():
+        pytest.skip("this CPU has no AVX-512")
+    gemm = native.PanelGemm(ctypes.CDLL(str(native.library_path())), wide=wide)
     weight = quantized(name, 64, 96)
     kernel = QuantKernel(weight, gemm)
+    assert kernel.lanes == (16 if wide else 8)
     embedding = PanelEmbedding(kernel)
     ids = torch.tensor([[0, 5, 17, 63], [63, 8, 9, 16]])
     got = embedding(ids)
     assert got.shape == (2, 4, 96) and got.dtype == torch.float32
     assert torch.equal(got, gguf_weight(weight)[ids])
+    assert torch.equal(embedding(torch.tensor([9])), gguf_weight(weight)[[9]])
+
+
+@needs_kernel
+def test_an_embedding_id_outside_the_vocabulary_is_refused(gemm):
+    embedding = PanelEmbedding(QuantKernel(quantized("Q8_0", 32, 64), gemm))
+    for bad in (32, -1):
+        with pytest.raises(IndexError, match=r"\[0, 32\)"):
+            embedding(torch.tensor([0, bad]))
 
 
 @needs_kernel
