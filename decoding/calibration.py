@@ -9,7 +9,10 @@ chunk's path; the lean step or the public forward elsewhere). The ks are the sta
 its inputs' preparation and the read of its argmax ids to the host included (that read waits for the device), so it
 is what a step pays apart from drafting and verifying. The ks are run in rounds (every k once a round, so a burst of
 noise from elsewhere spreads over them instead of bending one point): one untimed round, then timed rounds until
-``ROUNDS`` or ``BUDGET_SECONDS`` (at least one); each k's cost is its fastest run (noise only ever adds time).
+``ROUNDS`` or ``BUDGET_SECONDS`` (at least one); each k's cost is its fastest run (noise only ever adds time). Each
+timed step follows an untimed one-token step, as a decode's verifying steps follow its plain ones: a one-token step
+right after the ladder's widest ran ~10 % slower on the CPU, which read every wider step ~10 % cheaper than the
+decode pays for it.
 Returns ``(k, cost(k) / cost(1))`` points, made non-decreasing and at most k (a k-token step never costs more than k
 one-token steps: a point above that is noise), ready for ``BatchPolicy.step_cost``. The cache is dropped back to
 ``CONTEXT`` tokens after every run and freed at the end. On the default model: ~3 s on a CPU at the CPU preset (k <=
@@ -56,6 +59,7 @@ def measure_step_cost(
             if done and time.perf_counter() - started > budget_seconds:
                 break
             for count in counts:
+                _lead_in(model, static, cache, vocab)
                 best[count] = min(best[count], _run(model, static, cache, count, vocab))
     finally:
         if cache.pool is not None:
@@ -122,6 +126,11 @@ def _slice(cache: SlotCache, count: int, vocab: int, tree: bool = False) -> Slic
     parents = tuple(range(-1, count - 1)) if tree else None  # a chain: each token's parent the one before it
     return Slice(tokens, None, visible, None, cache, parents=parents, host_positions=range(start, start + count),
                  host_rows=range(count))
+
+
+def _lead_in(model: PreTrainedModel, static: StaticStep | None, cache: SlotCache, vocab: int) -> None:
+    """The untimed one-token step before each timed one (module contract): a decode's steps follow one-token steps."""
+    _run(model, static, cache, 1, vocab)
 
 
 def _run(model: PreTrainedModel, static: StaticStep | None, cache: SlotCache, count: int, vocab: int) -> float:

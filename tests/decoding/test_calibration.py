@@ -40,6 +40,7 @@ def test_each_point_is_its_fastest_run_capped_at_k_and_made_monotone(monkeypatch
     rounds = {1: [9.0, 2.0, 1.0, 1.5], 2: [9.0, 0.5, 0.9, 3.0], 4: [9.0, 2.5, 2.0, 2.2], 8: [9.0, 90.0, 50.0, 60.0]}
     runs = {count: iter(times) for count, times in rounds.items()}
     monkeypatch.setattr(calibration, "_run", lambda model, static, cache, count, vocab: next(runs[count]))
+    monkeypatch.setattr(calibration, "_lead_in", lambda *args: None)
     monkeypatch.setattr(calibration, "_fill", lambda *args: None)
     curve = measure_step_cost(tiny_llama(), None, 8, rounds=3, budget_seconds=60)
     assert curve == ((1, 1.0), (2, 1.0), (4, 2.0), (8, 8.0))  # 0.5 / 1 -> 1.0 (monotone); 50 / 1 -> 8 (cap)
@@ -50,9 +51,11 @@ def test_timed_rounds_stop_at_the_budget_after_the_first(monkeypatch):
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: next(clock))
     calls = []
     monkeypatch.setattr(calibration, "_run", lambda model, static, cache, count, vocab: calls.append(count) or 1.0)
+    monkeypatch.setattr(calibration, "_lead_in", lambda *args: calls.append("lead-in"))
     monkeypatch.setattr(calibration, "_fill", lambda *args: None)
     measure_step_cost(tiny_llama(), None, 4, rounds=3, budget_seconds=5)
-    assert calls == [1, 2, 4] * 2  # the untimed round and one timed round
+    # the untimed round, then one timed round whose every step follows an untimed one-token step
+    assert calls == [1, 2, 4, "lead-in", 1, "lead-in", 2, "lead-in", 4]
 
 
 @pytest.mark.parametrize(("max_tokens", "static", "expected"), [
