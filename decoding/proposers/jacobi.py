@@ -55,7 +55,7 @@ class JacobiProposer:
     @property
     def window_tokens(self) -> int:
         """Input tokens of the window's branch (its rows x W)."""
-        return len(self.window.rows) * self.config.window_size
+        return self.window.depth * self.config.window_size
 
     def propose(self, context: Context, budget: int) -> Sequence[Draft]:
         """Up to ``budget`` n-grams: ranked context continuations, then the pool's (module contract)."""

@@ -156,24 +156,41 @@ class Window:
     Row r, column j holds a guess for position ``p + r + j``; row 0 column 0 stands for ``last`` and is
     replaced by it in the step input. The window starts with one row drawn from the context and gains a
     row per step until it has ``levels`` rows; after that each step drops row 0 (the rows move up one
-    level) and appends the new row read off the bottom row's logits.
+    level) and appends the new row read off the bottom row's logits. Steps that do not run it (``skip``) only
+    count how far its rows must shift; they shift, and draw their new fillers, when the rows are next read (a
+    lazy window skips most steps: each shift redrew whole rows that the next skip threw away).
     """
 
     def __init__(self, width: int, levels: int, filler: Callable[[], int]) -> None:
         self.width = width
         self.levels = levels
         self.filler = filler
-        self.rows: list[list[int]] = [[filler() for _ in range(width)]]
+        self._rows: list[list[int]] = [[filler() for _ in range(width)]]
+        self._pending = 0  # columns every row still has to shift left (skipped steps), at most width
+
+    @property
+    def rows(self) -> list[list[int]]:
+        """The rows, aligned after every step so far."""
+        if self._pending:
+            self._rows = [self._shift(row, self._pending) for row in self._rows]
+            self._pending = 0
+        return self._rows
+
+    @property
+    def depth(self) -> int:
+        """How many rows the window has (``len(rows)`` without aligning them)."""
+        return len(self._rows)
 
     @property
     def full(self) -> bool:
         """True once the window has all its rows, so every column yields a complete n-gram."""
-        return len(self.rows) == self.levels
+        return len(self._rows) == self.levels
 
     def input_tokens(self, last: int) -> list[int]:
         """The lookahead branch's tokens: ``last``, the rest of row 0, then rows 1.. in order."""
-        tokens = [last, *self.rows[0][1:]]
-        for row in self.rows[1:]:
+        rows = self.rows
+        tokens = [last, *rows[0][1:]]
+        for row in rows[1:]:
             tokens.extend(row)
         return tokens
 
@@ -184,8 +201,9 @@ class Window:
         """
         if not self.full:
             return []
-        columns = zip(*self.rows[1:], new_row, strict=True)  # column j of rows 1.. and of the new row
-        return [(last, next(columns)), *zip(self.rows[0][1:], columns, strict=True)]
+        rows = self.rows
+        columns = zip(*rows[1:], new_row, strict=True)  # column j of rows 1.. and of the new row
+        return [(last, next(columns)), *zip(rows[0][1:], columns, strict=True)]
 
     def advance(self, new_row: Sequence[int], committed: int, align: bool) -> None:
         """Append ``new_row`` (dropping row 0 when full) and re-align after ``committed`` tokens.
@@ -193,18 +211,20 @@ class Window:
         With ``align``, every row shifts left so that column j again guesses position ``p' + r + j`` for the
         new ``p' = p + committed``; the vacated right-hand columns are refilled from the context.
         """
-        self.rows.append(list(new_row))
-        moved_up = len(self.rows) > self.levels
+        rows = self.rows
+        rows.append(list(new_row))
+        moved_up = len(rows) > self.levels
         if moved_up:
-            self.rows.pop(0)
+            rows.pop(0)
         shift = committed - 1 if moved_up else committed
         if align and shift > 0:
-            self.rows = [self._shift(row, shift) for row in self.rows]
+            self._rows = [self._shift(row, shift) for row in rows]
 
     def skip(self, committed: int, align: bool) -> None:
-        """Account for a step that did not run the window: re-align after ``committed`` tokens, no new row."""
+        """Account for a step that did not run the window: re-align after ``committed`` tokens, no new row (the
+        shift is made when the rows are next read)."""
         if align and committed > 0:
-            self.rows = [self._shift(row, committed) for row in self.rows]
+            self._pending = min(self._pending + committed, self.width)
 
     def _shift(self, row: list[int], shift: int) -> list[int]:
         kept = row[shift:]

@@ -53,6 +53,9 @@ class _Chains:
     tokens: tuple[tuple[int, ...], ...] = ()
 
 
+PLAIN = Shape(False)  # a step that verifies nothing: one token, no window
+
+
 class LookaheadStep:
     """Steps of one lookahead decode (module contract); ``proposers`` must hold one ``JacobiProposer``."""
 
@@ -62,7 +65,9 @@ class LookaheadStep:
         self.proposers = list(proposers)
         self.jacobi = next(proposer for proposer in self.proposers if isinstance(proposer, JacobiProposer))
         self.top_k = max(proposer.top_k for proposer in self.proposers)  # top tokens per row to hand back (0: none)
-        self._wanted = Shape(False)
+        self._standalone = [proposer for proposer in self.proposers if proposer.standalone]
+        self._others = [proposer for proposer in self.proposers if not proposer.standalone]
+        self._wanted = PLAIN
 
     def propose(self, cost: Callable[[int], float] | None = None) -> Proposal:
         """Gather this step's drafts, priced on ``cost`` (a forward's relative cost by input tokens; None: drafts
@@ -77,9 +82,10 @@ class LookaheadStep:
             return Proposal(1 + len(copies.tree), copies.gain, copies.gain < config.break_even, smallest=2)
         self._gather(False, config.guess_set_size, cost, base, drafts)
         window = len(drafts) > copied or self.jacobi.wants_window
-        shape = self._wanted = drafts.shape(window)
-        if not window and not shape.candidates:
+        if not window and not len(drafts):
+            self._wanted = PLAIN
             return Proposal(1)
+        shape = self._wanted = drafts.shape(window)
         tokens = (self.jacobi.window_tokens if window else 1) + len(shape.tree)
         if not shape.candidates:
             return Proposal(tokens)
@@ -89,6 +95,8 @@ class LookaheadStep:
     def plan(self, budget: int) -> tuple[Slice, Finisher]:
         """The proposed step, shrunk to ``budget`` tokens and to the room left in the cache (a source's drafts can
         never overflow it)."""
+        if self._wanted is PLAIN:
+            return one_token_slice(self.sequence, self.top_k), self._finish_plain
         cache = self.sequence.cache
         shape = self._fit(self._wanted, min(budget, cache.capacity - cache.length))
         if not shape.window and not shape.candidates:
@@ -114,7 +122,7 @@ class LookaheadStep:
                 into: Gathered) -> Gathered:
         """The drafts of the standalone proposers or of the others, after those ``into`` holds
         (``decoding.step.drafts.gather``)."""
-        proposers = [proposer for proposer in self.proposers if proposer.standalone == standalone]
+        proposers = self._standalone if standalone else self._others
         return gather(proposers, self.context, self.sequence.constraint, self.config.copy_candidates, limit, cost,
                       base, into)
 

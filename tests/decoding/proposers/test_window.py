@@ -124,6 +124,25 @@ def test_unaligned_window_never_shifts_columns():
     assert window.rows == [[1, 2], [3, 4]]
 
 
+def test_skipped_steps_shift_the_rows_when_they_are_next_read():
+    """Skips add up (capped at the width: a row then is all new fillers) and draw nothing until the rows are read;
+    an unaligned window ignores them."""
+    counter = itertools.count(100)
+    window = Window(width=4, levels=2, filler=lambda: next(counter))
+    window.advance([1, 2, 3, 4], committed=0, align=True)  # rows [[100..103], [1, 2, 3, 4]]
+    window.skip(1, align=True)
+    window.skip(2, align=True)
+    assert window.depth == 2 and next(counter) == 104  # nothing drawn yet
+    assert window.rows == [[103, 105, 106, 107], [4, 108, 109, 110]]  # shifted by 1 + 2
+    window.skip(3, align=True)
+    window.skip(5, align=True)
+    assert window.rows == [[111, 112, 113, 114], [115, 116, 117, 118]]  # 8 columns: every one redrawn
+    window.skip(2, align=False)
+    assert window.rows == [[111, 112, 113, 114], [115, 116, 117, 118]]
+    window.skip(1, align=True)
+    assert window.input_tokens(last=7) == [7, 113, 114, 119, 116, 117, 118, 120]
+
+
 def test_context_filler_skips_excluded_tokens_and_sees_appends():
     context = [5, 5, 5]
     draw = context_filler(context, exclude=frozenset({5}))
