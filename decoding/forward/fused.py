@@ -22,8 +22,8 @@ a lookahead step whose mask shows it the same tokens: greedy lookahead equals gr
 natively too, so a prompt's keys, values and first token are the same bits however it was cut into chunks or how much
 of it came from the prefix cache: the same greedy request gives the same text twice (with 8-bit activations a float
 difference upstream can round a value the other way and tip a near tie; torch's SDPA for long chunks did, in the soak
-test). The native attention's cost grows with rows x past: against SDPA, prefilling a prompt of 64-512 tokens took
-0.86-0.91x the time, of 1024 tokens 1.65x (2-core AMD EPYC, 2026-12-07).
+test). The native attention's cost grows with rows x past; scoring a row's query heads of one kv head together, a
+prompt of 1024 tokens prefills in ~0.7x the time SDPA took (2-core AMD EPYC, 2026-12-07).
 
 Threads: each native call splits its work over the native thread pool (``decoding.weights.native.set_threads``) with the
 same bits at any thread count, so the exactness above holds at every count; a wide step's products, which are
@@ -50,7 +50,7 @@ from decoding.weights.quant_panels import QuantKernel
 if TYPE_CHECKING:
     from decoding.forward.slices import Slice
 
-MAX_HEAD_DIM = 256  # the widest attention head the native attention takes (csrc/fused_ops.cpp: MAX_DIM)
+MAX_HEAD_DIM = 256  # the widest attention head planned for (native attention: any multiple of 8, tested to 128)
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

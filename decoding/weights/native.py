@@ -83,11 +83,7 @@ class PanelGemm:
             entry.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_void_p]
             entry.restype = None
-        for entry in self._quantized.values():
-            entry.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                              ctypes.c_int64, ctypes.c_void_p]
-            entry.restype = ctypes.c_int
-        for entry in self._rows.values():
+        for entry in (*self._quantized.values(), *self._rows.values()):  # (kind, pointer, size, size, pointer, ...)
             entry.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                               ctypes.c_int64, ctypes.c_void_p]
             entry.restype = ctypes.c_int

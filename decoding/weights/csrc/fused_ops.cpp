@@ -32,8 +32,6 @@
 
 namespace {
 
-constexpr int64_t MAX_DIM = 256;  // the widest head the fused step takes (decoding/forward/fused.py checks)
-
 // exp(x) for 8 floats: Cephes' range reduction x = n ln2 + r and degree-5 polynomial (about 1 ulp over the
 // range used here), the same instructions for every lane and every call.
 inline __m256 exp8(__m256 x) {
@@ -75,7 +73,7 @@ inline float sum8(__m256 v) {
 }
 
 constexpr int64_t SLOT_BLOCK = 64;   // cached keys (or values) per block: 16 KB of a 64-float head, in L1
-constexpr int64_t UNIT_BLOCK = 16;   // (row, kv head) units sharing a block of cached keys; bounds their scratch
+constexpr int64_t UNIT_BLOCK = 16;   // (kv head, row) units sharing a block of cached keys; bounds their scratch
 constexpr int64_t MAX_QUERIES = 3;   // query heads of a unit scored (weighed) together: 12 accumulators
 constexpr int64_t VALUE_CHUNKS = 4;  // 8-float chunks of a head weighed at once: 3 x 4 accumulators
 

@@ -356,6 +356,40 @@ void round_rows(const float* x, int64_t M, int64_t K, int8_t* quants, float* sca
     }
 }
 
+// Column ``id`` of the panels (row id of W) de-quantized into row [K] (``ROWS_ENTRY``), block by block in the
+// layout ``Format<KIND>`` gives the product.
+template <int KIND>
+void weight_row(const uint8_t* panels, int64_t K, int64_t id, float* row) {
+    using F = Format<KIND>;
+    const int64_t blocks = K / QK, panel = id / LANES, lane = id % LANES;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = panels + (panel * blocks + b) * F::BLOCK_BYTES;
+        uint16_t halves[2] = {0, 0};  // d, and m for Q4_1: float16 per column
+        std::memcpy(halves, block + 2 * lane, 2);
+        if constexpr (KIND == Q4_1) std::memcpy(halves + 1, block + 2 * (LANES + lane), 2);
+        const float d = _cvtsh_ss(halves[0]), m = _cvtsh_ss(halves[1]);
+        const uint8_t* body = block + F::SCALE_BYTES;
+        float* values = row + b * QK;
+        for (int64_t g = 0; g < F::QUANT_BYTES / F::GROUP_BYTES; ++g) {
+            for (int64_t j = 0; j < GROUP; ++j) {
+                const uint8_t byte = body[g * F::GROUP_BYTES + lane * GROUP + j];
+                const int64_t k = g * GROUP + j;
+                if constexpr (KIND == Q8_0) {
+                    const int q = static_cast<int8_t>(static_cast<uint8_t>(byte - (Q8_OFFSET ? 128 : 0)));
+                    values[k] = d * static_cast<float>(q);
+                } else if constexpr (KIND == Q4_1) {
+                    const float low = d * static_cast<float>(byte & 15), high = d * static_cast<float>(byte >> 4);
+                    values[k] = low + m;
+                    values[QK / 2 + k] = high + m;
+                } else {
+                    values[k] = d * static_cast<float>((byte & 15) - 8);
+                    values[QK / 2 + k] = d * static_cast<float>((byte >> 4) - 8);
+                }
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -389,41 +423,14 @@ int ENTRY(int kind, const float* x, int64_t M, int64_t K, const uint8_t* panels,
 // 0, -1 on an unknown kind, -2 on an id outside [0, N).
 int ROWS_ENTRY(int kind, const uint8_t* panels, int64_t N, int64_t K, const int64_t* ids, int64_t count, float* out) {
     if (kind != Q4_0 && kind != Q4_1 && kind != Q8_0) return -1;
-    const int64_t blocks = K / QK, scale_count = kind == Q4_1 ? 2 : 1;
-    const int64_t body_bytes = (kind == Q8_0 ? QK : QK / 2) * LANES;
-    const int64_t block_bytes = 2 * scale_count * LANES + body_bytes;
     for (int64_t i = 0; i < count; ++i) {
         if (ids[i] < 0 || ids[i] >= N) return -2;
     }
     for (int64_t i = 0; i < count; ++i) {
-        const int64_t panel = ids[i] / LANES, lane = ids[i] % LANES;
-        float* row = out + i * K;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t* block = panels + (panel * blocks + b) * block_bytes;
-            uint16_t halves[2] = {0, 0};
-            for (int64_t s = 0; s < scale_count; ++s) std::memcpy(halves + s, block + 2 * (s * LANES + lane), 2);
-            const float d = _cvtsh_ss(halves[0]), m = _cvtsh_ss(halves[1]);
-            const uint8_t* body = block + 2 * scale_count * LANES;
-            float* values = row + b * QK;
-            for (int64_t g = 0; g < body_bytes / (GROUP * LANES); ++g) {
-                for (int64_t j = 0; j < GROUP; ++j) {
-                    const uint8_t byte = body[(g * LANES + lane) * GROUP + j];
-                    if (kind == Q8_0) {
-                        const int q = static_cast<int8_t>(static_cast<uint8_t>(byte - (Q8_OFFSET ? 128 : 0)));
-                        values[g * GROUP + j] = d * static_cast<float>(q);
-                        continue;
-                    }
-                    const int low = byte & 15, high = byte >> 4;
-                    if (kind == Q4_1) {
-                        const float low_scaled = d * static_cast<float>(low), high_scaled = d * static_cast<float>(high);
-                        values[g * GROUP + j] = low_scaled + m;
-                        values[QK / 2 + g * GROUP + j] = high_scaled + m;
-                    } else {
-                        values[g * GROUP + j] = d * static_cast<float>(low - 8);
-                        values[QK / 2 + g * GROUP + j] = d * static_cast<float>(high - 8);
-                    }
-                }
-            }
+        switch (kind) {
+            case Q4_0: weight_row<Q4_0>(panels, K, ids[i], out + i * K); break;
+            case Q4_1: weight_row<Q4_1>(panels, K, ids[i], out + i * K); break;
+            default: weight_row<Q8_0>(panels, K, ids[i], out + i * K); break;
         }
     }
     return 0;
