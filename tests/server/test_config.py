@@ -58,7 +58,7 @@ def test_presets():
     cpu = load_config(device_preset="cpu")
     cuda = load_config(device_preset="cuda")
     assert (cpu.lookahead.window_size, cpu.lookahead.ngram_size, cpu.lookahead.guess_set_size) == (1, 3, 2)
-    assert cpu.lookahead.lazy_window and cpu.lookahead.break_even == 2.0 and cpu.lookahead.copy_length == 8
+    assert cpu.lookahead.lazy_window and cpu.lookahead.break_even == 1.5 and cpu.lookahead.copy_length == 8
     assert (cuda.lookahead.window_size, cuda.lookahead.ngram_size, cuda.lookahead.guess_set_size) == (16, 5, 32)
     assert not cuda.lookahead.lazy_window and cuda.lookahead.break_even == 0.0
     assert cpu.device == "cpu" and cuda.device == "cuda" and cuda.dtype == "float32"
