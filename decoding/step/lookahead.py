@@ -53,7 +53,7 @@ class _Chains:
     tokens: tuple[tuple[int, ...], ...] = ()
 
 
-PLAIN = Shape(False)  # a step that verifies nothing: one token, no window
+PLAIN = Shape(False)  # a step that verifies nothing: one token, no window (one shape: its empty tree built once)
 
 
 class LookaheadStep:
@@ -95,8 +95,6 @@ class LookaheadStep:
     def plan(self, budget: int) -> tuple[Slice, Finisher]:
         """The proposed step, shrunk to ``budget`` tokens and to the room left in the cache (a source's drafts can
         never overflow it)."""
-        if self._wanted is PLAIN:
-            return one_token_slice(self.sequence, self.top_k), self._finish_plain
         cache = self.sequence.cache
         shape = self._fit(self._wanted, min(budget, cache.capacity - cache.length))
         if not shape.window and not shape.candidates:
