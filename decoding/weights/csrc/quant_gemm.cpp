@@ -61,6 +61,8 @@ using Vec = __m512;
 using Ints = __m512i;
 constexpr int64_t LANES = 16;
 constexpr int BAND_ROWS = 8;  // a band's tile: 8 rows x 1 panel, 8 block sums and 8 accumulators of 32 registers
+constexpr int FEW_ROWS = 12;  // up to 12 rows stream the weight once in one tile of 1 panel: 24 of 32 registers
+// (a 9-token step, a copy of 8, cost 1.91 one-token steps banded and 1.77 so on the 2-core AMD EPYC)
 constexpr int BAND_PANELS = 1;
 constexpr int64_t K_BLOCKS = 32;  // blocks of 32 k per band pass: 32 x 544 bytes of Q8_0 (17 KiB) stay in L1
 #define VZERO() _mm512_setzero_ps()
@@ -86,6 +88,7 @@ using Vec = __m256;
 using Ints = __m256i;
 constexpr int64_t LANES = 8;
 constexpr int BAND_ROWS = 6;  // a band's tile: 6 rows x 1 panel, 6 block sums and 6 accumulators of 16 registers
+constexpr int FEW_ROWS = 8;  // up to 8 rows stream the weight once in one tile
 constexpr int BAND_PANELS = 1;
 constexpr int64_t K_BLOCKS = 16;  // 16 x 272 bytes of Q8_0 (4 KiB)
 #define VZERO() _mm256_setzero_ps()
@@ -119,7 +122,7 @@ struct Format {
     static constexpr int64_t GROUP_BYTES = GROUP * LANES;  // one vector: four k (or eight, nibbles) of L columns
 };
 
-// Panels per tile for R rows when they all fit one tile (R <= 8): R x P integer sums in registers, plus the P
+// Panels per tile for R rows when they all fit one tile (R <= FEW_ROWS): R x P integer sums in registers, plus the P
 // weights' vectors (two for 4 bits) and the broadcast rows.
 constexpr int few_panels(int rows) {
 #ifdef PANEL_WIDE
@@ -131,7 +134,7 @@ constexpr int few_panels(int rows) {
 
 #define PANELS(r, OP) OP(r, 0) OP(r, 1) OP(r, 2) OP(r, 3) OP(r, 4) OP(r, 5) OP(r, 6) OP(r, 7)
 #define EACH_PANEL(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
-#define ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
+#define ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) OP(10) OP(11)
 #define DECLARE(r, p) Ints s##r##p = IZERO(); Vec acc##r##p = VZERO();
 #define LOAD_ACC(r, p) if constexpr (R > r && P > p) acc##r##p = VLOAD(y + (row0 + r) * N + (panel0 + p) * LANES);
 #define LOAD_ACC_ROW(r) PANELS(r, LOAD_ACC)
@@ -140,11 +143,11 @@ constexpr int few_panels(int rows) {
 #define DECLARE_ROW(r) PANELS(r, DECLARE)
 #define RESET(r, p) if constexpr (P > p) s##r##p = IZERO();
 #define RESET_ROW(r) if constexpr (R > r) { PANELS(r, RESET) }
-// Each panel's stream asked of memory PREFETCH_BYTES ahead of the block being multiplied (see PREFETCH_BYTES).
+// Each panel's stream asked of memory ``ahead`` bytes past the block being multiplied (the tile's argument).
 #define PREFETCH(p)                                                                                      \
     if constexpr (P > p) {                                                                               \
-        const char* ahead = reinterpret_cast<const char*>(BLOCK_OF(p)) + PREFETCH_BYTES;                 \
-        for (int64_t line = 0; line < F::BLOCK_BYTES; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);  \
+        const char* next = reinterpret_cast<const char*>(BLOCK_OF(p)) + ahead;                           \
+        for (int64_t line = 0; line < F::BLOCK_BYTES; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);   \
     }
 #define QUANTS(p) const uint8_t* q##p = BLOCK_OF(p) + F::SCALE_BYTES;
 // 4 bits: the group's vector, its low nibbles (k = 4g + j) and its high ones (k = 16 + 4g + j).
@@ -200,7 +203,9 @@ constexpr int few_panels(int rows) {
         if constexpr (KIND == Q4_1) m = HALVES(BLOCK_OF(p) + 2 * LANES);                                 \
         ROWS_OF_PANEL(p)                                                                                 \
     }
-#define ROWS_OF_PANEL(p) SCALE(0, p) SCALE(1, p) SCALE(2, p) SCALE(3, p) SCALE(4, p) SCALE(5, p) SCALE(6, p) SCALE(7, p)
+#define ROWS_OF_PANEL(p)                                                                                 \
+    SCALE(0, p) SCALE(1, p) SCALE(2, p) SCALE(3, p) SCALE(4, p) SCALE(5, p) SCALE(6, p) SCALE(7, p) SCALE(8, p) \
+    SCALE(9, p) SCALE(10, p) SCALE(11, p)
 #define BLOCK_OF(p) (P > p ? base + (p) * blocks * F::BLOCK_BYTES + b * F::BLOCK_BYTES : base + b * F::BLOCK_BYTES)
 #ifdef PANEL_WIDE
 #define ISUB(a, b) _mm512_sub_epi32(a, b)
@@ -225,11 +230,12 @@ inline int32_t lanes_of(const int8_t* xb, int r, int64_t g) {
     return four;
 }
 
-// Rows [row0, row0 + R) x panels [panel0, panel0 + P) over blocks [b0, b1), the accumulators in y (see SCALE).
+// Rows [row0, row0 + R) x panels [panel0, panel0 + P) over blocks [b0, b1), the accumulators in y (see SCALE);
+// each block's panels prefetched ``ahead`` bytes on (0: not at all).
 template <int KIND, int R, int P>
 void tile(const Rows& rows, const uint8_t* panels, int64_t N, int64_t row0, int64_t panel0, int64_t b0, int64_t b1,
-          float* y) {
-    static_assert(R >= 1 && R <= 8 && P >= 1 && P <= 8, "tile shape");
+          float* y, int64_t ahead = PREFETCH_BYTES) {
+    static_assert(R >= 1 && R <= FEW_ROWS && P >= 1 && P <= 8 && (R <= 8 || P == 1), "tile shape");
     using F = Format<KIND>;
     const int64_t blocks = rows.K / QK, M = rows.M;
     ROWS(DECLARE_ROW)
@@ -240,7 +246,7 @@ void tile(const Rows& rows, const uint8_t* panels, int64_t N, int64_t row0, int6
     for (int64_t b = b0; b < b1; ++b) {
         ROWS(RESET_ROW)
         EACH_PANEL(QUANTS)
-        EACH_PANEL(PREFETCH)
+        if (ahead) { EACH_PANEL(PREFETCH) }
         const int8_t* xb = rows.quants + (b * M + row0) * QK;
         if constexpr (KIND == Q8_0) {
             for (int64_t g = 0; g < QK / GROUP; ++g) {
@@ -261,8 +267,8 @@ void tile(const Rows& rows, const uint8_t* panels, int64_t N, int64_t row0, int6
     ROWS(STORE_ACC_ROW)
 }
 
-// R <= 8 rows against panels [first, last) over the whole of K, P panels a tile: the weight streams once, bound by
-// memory.
+// R <= FEW_ROWS rows against panels [first, last) over the whole of K, P panels a tile: the weight streams once,
+// bound by memory.
 template <int KIND, int R>
 void few_rows(const Rows& rows, const uint8_t* panels, int64_t N, int64_t first, int64_t last, float* y) {
     constexpr int P = few_panels(R);
@@ -272,37 +278,51 @@ void few_rows(const Rows& rows, const uint8_t* panels, int64_t N, int64_t first,
     for (; p < last; ++p) tile<KIND, R, 1>(rows, panels, N, 0, p, 0, blocks, y);
 }
 
+// Rows [row0, row0 + count) of a band (1 <= count <= BAND_ROWS) against panels [panel, panel + P), prefetching
+// ``ahead`` bytes on.
 template <int KIND, int P>
-void band_rest(const Rows& rows, int64_t count, const uint8_t* panels, int64_t N, int64_t row0, int64_t panel,
-               int64_t b0, int64_t b1, float* y) {
+void band_tile(const Rows& rows, int64_t count, const uint8_t* panels, int64_t N, int64_t row0, int64_t panel,
+               int64_t b0, int64_t b1, float* y, int64_t ahead) {
     switch (count) {
-        case 1: tile<KIND, 1, P>(rows, panels, N, row0, panel, b0, b1, y); break;
-        case 2: tile<KIND, 2, P>(rows, panels, N, row0, panel, b0, b1, y); break;
-        case 3: tile<KIND, 3, P>(rows, panels, N, row0, panel, b0, b1, y); break;
-        case 4: tile<KIND, 4, P>(rows, panels, N, row0, panel, b0, b1, y); break;
-        case 5: tile<KIND, 5, P>(rows, panels, N, row0, panel, b0, b1, y); break;
-        case 6: tile<KIND, 6, P>(rows, panels, N, row0, panel, b0, b1, y); break;
-        case 7: tile<KIND, 7, P>(rows, panels, N, row0, panel, b0, b1, y); break;
+        case 1: tile<KIND, 1, P>(rows, panels, N, row0, panel, b0, b1, y, ahead); break;
+        case 2: tile<KIND, 2, P>(rows, panels, N, row0, panel, b0, b1, y, ahead); break;
+        case 3: tile<KIND, 3, P>(rows, panels, N, row0, panel, b0, b1, y, ahead); break;
+        case 4: tile<KIND, 4, P>(rows, panels, N, row0, panel, b0, b1, y, ahead); break;
+        case 5: tile<KIND, 5, P>(rows, panels, N, row0, panel, b0, b1, y, ahead); break;
+        case 6: tile<KIND, 6, P>(rows, panels, N, row0, panel, b0, b1, y, ahead); break;
+#ifdef PANEL_WIDE
+        case 7: tile<KIND, 7, P>(rows, panels, N, row0, panel, b0, b1, y, ahead); break;
+        case 8: tile<KIND, 8, P>(rows, panels, N, row0, panel, b0, b1, y, ahead); break;
+#endif
         default: break;
     }
 }
 
-// Every row of the chunk against panels [panel, panel + P), K_BLOCKS blocks at a time: that part of the
-// panels comes from memory once and stays in L1 while every group of BAND_ROWS rows uses it.
+// Every row of the chunk against panels [panel, panel + P), K_BLOCKS blocks at a time (a pass): that part of the
+// panels comes from memory once and stays in L1 while every group of BAND_ROWS rows uses it. The first group
+// streams it in (prefetched PREFETCH_BYTES ahead); the second prefetches the next pass's blocks (one pass ahead: the
+// rest of this panel, or the next panel's start) so that memory keeps working while it computes from L1, and the
+// later groups prefetch nothing. With every prefetch 2 KiB ahead the later groups computed with memory idle (a
+// 9-token step, banded 8 + 1, cost 1.17x an 8-token step); prefetching the next pass made a 16 / 32-token step 4-7 %
+// faster on the 2-core AMD EPYC (docs/journal.md, 2026-12-08).
 template <int KIND, int P>
 void band(const Rows& rows, const uint8_t* panels, int64_t N, int64_t panel, float* y) {
     const int64_t blocks = rows.K / QK;
     for (int64_t b0 = 0; b0 < blocks; b0 += K_BLOCKS) {
         const int64_t b1 = b0 + K_BLOCKS < blocks ? b0 + K_BLOCKS : blocks;
+        const int64_t pass_bytes = (b1 - b0) * Format<KIND>::BLOCK_BYTES;
         int64_t row0 = 0;
-        for (; row0 + BAND_ROWS <= rows.M; row0 += BAND_ROWS)
-            tile<KIND, BAND_ROWS, P>(rows, panels, N, row0, panel, b0, b1, y);
-        band_rest<KIND, P>(rows, rows.M - row0, panels, N, row0, panel, b0, b1, y);
+        for (int64_t group = 0; row0 < rows.M; ++group) {
+            const int64_t count = rows.M - row0 < BAND_ROWS ? rows.M - row0 : BAND_ROWS;
+            const int64_t ahead = group == 0 ? PREFETCH_BYTES : group == 1 ? pass_bytes : 0;
+            band_tile<KIND, P>(rows, count, panels, N, row0, panel, b0, b1, y, ahead);
+            row0 += count;
+        }
     }
 }
 
 // Panels per tile of a call of M rows: the unit its panel ranges are cut in, so that each range runs whole tiles.
-int64_t tile_panels(int64_t M) { return M <= 8 ? few_panels(static_cast<int>(M)) : BAND_PANELS; }
+int64_t tile_panels(int64_t M) { return M <= FEW_ROWS ? few_panels(static_cast<int>(M)) : BAND_PANELS; }
 
 // Every row of the chunk against panels [first, last) (``first`` a multiple of tile_panels(rows.M)).
 template <int KIND>
@@ -316,6 +336,12 @@ void product(const Rows& rows, const uint8_t* panels, int64_t N, int64_t first, 
         case 6: few_rows<KIND, 6>(rows, panels, N, first, last, y); return;
         case 7: few_rows<KIND, 7>(rows, panels, N, first, last, y); return;
         case 8: few_rows<KIND, 8>(rows, panels, N, first, last, y); return;
+#ifdef PANEL_WIDE
+        case 9: few_rows<KIND, 9>(rows, panels, N, first, last, y); return;
+        case 10: few_rows<KIND, 10>(rows, panels, N, first, last, y); return;
+        case 11: few_rows<KIND, 11>(rows, panels, N, first, last, y); return;
+        case 12: few_rows<KIND, 12>(rows, panels, N, first, last, y); return;
+#endif
         default: break;
     }
     int64_t p = first;

@@ -114,8 +114,8 @@ def test_a_broken_row_gives_nan_where_it_reaches_and_leaves_the_others(gemm, nam
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize("shape", [(48, 224), (400, 160)])
 def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(gemm, name, shape):
-    # 1-8 rows run as one tile over all of K; more run in bands of blocks and groups of rows with a remainder; past
-    # 128 the rows are taken 128 at a time. (400 columns: panels of 8 on AVX2, of 16 on AVX-512; 224 / 160
+    # 1-8 rows (1-12 on the AVX-512 entry) run as one tile over all of K; more run in bands of blocks and groups of
+    # rows with a remainder; past 128 the rows are taken 128 at a time. (400 columns: panels of 8 on AVX2, of 16 on AVX-512; 224 / 160
     # columns: 7 / 5 blocks, a partial band block.)
     kernel = QuantKernel(quantized(name, *shape), gemm)
     torch.manual_seed(1)
@@ -130,7 +130,7 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(gemm, name, shap
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_a_row_gives_the_same_bits_at_any_thread_count(gemm, pool, name):
     # Every call split over 1, 2 and 3 threads (ranges of whole tiles, remainders at the end): each row batched
-    # equals the row alone on one thread, for 1-8 rows (one tile over K), bands and past 128 rows.
+    # equals the row alone on one thread, for 1-12 rows (one tile over K), bands and past 128 rows.
     kernel = QuantKernel(quantized(name, 400, 224), gemm)
     torch.manual_seed(4)
     rows = torch.randn(140, 224)
