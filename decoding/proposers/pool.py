@@ -160,12 +160,19 @@ class ContextIndex:
 
     def extend(self, tokens: Sequence[int], upto: int | None = None) -> None:
         """Index ``tokens[indexed:upto]`` (default: to the end); positions already indexed are skipped."""
-        stop = len(tokens) if upto is None else upto
-        for position in range(self._indexed, stop):
-            self._positions.setdefault(tokens[position], []).append(position)
-        if self._dense == self._indexed:
-            self._dense = max(self._dense, stop)
-        self._indexed = max(self._indexed, stop)
+        start, stop = self._indexed, len(tokens) if upto is None else upto
+        if stop <= start:
+            return
+        positions = self._positions
+        for position in range(start, stop):
+            found = positions.get(tokens[position])
+            if found is None:
+                positions[tokens[position]] = [position]
+            else:
+                found.append(position)
+        if self._dense == start:
+            self._dense = stop
+        self._indexed = stop
 
     def skip_to(self, position: int) -> None:
         """Leave positions before ``position`` unindexed (e.g. the prompt, when only the output is a source)."""
