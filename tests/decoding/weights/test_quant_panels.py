@@ -115,8 +115,8 @@ def test_a_broken_row_gives_nan_where_it_reaches_and_leaves_the_others(gemm, nam
 @pytest.mark.parametrize("shape", [(48, 224), (400, 160)])
 def test_a_row_gives_the_same_bits_whatever_rows_share_the_call(gemm, name, shape):
     # 1-8 rows (1-12 on the AVX-512 entry) run as one tile over all of K; more run in bands of blocks and groups of
-    # rows with a remainder; past 128 the rows are taken 128 at a time. (400 columns: panels of 8 on AVX2, of 16 on AVX-512; 224 / 160
-    # columns: 7 / 5 blocks, a partial band block.)
+    # rows with a remainder; past 128 the rows are taken 128 at a time. (400 columns: panels of 8 on AVX2, of 16 on
+    # AVX-512; 224 / 160 columns: 7 / 5 blocks, a partial band block.)
     kernel = QuantKernel(quantized(name, *shape), gemm)
     torch.manual_seed(1)
     rows = torch.randn(140, shape[1])
