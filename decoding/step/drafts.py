@@ -115,12 +115,13 @@ def step_price(cost: Callable[[int], float], base: int, gain: float) -> Price:
     >>> step_price(cost, base=1, gain=0.0)(4), step_price(cost, base=5, gain=0.5)(4)
     (1.0, 0.75)
     """
-    start: list[float] = []  # cost(base), read on the first price asked (most steps' proposers ask none)
+    start: float | None = None  # cost(base), read on the first price asked (most steps' proposers ask none)
 
     def price(tokens: int) -> float:
-        if not start:
-            start.append(cost(base))
-        return (1.0 + gain) * (cost(base + tokens) / start[0] - 1.0)
+        nonlocal start
+        if start is None:
+            start = cost(base)
+        return (1.0 + gain) * (cost(base + tokens) / start - 1.0)
 
     return price
 

@@ -198,12 +198,10 @@ class LookaheadStep:
             self.context.index.extend(self.sequence.tokens, len(self.sequence.tokens) - 1)
         for proposer in self.proposers:
             far = reach.get(proposer.name)
-            if far is None and outcome.reach is None:
-                proposer.feedback(self.context, outcome)  # none of its drafts verified: the outcome as it is
-                continue
             own = None if far is None else far[1]
-            proposer.feedback(self.context, Outcome(outcome.committed, outcome.accepted, own, outcome.successors,
-                                                    outcome.runners_up))
+            heard = outcome if own == outcome.reach else Outcome(outcome.committed, outcome.accepted, own,
+                                                                 outcome.successors, outcome.runners_up)
+            proposer.feedback(self.context, heard)
 
 
 def _top(logits: torch.Tensor, ids: Sequence[int] | None, k: int, row_tokens: Sequence[int],

@@ -15,14 +15,12 @@
 #include <immintrin.h>
 #include <cstdint>
 
+#include "prefetch.h"
 #include "thread_pool.h"
 
 namespace {
 
-// How far ahead of its tile each panel stream is prefetched (as quant_gemm.cpp does): on a 2-core AMD EPYC an
-// 8-token step of float32 weights went from 1.44-1.49 to 1.27-1.29 one-token steps (17.7-18.0 -> 15.1-15.2 ms),
-// the one-token step unchanged (docs/journal.md, 2026-12-08). Prefetching changes no arithmetic.
-constexpr int64_t PREFETCH_BYTES = 2048;
+using lookahead::PREFETCH_BYTES;  // prefetch.h
 
 #ifdef PANEL_WIDE
 using Vec = __m512;

@@ -41,6 +41,7 @@
 #include <cstring>
 #include <vector>
 
+#include "prefetch.h"
 #include "thread_pool.h"
 
 namespace {
@@ -49,12 +50,7 @@ enum Kind : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 constexpr int64_t QK = 32;  // k per block
 constexpr int64_t GROUP = 4;  // k per integer lane
 constexpr int64_t CHUNK_ROWS = 128;  // rows per pass over the weight
-// How far ahead of its tile each panel stream is prefetched, in bytes (2 KiB: 6 blocks of Q4_1 on the AVX-512
-// entry, 12 on AVX2; a prefetch past a buffer's end is harmless). The hardware's own prefetcher kept a one-row tile
-// fed from memory but not a tile of more rows, whose arithmetic per byte then no longer hid the loads: on a 2-core
-// AMD EPYC a decode step of 2 / 8 tokens cost 1.23 / 1.88 one-token steps without it, 1.14 / 1.71 with it, and a
-// one-token step 0-10 % less (docs/journal.md, 2026-12-08).
-constexpr int64_t PREFETCH_BYTES = 2048;
+using lookahead::PREFETCH_BYTES;  // prefetch.h
 
 #ifdef PANEL_WIDE
 using Vec = __m512;
